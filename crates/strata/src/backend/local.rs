@@ -1,0 +1,216 @@
+//! Local-directory backend: the embedded default.
+//!
+//! Each object is one file under the root. A `put` writes a temporary file in `<root>/.tmp`,
+//! `fdatasync`s it, then renames it into place, so a visible object is always complete, even
+//! after a power cut (no zero-length or torn files under a final name). What a later `sync`
+//! adds is the directory entries: every directory touched since the last sync is `fsync`ed, which
+//! makes the renames and unlinks durable. `put_if_absent` uses `link(2)`, which fails atomically
+//! with EEXIST, so two writers racing for a lease cannot both win.
+
+use super::{validate_key, BResult, Backend, BackendError, Capabilities, ErrorKind, ObjectInfo};
+use parking_lot::Mutex;
+use std::collections::HashSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind as IoKind, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug)]
+pub struct LocalBackend {
+    root: PathBuf,
+    dirty_dirs: Mutex<HashSet<PathBuf>>,
+}
+
+const TMP: &str = ".tmp";
+
+impl LocalBackend {
+    /// Open (creating if needed) a backend rooted at `root`. Stale temporaries from a crash are removed.
+    pub fn open(root: impl AsRef<Path>) -> BResult<LocalBackend> {
+        let root = root.as_ref().to_path_buf();
+        let tmp = root.join(TMP);
+        fs::create_dir_all(&tmp).map_err(|e| BackendError::from_io("open", root.display().to_string(), e))?;
+        if let Ok(rd) = fs::read_dir(&tmp) {
+            for e in rd.flatten() {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+        Ok(LocalBackend { root, dirty_dirs: Mutex::new(HashSet::new()) })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path(&self, key: &str) -> BResult<PathBuf> {
+        validate_key(key)?;
+        Ok(self.root.join(key))
+    }
+
+    /// Write `data` to a fresh temporary file and make its contents durable.
+    fn write_tmp(&self, op: &'static str, key: &str, data: &[u8]) -> BResult<PathBuf> {
+        let tmp = self.root.join(TMP).join(format!("{:016x}", rand::random::<u64>()));
+        let res = (|| {
+            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            f.write_all(data)?;
+            f.sync_data()
+        })();
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(BackendError::from_io(op, key, e));
+        }
+        Ok(tmp)
+    }
+
+    fn ensure_parent(&self, op: &'static str, key: &str, path: &Path) -> BResult<PathBuf> {
+        let parent = path.parent().expect("keys have a parent").to_path_buf();
+        if !parent.is_dir() {
+            fs::create_dir_all(&parent).map_err(|e| BackendError::from_io(op, key, e))?;
+            // New directories must themselves be made durable in their parents.
+            let mut d = self.dirty_dirs.lock();
+            let mut p = parent.as_path();
+            while p != self.root {
+                if let Some(pp) = p.parent() {
+                    d.insert(pp.to_path_buf());
+                    p = pp;
+                } else {
+                    break;
+                }
+            }
+        }
+        Ok(parent)
+    }
+}
+
+impl Backend for LocalBackend {
+    fn name(&self) -> String {
+        format!("local:{}", self.root.display())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { native_range: true, persistent: true, ..Capabilities::default() }
+    }
+
+    fn get(&self, key: &str) -> BResult<Vec<u8>> {
+        let p = self.path(key)?;
+        fs::read(&p).map_err(|e| BackendError::from_io("get", key, e))
+    }
+
+    fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
+        let p = self.path(key)?;
+        let f = File::open(&p).map_err(|e| BackendError::from_io("get_range", key, e))?;
+        let size = f.metadata().map_err(|e| BackendError::from_io("get_range", key, e))?.len();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(BackendError::new(ErrorKind::Invalid, "get_range", key));
+        }
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact_at(&mut buf, offset).map_err(|e| BackendError::from_io("get_range", key, e))?;
+        Ok(buf)
+    }
+
+    fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
+        let p = self.path(key)?;
+        let parent = self.ensure_parent("put", key, &p)?;
+        let tmp = self.write_tmp("put", key, data)?;
+        if let Err(e) = fs::rename(&tmp, &p) {
+            let _ = fs::remove_file(&tmp);
+            return Err(BackendError::from_io("put", key, e));
+        }
+        self.dirty_dirs.lock().insert(parent);
+        Ok(())
+    }
+
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {
+        let p = self.path(key)?;
+        let parent = self.ensure_parent("put_if_absent", key, &p)?;
+        if p.exists() {
+            return Ok(false);
+        }
+        let tmp = self.write_tmp("put_if_absent", key, data)?;
+        let res = fs::hard_link(&tmp, &p);
+        let _ = fs::remove_file(&tmp);
+        match res {
+            Ok(()) => {
+                self.dirty_dirs.lock().insert(parent);
+                Ok(true)
+            }
+            Err(e) if e.kind() == IoKind::AlreadyExists => Ok(false),
+            Err(e) => Err(BackendError::from_io("put_if_absent", key, e)),
+        }
+    }
+
+    fn list(&self, prefix: &str) -> BResult<Vec<ObjectInfo>> {
+        // Walk from the deepest directory named by the prefix.
+        let dir_part = match prefix.rfind('/') {
+            Some(i) => &prefix[..i],
+            None => "",
+        };
+        let start = if dir_part.is_empty() { self.root.clone() } else { self.root.join(dir_part) };
+        let mut out = Vec::new();
+        let mut stack = vec![start];
+        while let Some(dir) = stack.pop() {
+            let rd = match fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == IoKind::NotFound => continue,
+                Err(e) => return Err(BackendError::from_io("list", prefix, e)),
+            };
+            for ent in rd {
+                let ent = ent.map_err(|e| BackendError::from_io("list", prefix, e))?;
+                let path = ent.path();
+                let rel = match path.strip_prefix(&self.root) {
+                    Ok(r) => r.to_string_lossy().into_owned(),
+                    Err(_) => continue,
+                };
+                if rel == TMP || rel.starts_with(".tmp/") {
+                    continue;
+                }
+                let ft = ent.file_type().map_err(|e| BackendError::from_io("list", prefix, e))?;
+                if ft.is_dir() {
+                    if rel.starts_with(prefix) || prefix.starts_with(&(rel.clone() + "/")) {
+                        stack.push(path);
+                    }
+                } else if ft.is_file() && rel.starts_with(prefix) && validate_key(&rel).is_ok() {
+                    let size = ent.metadata().map(|m| m.len()).unwrap_or(0);
+                    out.push(ObjectInfo { key: rel, size });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn delete(&self, key: &str) -> BResult<()> {
+        let p = self.path(key)?;
+        match fs::remove_file(&p) {
+            Ok(()) => {
+                if let Some(parent) = p.parent() {
+                    self.dirty_dirs.lock().insert(parent.to_path_buf());
+                }
+                Ok(())
+            }
+            Err(e) if e.kind() == IoKind::NotFound => Ok(()),
+            Err(e) => Err(BackendError::from_io("delete", key, e)),
+        }
+    }
+
+    fn sync(&self) -> BResult<()> {
+        let dirs: Vec<PathBuf> = self.dirty_dirs.lock().drain().collect();
+        for (i, d) in dirs.iter().enumerate() {
+            let res = File::open(d).and_then(|f| f.sync_all());
+            if let Err(e) = res {
+                // Keep the rest dirty: a failed sync must not be mistaken for a durable one.
+                let mut dd = self.dirty_dirs.lock();
+                dd.extend(dirs[i..].iter().cloned());
+                return Err(BackendError::from_io("sync", d.display().to_string(), e));
+            }
+        }
+        Ok(())
+    }
+
+    fn head(&self, key: &str) -> BResult<Option<u64>> {
+        let p = self.path(key)?;
+        match fs::metadata(&p) {
+            Ok(m) => Ok(Some(m.len())),
+            Err(e) if e.kind() == IoKind::NotFound => Ok(None),
+            Err(e) => Err(BackendError::from_io("head", key, e)),
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! Compression codecs for stored frames: none, LZ4 (lz4_flex) and zstd at a level.
+//!
+//! A codec is chosen per write (per frame), and recorded in every index entry as one byte plus
+//! the level, so readers never need the writer's configuration. Decompression is bounded: the
+//! index carries the frame's raw length, which is capped (`MAX_FRAME_RAW`), and a frame that
+//! does not decompress to exactly that length is corrupt.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Largest decompressed frame the store accepts (16 MiB).
+pub const MAX_FRAME_RAW: usize = 16 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Codec {
+    None,
+    Lz4,
+    Zstd(i32),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("Unknown codec byte {0:#x}")]
+    UnknownCodec(u8),
+    #[error("Frame does not decompress with {codec}: {reason}")]
+    Corrupt { codec: Codec, reason: String },
+    #[error("Frame decompressed to {got} bytes, expected {expected}")]
+    WrongLength { got: usize, expected: usize },
+    #[error("Frame of {0} bytes exceeds the {MAX_FRAME_RAW}-byte cap")]
+    TooLarge(usize),
+    #[error("Unknown codec '{0}': use none, lz4 or zstd[:LEVEL]")]
+    Parse(String),
+}
+
+impl Codec {
+    /// On-disk encoding: (codec byte, level byte).
+    pub fn to_bytes(self) -> (u8, u8) {
+        match self {
+            Codec::None => (0, 0),
+            Codec::Lz4 => (1, 0),
+            Codec::Zstd(l) => (2, l.clamp(1, 22) as u8),
+        }
+    }
+
+    pub fn from_bytes(c: u8, level: u8) -> Result<Codec, CodecError> {
+        match c {
+            0 => Ok(Codec::None),
+            1 => Ok(Codec::Lz4),
+            2 => Ok(Codec::Zstd(level.max(1) as i32)),
+            other => Err(CodecError::UnknownCodec(other)),
+        }
+    }
+
+    /// Compress `raw`; returns `None` when compression does not save at least 1/32 of the
+    /// bytes, in which case the caller stores the frame uncompressed.
+    pub fn compress(self, raw: &[u8]) -> Option<Vec<u8>> {
+        let out = match self {
+            Codec::None => return None,
+            Codec::Lz4 => lz4_flex::block::compress(raw),
+            Codec::Zstd(level) => zstd::bulk::compress(raw, level).ok()?,
+        };
+        if out.len() + raw.len() / 32 < raw.len() {
+            Some(out)
+        } else {
+            None
+        }
+    }
+
+    /// Decompress a frame that must expand to exactly `raw_len` bytes.
+    pub fn decompress(self, stored: &[u8], raw_len: usize) -> Result<Vec<u8>, CodecError> {
+        if raw_len > MAX_FRAME_RAW {
+            return Err(CodecError::TooLarge(raw_len));
+        }
+        let out = match self {
+            Codec::None => stored.to_vec(),
+            Codec::Lz4 => lz4_flex::block::decompress(stored, raw_len).map_err(|e| {
+                CodecError::Corrupt { codec: self, reason: e.to_string() }
+            })?,
+            Codec::Zstd(_) => zstd::bulk::decompress(stored, raw_len).map_err(|e| {
+                CodecError::Corrupt { codec: self, reason: e.to_string() }
+            })?,
+        };
+        if out.len() != raw_len {
+            return Err(CodecError::WrongLength { got: out.len(), expected: raw_len });
+        }
+        Ok(out)
+    }
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Codec::None => f.write_str("none"),
+            Codec::Lz4 => f.write_str("lz4"),
+            Codec::Zstd(l) => write!(f, "zstd:{l}"),
+        }
+    }
+}
+
+impl FromStr for Codec {
+    type Err = CodecError;
+    fn from_str(s: &str) -> Result<Codec, CodecError> {
+        let s = s.trim().to_ascii_lowercase();
+        match s.as_str() {
+            "none" | "raw" => Ok(Codec::None),
+            "lz4" => Ok(Codec::Lz4),
+            "zstd" => Ok(Codec::Zstd(1)),
+            _ => {
+                if let Some(l) = s.strip_prefix("zstd:").or_else(|| s.strip_prefix("zstd-")) {
+                    let l: i32 = l.parse().map_err(|_| CodecError::Parse(s.clone()))?;
+                    if (1..=22).contains(&l) {
+                        return Ok(Codec::Zstd(l));
+                    }
+                }
+                Err(CodecError::Parse(s))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_every_codec() {
+        let data: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+        for c in [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)] {
+            let z = c.compress(&data).expect("compressible");
+            assert!(z.len() < data.len());
+            assert_eq!(c.decompress(&z, data.len()).unwrap(), data);
+            let (b, l) = c.to_bytes();
+            assert_eq!(Codec::from_bytes(b, l).unwrap(), c);
+        }
+        assert!(Codec::None.compress(&data).is_none());
+    }
+
+    #[test]
+    fn incompressible_data_is_stored_raw() {
+        let data: Vec<u8> = (0..4096).map(|_| rand::random::<u8>()).collect();
+        assert!(Codec::Lz4.compress(&data).is_none());
+    }
+
+    #[test]
+    fn corrupt_frames_are_errors_not_panics() {
+        let data = vec![7u8; 65536];
+        let mut z = Codec::Lz4.compress(&data).unwrap();
+        z[3] ^= 0xff;
+        let _ = Codec::Lz4.decompress(&z, data.len()); // must not panic
+        assert!(Codec::Lz4.decompress(&z[..z.len() / 2], data.len()).is_err());
+        assert!(Codec::Zstd(1).decompress(b"garbage", 10).is_err());
+        assert!(matches!(Codec::None.decompress(b"abc", 4), Err(CodecError::WrongLength { .. })));
+        assert!(matches!(Codec::Lz4.decompress(b"", MAX_FRAME_RAW + 1), Err(CodecError::TooLarge(_))));
+    }
+
+    #[test]
+    fn parse_names() {
+        assert_eq!("zstd:3".parse::<Codec>().unwrap(), Codec::Zstd(3));
+        assert_eq!("LZ4".parse::<Codec>().unwrap(), Codec::Lz4);
+        assert!("gzip".parse::<Codec>().is_err());
+        assert!("zstd:99".parse::<Codec>().is_err());
+    }
+}

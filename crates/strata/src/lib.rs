@@ -1,0 +1,15 @@
+//! strata: content-addressed storage for VM disks and memory.
+//!
+//! Layers point downward only: `backend` (object stores) -> `store` (chunks, packs, refs,
+//! GC) -> disk / memory views -> NBD / QMP -> the `strata` binary. Start reading at
+//! `store/mod.rs`; `ARCHITECTURE.md` has the map.
+
+pub mod backend;
+pub mod codec;
+pub mod id;
+pub mod progress;
+pub mod store;
+
+pub use codec::Codec;
+pub use id::{ChunkId, PackId};
+pub use store::{Session, Store, StoreError};

@@ -1,0 +1,668 @@
+//! The content-addressed chunk store: chunks in packs in a backend, indexed locally.
+//!
+//! Write path: a [`Session`] hashes a chunk (BLAKE3 of the raw bytes), skips it if the index
+//! already knows the id (dedup), otherwise compresses it and appends a frame to the open pack.
+//! A full pack is sealed and handed to the writer thread, which `put`s it while callers keep
+//! compressing. [`Store::flush`] is the durability point: the writer thread syncs the packs,
+//! then writes and syncs their index objects. [`Session::commit_ref`] flushes and only then
+//! writes the ref. That is the ordering invariant of `docs/durability.md`:
+//! pack data -> sync -> index object -> sync -> ref -> sync; deletion runs in reverse.
+//!
+//! Failure policy (as in fjall): any failed backend write or sync on the commit path poisons
+//! the store; writes then fail until it is reopened, because after a failed fsync nobody knows
+//! what reached the media. Reads keep working.
+//!
+//! GC safety: chunks a live session has put or pinned are never collected, and the final phase
+//! of GC runs under a write lock that excludes puts, so a dedup hit can't race with a sweep.
+
+pub mod check;
+pub mod du;
+pub mod format;
+pub mod gc;
+pub mod meta;
+pub mod objects;
+pub mod pack;
+mod writer;
+
+use crate::backend::{local::LocalBackend, BackendError, DynBackend, ErrorKind};
+use crate::codec::{Codec, CodecError, MAX_FRAME_RAW};
+use crate::id::{ChunkId, PackId};
+use format::{FormatError, FORMAT_VERSION};
+use meta::{Meta, MetaError};
+use objects::{valid_ref_name, Ref, StoreConfig, StoreSettings, Tree};
+use pack::{ChunkKind, PackBuilder, PackEntry};
+use parking_lot::{Mutex, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub use writer::Job;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("Not a strata store: {location} has no config object; create one with `strata init --store {location}`")]
+    NotAStore { location: String },
+    #[error("A strata store already exists at {location}")]
+    AlreadyExists { location: String },
+    #[error("Object '{key}' is unreadable")]
+    Format { key: String, #[source] source: FormatError },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error("Chunk {id} is not in the store")]
+    ChunkMissing { id: ChunkId },
+    #[error("Chunk {id} in pack {pack} (frame at byte {offset}) is corrupt: {reason}")]
+    Corrupt { id: ChunkId, pack: PackId, offset: u64, reason: String },
+    #[error("Pack {pack} holding chunk {id} is missing from the backend")]
+    PackMissing { id: ChunkId, pack: PackId },
+    #[error("Ref '{name}' does not exist")]
+    RefNotFound { name: String },
+    #[error("Invalid ref name '{name}': use letters, digits, '._@=+-' and '/' separators, at most 255 bytes")]
+    BadRefName { name: String },
+    #[error("Root chunk {id} of ref '{name}' is not in the store (was its source deleted meanwhile?)")]
+    MissingRoot { name: String, id: ChunkId },
+    #[error("Store is poisoned after a failed write ({reason}); fix the cause and reopen the store")]
+    Poisoned { reason: String },
+    #[error("Chunk of {size} bytes exceeds the {MAX_FRAME_RAW}-byte cap")]
+    TooLarge { size: usize },
+    #[error("Codec failure")]
+    Codec(#[from] CodecError),
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// Where a chunk lives: the process-local pack number and its entry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Loc {
+    pub pack: u32,
+    pub entry: PackEntry,
+}
+
+#[derive(Debug)]
+pub(crate) struct PackSlot {
+    pub id: PackId,
+    pub size: u64,
+    /// Bytes of a sealed pack until its index object is durable.
+    pub mem: Option<Arc<Vec<u8>>>,
+    pub durable: bool,
+}
+
+#[derive(Default, Debug)]
+pub(crate) struct Index {
+    pub chunks: HashMap<ChunkId, Loc>,
+    pub packs: Vec<Option<PackSlot>>,
+    pub by_id: HashMap<PackId, u32>,
+}
+
+impl Index {
+    fn add_slot(&mut self, slot: PackSlot) -> u32 {
+        let no = self.packs.len() as u32;
+        self.by_id.insert(slot.id, no);
+        self.packs.push(Some(slot));
+        no
+    }
+    pub(crate) fn slot(&self, no: u32) -> Option<&PackSlot> {
+        self.packs.get(no as usize).and_then(|s| s.as_ref())
+    }
+}
+
+/// Counters for `stats` and benchmarks.
+#[derive(Default, Debug)]
+pub struct Stats {
+    pub chunks_new: AtomicU64,
+    pub chunks_dedup: AtomicU64,
+    pub raw_bytes_new: AtomicU64,
+    pub stored_bytes_new: AtomicU64,
+    pub packs_written: AtomicU64,
+    pub syncs: AtomicU64,
+}
+
+pub(crate) struct Shared {
+    pub backend: DynBackend,
+    pub config: StoreConfig,
+    pub meta: Meta,
+    pub index: RwLock<Index>,
+    pub poison: Mutex<Option<String>>,
+    pub stats: Stats,
+}
+
+impl Shared {
+    pub(crate) fn check_poison(&self) -> Result<()> {
+        match &*self.poison.lock() {
+            Some(reason) => Err(StoreError::Poisoned { reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+    pub(crate) fn poison(&self, why: &dyn std::fmt::Display) {
+        let mut p = self.poison.lock();
+        if p.is_none() {
+            tracing::error!(target: "strata::store", reason = %why, "store poisoned");
+            *p = Some(why.to_string());
+        }
+    }
+    /// Sync the backend; a failure poisons the store.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        self.backend.sync().map_err(|e| {
+            self.poison(&e);
+            StoreError::Backend(e)
+        })
+    }
+}
+
+struct OpenPack {
+    builder: Option<PackBuilder>,
+    no: u32,
+}
+
+pub(crate) struct Inner {
+    pub sh: Arc<Shared>,
+    open: Mutex<OpenPack>,
+    writer: writer::WriterHandle,
+    flush_lock: Mutex<()>,
+    pub gc_lock: RwLock<()>,
+    pub gc_running: Mutex<()>,
+    pub sessions: Mutex<HashMap<u64, Arc<Mutex<HashSet<ChunkId>>>>>,
+    next_session: AtomicU64,
+    pub default_codec: Codec,
+    pub pack_size: u64,
+    pub location: String,
+}
+
+/// A handle to an open store; cheap to clone and share between threads.
+#[derive(Clone)]
+pub struct Store {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Options for creating a store.
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    pub pack_size: u64,
+    pub default_codec: Codec,
+}
+
+impl Default for InitOptions {
+    fn default() -> Self {
+        InitOptions { pack_size: 32 << 20, default_codec: Codec::Lz4 }
+    }
+}
+
+impl Store {
+    /// Create a new store in `backend`, keeping local metadata at `meta_path`.
+    pub fn init(backend: DynBackend, meta_path: &Path, opts: InitOptions) -> Result<Store> {
+        match backend.head("config") {
+            Ok(Some(_)) => return Err(StoreError::AlreadyExists { location: backend.name() }),
+            Ok(None) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let cfg = StoreConfig {
+            store_id: rand::random(),
+            version: FORMAT_VERSION,
+            settings: StoreSettings {
+                pack_size: opts.pack_size,
+                default_codec: opts.default_codec.to_string(),
+                created_by: format!("strata {}", env!("CARGO_PKG_VERSION")),
+                created_unix: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+            },
+        };
+        if !backend.put_if_absent("config", &cfg.encode())? {
+            return Err(StoreError::AlreadyExists { location: backend.name() });
+        }
+        backend.sync()?;
+        Store::open(backend, meta_path)
+    }
+
+    /// Open an existing store.
+    pub fn open(backend: DynBackend, meta_path: &Path) -> Result<Store> {
+        let raw = match backend.get("config") {
+            Ok(b) => b,
+            Err(e) if e.kind == ErrorKind::NotFound => {
+                return Err(StoreError::NotAStore { location: backend.name() })
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let config = StoreConfig::decode(&raw).map_err(|source| StoreError::Format { key: "config".into(), source })?;
+        let meta = Meta::open(meta_path, &config.store_id)?;
+        let index = writer::load_index(&*backend, &meta)?;
+        let default_codec = config.settings.default_codec.parse().unwrap_or(Codec::Lz4);
+        let pack_size = config
+            .settings
+            .pack_size
+            .clamp(64 << 10, backend.capabilities().max_object_size.min(pack::MAX_PACK_SIZE) / 2);
+        let location = backend.name();
+        let sh = Arc::new(Shared {
+            backend,
+            config,
+            meta,
+            index: RwLock::new(index),
+            poison: Mutex::new(None),
+            stats: Stats::default(),
+        });
+        let writer = writer::WriterHandle::spawn(sh.clone());
+        Ok(Store {
+            inner: Arc::new(Inner {
+                sh,
+                open: Mutex::new(OpenPack { builder: None, no: u32::MAX }),
+                writer,
+                flush_lock: Mutex::new(()),
+                gc_lock: RwLock::new(()),
+                gc_running: Mutex::new(()),
+                sessions: Mutex::new(HashMap::new()),
+                next_session: AtomicU64::new(1),
+                default_codec,
+                pack_size,
+                location,
+            }),
+        })
+    }
+
+    /// Create a store in a local directory (the embedded default).
+    pub fn init_local(dir: &Path, opts: InitOptions) -> Result<Store> {
+        if dir.join("config").exists() {
+            return Err(StoreError::AlreadyExists { location: dir.display().to_string() });
+        }
+        let b = LocalBackend::open(dir)?;
+        Store::init(Arc::new(b), &local_meta_path(dir), opts)
+    }
+
+    /// Open a store in a local directory.
+    pub fn open_local(dir: &Path) -> Result<Store> {
+        if !dir.join("config").is_file() {
+            return Err(StoreError::NotAStore { location: dir.display().to_string() });
+        }
+        let b = LocalBackend::open(dir)?;
+        Store::open(Arc::new(b), &local_meta_path(dir))
+    }
+
+    pub fn backend(&self) -> &DynBackend {
+        &self.inner.sh.backend
+    }
+    pub fn config(&self) -> &StoreConfig {
+        &self.inner.sh.config
+    }
+    pub fn stats(&self) -> &Stats {
+        &self.inner.sh.stats
+    }
+    pub fn location(&self) -> &str {
+        &self.inner.location
+    }
+    pub fn default_codec(&self) -> Codec {
+        self.inner.default_codec
+    }
+    pub fn is_poisoned(&self) -> bool {
+        self.inner.sh.poison.lock().is_some()
+    }
+
+    /// Start a write session: chunks it puts or pins are safe from GC until it is dropped.
+    pub fn session(&self) -> Session {
+        let id = self.inner.next_session.fetch_add(1, Ordering::Relaxed);
+        let pins = Arc::new(Mutex::new(HashSet::new()));
+        self.inner.sessions.lock().insert(id, pins.clone());
+        Session { store: self.clone(), id, pins }
+    }
+
+    pub fn contains(&self, id: &ChunkId) -> bool {
+        self.inner.sh.index.read().chunks.contains_key(id)
+    }
+
+    /// Number of chunks in the index.
+    pub fn chunk_count(&self) -> usize {
+        self.inner.sh.index.read().chunks.len()
+    }
+
+    /// Raw length and kind of a chunk, without reading it.
+    pub fn chunk_info(&self, id: &ChunkId) -> Option<(u32, ChunkKind)> {
+        self.inner.sh.index.read().chunks.get(id).map(|l| (l.entry.raw_len, l.entry.kind))
+    }
+
+    /// Read a chunk and verify it against its id.
+    pub fn get(&self, id: &ChunkId) -> Result<Vec<u8>> {
+        for attempt in 0..3 {
+            let loc = self.inner.sh.index.read().chunks.get(id).copied();
+            let Some(loc) = loc else { return Err(StoreError::ChunkMissing { id: *id }) };
+            match self.read_loc(id, &loc) {
+                // GC may have moved the chunk to a new pack between lookup and read.
+                Err(StoreError::PackMissing { .. }) if attempt < 2 => continue,
+                other => return other,
+            }
+        }
+        unreachable!()
+    }
+
+    fn read_frame(&self, loc: &Loc) -> Result<Vec<u8>> {
+        let e = &loc.entry;
+        let (pid, mem) = {
+            let idx = self.inner.sh.index.read();
+            let slot = idx.slot(loc.pack).ok_or(StoreError::PackMissing { id: e.id, pack: PackId::default() })?;
+            (slot.id, slot.mem.clone())
+        };
+        let range = e.frame_off as usize..e.frame_off as usize + e.frame_len as usize;
+        if let Some(mem) = mem {
+            return Ok(mem[range].to_vec());
+        }
+        {
+            let open = self.inner.open.lock();
+            if open.no == loc.pack {
+                if let Some(b) = &open.builder {
+                    return Ok(b.bytes()[range].to_vec());
+                }
+            }
+        }
+        // The pack may have been sealed while we looked; check memory once more.
+        if let Some(mem) = self.inner.sh.index.read().slot(loc.pack).and_then(|s| s.mem.clone()) {
+            return Ok(mem[range].to_vec());
+        }
+        self.inner
+            .sh
+            .backend
+            .get_range(&pid.pack_key(), e.frame_off, e.frame_len as u64)
+            .map_err(|err| match err.kind {
+                ErrorKind::NotFound => StoreError::PackMissing { id: e.id, pack: pid },
+                _ => StoreError::Backend(err),
+            })
+    }
+
+    fn read_loc(&self, id: &ChunkId, loc: &Loc) -> Result<Vec<u8>> {
+        let frame = self.read_frame(loc)?;
+        let pack = self.inner.sh.index.read().slot(loc.pack).map(|s| s.id).unwrap_or_default();
+        decode_chunk(&frame, &loc.entry, pack).map(|data| {
+            debug_assert_eq!(ChunkId::of(&data), *id);
+            data
+        })
+    }
+
+    /// Make every chunk put so far durable (packs, then their index objects).
+    pub fn flush(&self) -> Result<()> {
+        let _f = self.inner.flush_lock.lock();
+        self.inner.sh.check_poison()?;
+        let job = {
+            let mut open = self.inner.open.lock();
+            self.seal_locked(&mut open)
+        };
+        if let Some(job) = job {
+            self.inner.writer.send(job)?;
+        }
+        self.inner.writer.flush()
+    }
+
+    /// Seal the open pack (if any); the caller sends the job to the writer.
+    fn seal_locked(&self, open: &mut OpenPack) -> Option<Job> {
+        let b = open.builder.take()?;
+        if b.is_empty() {
+            return None;
+        }
+        let id = b.id;
+        let (bytes, entries) = b.finish();
+        let bytes = Arc::new(bytes);
+        {
+            let mut idx = self.inner.sh.index.write();
+            if let Some(Some(slot)) = idx.packs.get_mut(open.no as usize) {
+                slot.size = bytes.len() as u64;
+                slot.mem = Some(bytes.clone());
+            }
+        }
+        let no = open.no;
+        open.no = u32::MAX;
+        Some(Job::Pack { no, id, bytes, entries })
+    }
+
+    /// Append one frame holding `items` (ids must be BLAKE3 of the data). Returns the number of
+    /// chunks that were new. Used by sessions.
+    fn put_frame_inner(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
+        let sh = &self.inner.sh;
+        let fresh: Vec<(ChunkId, &[u8])> = {
+            let idx = sh.index.read();
+            let mut seen = HashSet::new();
+            items.iter().filter(|(id, _)| !idx.chunks.contains_key(id) && seen.insert(*id)).copied().collect()
+        };
+        let dups = (items.len() - fresh.len()) as u64;
+        sh.stats.chunks_dedup.fetch_add(dups, Ordering::Relaxed);
+        if fresh.is_empty() {
+            return Ok(0);
+        }
+        let raw_total: usize = fresh.iter().map(|(_, d)| d.len()).sum();
+        if raw_total > MAX_FRAME_RAW {
+            return Err(StoreError::TooLarge { size: raw_total });
+        }
+        let joined;
+        let raw: &[u8] = if fresh.len() == 1 {
+            fresh[0].1
+        } else {
+            joined = fresh.iter().flat_map(|(_, d)| d.iter().copied()).collect::<Vec<u8>>();
+            &joined
+        };
+        let (stored, used_codec) = match codec.compress(raw) {
+            Some(z) => (std::borrow::Cow::Owned(z), codec),
+            None => (std::borrow::Cow::Borrowed(raw), Codec::None),
+        };
+        let job = {
+            let mut open = self.inner.open.lock();
+            sh.check_poison()?;
+            // Another thread may have stored some of these meanwhile; the frame still holds
+            // their bytes but only absent ids get index entries.
+            let absent: Vec<bool> = {
+                let idx = sh.index.read();
+                fresh.iter().map(|(id, _)| !idx.chunks.contains_key(id)).collect()
+            };
+            if !absent.iter().any(|a| *a) {
+                return Ok(0);
+            }
+            if open.builder.is_none() {
+                let id = PackId::random();
+                open.no = sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
+                open.builder = Some(PackBuilder::new(id));
+            }
+            let no = open.no;
+            let b = open.builder.as_mut().unwrap();
+            let chunks: Vec<(ChunkId, u32, ChunkKind)> =
+                fresh.iter().map(|(id, d)| (*id, d.len() as u32, kind)).collect();
+            let entries = b.add_frame(&stored, used_codec, &chunks).to_vec();
+            {
+                let mut idx = sh.index.write();
+                for (e, a) in entries.iter().zip(&absent) {
+                    if *a {
+                        idx.chunks.insert(e.id, Loc { pack: no, entry: *e });
+                    }
+                }
+            }
+            let n_new = absent.iter().filter(|a| **a).count();
+            sh.stats.chunks_new.fetch_add(n_new as u64, Ordering::Relaxed);
+            sh.stats.raw_bytes_new.fetch_add(raw_total as u64, Ordering::Relaxed);
+            sh.stats.stored_bytes_new.fetch_add(stored.len() as u64, Ordering::Relaxed);
+            let sealed = if b.len() >= self.inner.pack_size { self.seal_locked(&mut open) } else { None };
+            (sealed, n_new)
+        };
+        let (job, n_new) = job;
+        if let Some(job) = job {
+            self.inner.writer.send(job)?;
+        }
+        Ok(n_new)
+    }
+
+    /// Copy an existing stored frame into the open pack (GC repacking): the chunks listed
+    /// (id, offset in frame, length, kind) are re-pointed at the copy.
+    pub(crate) fn put_raw_frame(&self, stored: &[u8], template: &PackEntry, chunks: &[(ChunkId, u32, u32, ChunkKind)]) -> Result<()> {
+        let sh = &self.inner.sh;
+        let job = {
+            let mut open = self.inner.open.lock();
+            sh.check_poison()?;
+            if open.builder.is_none() {
+                let id = PackId::random();
+                open.no = sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
+                open.builder = Some(PackBuilder::new(id));
+            }
+            let no = open.no;
+            let b = open.builder.as_mut().unwrap();
+            let entries = b.add_frame_at(stored, template.codec, template.frame_raw_len, chunks).to_vec();
+            {
+                let mut idx = sh.index.write();
+                for e in entries {
+                    idx.chunks.insert(e.id, Loc { pack: no, entry: e });
+                }
+            }
+            if b.len() >= self.inner.pack_size { self.seal_locked(&mut open) } else { None }
+        };
+        if let Some(job) = job {
+            self.inner.writer.send(job)?;
+        }
+        Ok(())
+    }
+
+    /// Read a ref.
+    pub fn get_ref(&self, name: &str) -> Result<Option<Ref>> {
+        if !valid_ref_name(name) {
+            return Err(StoreError::BadRefName { name: name.into() });
+        }
+        let key = format!("refs/{name}");
+        match self.inner.sh.backend.get(&key) {
+            Ok(b) => Ref::decode(&b).map(Some).map_err(|source| StoreError::Format { key, source }),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Names of all refs under `prefix` (e.g. `disk/`), sorted.
+    pub fn list_refs(&self, prefix: &str) -> Result<Vec<String>> {
+        let mut v: Vec<String> = self
+            .inner
+            .sh
+            .backend
+            .list(&format!("refs/{prefix}"))?
+            .into_iter()
+            .filter_map(|o| o.key.strip_prefix("refs/").map(str::to_string))
+            .collect();
+        v.sort();
+        Ok(v)
+    }
+
+    /// Delete a ref durably. Its chunks become garbage for the next GC.
+    pub fn delete_ref(&self, name: &str) -> Result<()> {
+        if !valid_ref_name(name) {
+            return Err(StoreError::BadRefName { name: name.into() });
+        }
+        self.inner.sh.check_poison()?;
+        if self.get_ref(name)?.is_none() {
+            return Err(StoreError::RefNotFound { name: name.into() });
+        }
+        let key = format!("refs/{name}");
+        self.inner.sh.backend.delete(&key).map_err(|e| {
+            self.inner.sh.poison(&e);
+            StoreError::Backend(e)
+        })?;
+        self.inner.sh.sync()
+    }
+
+    /// Persist the metadata cache and stop the writer (also done on drop).
+    pub fn close(self) -> Result<()> {
+        self.flush()?;
+        self.inner.sh.meta.persist()?;
+        Ok(())
+    }
+}
+
+/// Decompress a frame, slice the chunk out, and verify its hash.
+pub(crate) fn decode_chunk(frame: &[u8], e: &PackEntry, pack: PackId) -> Result<Vec<u8>> {
+    let corrupt = |reason: String| StoreError::Corrupt { id: e.id, pack, offset: e.frame_off, reason };
+    if format::crc(frame) != e.frame_crc {
+        return Err(corrupt("frame checksum mismatch".into()));
+    }
+    let raw = e.codec.decompress(frame, e.frame_raw_len as usize).map_err(|err| corrupt(err.to_string()))?;
+    let data = raw[e.off_in_frame as usize..(e.off_in_frame + e.raw_len) as usize].to_vec();
+    if ChunkId::of(&data) != e.id {
+        return Err(corrupt("content does not match its hash".into()));
+    }
+    Ok(data)
+}
+
+/// Where the local backend keeps its metadata cache.
+pub fn local_meta_path(dir: &Path) -> PathBuf {
+    dir.join(".meta").join("meta.redb")
+}
+
+/// A writer's view of the store; see the module comment for why writes go through sessions.
+pub struct Session {
+    store: Store,
+    id: u64,
+    pins: Arc<Mutex<HashSet<ChunkId>>>,
+}
+
+impl Session {
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Store one chunk with the store's default codec.
+    pub fn put(&self, data: &[u8], kind: ChunkKind) -> Result<ChunkId> {
+        self.put_with(data, kind, self.store.inner.default_codec)
+    }
+
+    pub fn put_with(&self, data: &[u8], kind: ChunkKind, codec: Codec) -> Result<ChunkId> {
+        let id = ChunkId::of(data);
+        self.put_frame(&[(id, data)], kind, codec)?;
+        Ok(id)
+    }
+
+    /// Store several chunks compressed together as one frame (ids must be BLAKE3 of the
+    /// data; chunks already present are skipped). Returns how many were new.
+    pub fn put_frame(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
+        debug_assert!(items.iter().all(|(id, d)| ChunkId::of(d) == *id));
+        let _g = self.store.inner.gc_lock.read_recursive();
+        self.store.inner.sh.check_poison()?;
+        self.pins.lock().extend(items.iter().map(|(id, _)| *id));
+        self.store.put_frame_inner(items, kind, codec)
+    }
+
+    /// Store a tree chunk.
+    pub fn put_tree(&self, tree: &Tree) -> Result<ChunkId> {
+        self.put(&tree.encode(), ChunkKind::Tree)
+    }
+
+    /// Keep an existing chunk (e.g. the root of a clone source) alive for this session.
+    pub fn pin(&self, id: ChunkId) -> Result<()> {
+        let _g = self.store.inner.gc_lock.read_recursive();
+        if !id.is_zero() && !self.store.contains(&id) {
+            return Err(StoreError::ChunkMissing { id });
+        }
+        self.pins.lock().insert(id);
+        Ok(())
+    }
+
+    /// Durably point `name` at `r`: flush everything first, then write the ref.
+    pub fn commit_ref(&self, name: &str, mut r: Ref) -> Result<()> {
+        if !valid_ref_name(name) {
+            return Err(StoreError::BadRefName { name: name.into() });
+        }
+        let inner = &self.store.inner;
+        let _g = inner.gc_lock.read_recursive();
+        for root in &r.roots {
+            if !root.is_zero() && !self.store.contains(root) {
+                return Err(StoreError::MissingRoot { name: name.into(), id: *root });
+            }
+            self.pins.lock().insert(*root);
+        }
+        self.store.flush()?;
+        let old = self.store.get_ref(name).ok().flatten();
+        r.generation = old.map(|o| o.generation + 1).unwrap_or(1);
+        let key = format!("refs/{name}");
+        inner.sh.backend.put(&key, &r.encode()).map_err(|e| {
+            inner.sh.poison(&e);
+            StoreError::Backend(e)
+        })?;
+        inner.sh.sync()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.store.inner.sessions.lock().remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests;

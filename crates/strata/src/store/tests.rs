@@ -1,0 +1,281 @@
+//! Unit tests of the store: round trips, dedup, refs, reopen, damage, GC and poisoning.
+
+use super::objects::{Ref, Tree};
+use super::pack::ChunkKind;
+use super::*;
+use crate::backend::fault::FaultBackend;
+use crate::backend::memory::MemoryBackend;
+use crate::backend::Backend;
+use check::CheckOptions;
+use crate::progress::NoProgress;
+
+fn data(seed: u64, len: usize) -> Vec<u8> {
+    // Distinct per seed, and only partly compressible (6 random bits per byte).
+    let mut x = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x & 0x3f) as u8
+        })
+        .collect()
+}
+
+fn mem_store(pack_size: u64) -> (tempfile::TempDir, Store, MemoryBackend) {
+    let d = tempfile::tempdir().unwrap();
+    let b = MemoryBackend::new();
+    let s = Store::init(Arc::new(b.clone()), &d.path().join("m.redb"), InitOptions { pack_size, default_codec: Codec::Lz4 }).unwrap();
+    (d, s, b)
+}
+
+#[test]
+fn put_get_round_trip_every_codec_and_dedup() {
+    let (_d, s, _) = mem_store(1 << 20);
+    let ses = s.session();
+    let mut ids = vec![];
+    for (i, c) in [Codec::None, Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)].into_iter().enumerate() {
+        let d = data(i as u64, 65536);
+        let id = ses.put_with(&d, ChunkKind::Data, c).unwrap();
+        assert_eq!(id, ChunkId::of(&d));
+        ids.push((id, d));
+    }
+    // Readable before and after flush.
+    for (id, d) in &ids {
+        assert_eq!(&s.get(id).unwrap(), d);
+    }
+    s.flush().unwrap();
+    for (id, d) in &ids {
+        assert_eq!(&s.get(id).unwrap(), d);
+    }
+    let before = s.stats().chunks_new.load(Ordering::Relaxed);
+    ses.put(&ids[0].1, ChunkKind::Data).unwrap();
+    assert_eq!(s.stats().chunks_new.load(Ordering::Relaxed), before, "duplicate stored twice");
+    assert_eq!(s.stats().chunks_dedup.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn multi_chunk_frames_dedup_per_chunk() {
+    let (_d, s, _) = mem_store(1 << 20);
+    let ses = s.session();
+    let pages: Vec<Vec<u8>> = (0..16).map(|i| data(i, 4096)).collect();
+    let items: Vec<(ChunkId, &[u8])> = pages.iter().map(|p| (ChunkId::of(p), &p[..])).collect();
+    assert_eq!(ses.put_frame(&items, ChunkKind::Data, Codec::Zstd(1)).unwrap(), 16);
+    assert_eq!(ses.put_frame(&items[4..8], ChunkKind::Data, Codec::Zstd(1)).unwrap(), 0);
+    s.flush().unwrap();
+    for (id, p) in &items {
+        assert_eq!(&s.get(id).unwrap()[..], *p);
+    }
+}
+
+#[test]
+fn refs_reopen_and_sealing_across_packs() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("store");
+    let mut expect = vec![];
+    {
+        let s = Store::init_local(&dir, InitOptions { pack_size: 256 << 10, default_codec: Codec::Zstd(1) }).unwrap();
+        let ses = s.session();
+        let ids: Vec<ChunkId> = (0..100).map(|i| ses.put(&data(i, 16384), ChunkKind::Data).unwrap()).collect();
+        let root = ses.put_tree(&Tree { children: ids.clone(), payload: b"p".to_vec() }).unwrap();
+        ses.commit_ref("disk/a", Ref::new(vec![root], b"{\"size\":1}".to_vec())).unwrap();
+        ses.commit_ref("disk/a", Ref::new(vec![root], b"{\"size\":2}".to_vec())).unwrap();
+        expect = ids;
+        s.close().unwrap();
+    }
+    let s = Store::open_local(&dir).unwrap();
+    let r = s.get_ref("disk/a").unwrap().unwrap();
+    assert_eq!(r.generation, 2);
+    assert_eq!(r.payload, b"{\"size\":2}");
+    let t = Tree::decode(&s.get(&r.roots[0]).unwrap()).unwrap();
+    assert_eq!(t.children, expect);
+    for (i, id) in expect.iter().enumerate() {
+        assert_eq!(s.get(id).unwrap(), data(i as u64, 16384));
+    }
+    assert!(s.list_refs("").unwrap() == vec!["disk/a".to_string()]);
+    let packs = s.backend().list("packs/").unwrap().len();
+    assert!(packs >= 3, "100 x 16 KiB should span several 256 KiB packs, got {packs}");
+    // A deleted metadata cache is rebuilt from the backend's index objects.
+    drop(s);
+    std::fs::remove_file(local_meta_path(&dir)).unwrap();
+    let s = Store::open_local(&dir).unwrap();
+    assert_eq!(s.chunk_count(), 101);
+    assert_eq!(s.get(&expect[42]).unwrap(), data(42, 16384));
+}
+
+#[test]
+fn not_a_store_newer_version_and_in_use() {
+    let d = tempfile::tempdir().unwrap();
+    let e = Store::open_local(d.path()).err().unwrap();
+    assert!(matches!(e, StoreError::NotAStore { .. }));
+    assert!(e.to_string().contains("strata init"), "{e}");
+    let dir = d.path().join("s");
+    let s = Store::init_local(&dir, InitOptions::default()).unwrap();
+    assert!(matches!(Store::init_local(&dir, InitOptions::default()), Err(StoreError::AlreadyExists { .. })));
+    let busy = Store::open_local(&dir).err().unwrap();
+    assert!(busy.to_string().contains("in use"), "{busy}");
+    drop(s);
+    let mut cfg = std::fs::read(dir.join("config")).unwrap();
+    cfg[8] = 7;
+    std::fs::write(dir.join("config"), &cfg).unwrap();
+    let e = Store::open_local(&dir).err().unwrap();
+    let msg = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+    assert!(msg.contains("version 7") && msg.contains("upgrade strata"), "{msg}");
+}
+
+#[test]
+fn check_names_flipped_chunk_missing_and_truncated_packs() {
+    let (_d, s, b) = mem_store(64 << 10);
+    let ses = s.session();
+    let ids: Vec<ChunkId> = (0..40).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
+    ses.commit_ref("disk/x", Ref::new(vec![root], vec![])).unwrap();
+    let clean = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(!clean.is_damaged(), "{:?}", clean.problems);
+    assert_eq!(clean.chunks, 41);
+
+    // Flip one byte inside the frame of chunk 7.
+    let loc = s.inner.sh.index.read().chunks[&ids[7]];
+    let pid = s.inner.sh.index.read().slot(loc.pack).unwrap().id;
+    b.tamper(&pid.pack_key(), |v| v[loc.entry.frame_off as usize + 3] ^= 0x01);
+    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(rep.is_damaged());
+    let p = rep.problems.iter().find(|p| p.chunk.as_deref() == Some(&ids[7].to_hex()[..])).expect("names the chunk");
+    assert!(p.refs.contains(&"disk/x".to_string()), "names the ref: {p:?}");
+    assert!(matches!(s.get(&ids[7]), Err(StoreError::Corrupt { .. })));
+
+    // Truncate another pack, and delete a third.
+    let mut packs: Vec<String> = b.list("packs/").unwrap().into_iter().map(|o| o.key).collect();
+    packs.retain(|k| *k != pid.pack_key());
+    b.tamper(&packs[0], |v| v.truncate(v.len() - 10));
+    b.delete(&packs[1]).unwrap();
+    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(rep.problems.iter().any(|p| p.object == packs[0] && p.message.contains("truncated")), "{:?}", rep.problems);
+    assert!(rep.problems.iter().any(|p| p.object == packs[1] && p.message.contains("missing")), "{:?}", rep.problems);
+}
+
+#[test]
+fn gc_reclaims_deleted_refs_and_keeps_shared_chunks() {
+    let (_d, s, b) = mem_store(64 << 10);
+    let ses = s.session();
+    let shared: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let only_a: Vec<ChunkId> = (100..140).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let ra = ses.put_tree(&Tree { children: [shared.clone(), only_a.clone()].concat(), payload: vec![] }).unwrap();
+    let rb = ses.put_tree(&Tree { children: shared.clone(), payload: vec![] }).unwrap();
+    ses.commit_ref("disk/a", Ref::new(vec![ra], vec![])).unwrap();
+    ses.commit_ref("disk/b", Ref::new(vec![rb], vec![])).unwrap();
+    drop(ses);
+    let r0 = s.gc(&NoProgress).unwrap();
+    assert_eq!(r0.dead_chunks, 0);
+    let stored_before: u64 = b.list("packs/").unwrap().iter().map(|o| o.size).sum();
+    s.delete_ref("disk/a").unwrap();
+    let r = s.gc(&NoProgress).unwrap();
+    assert_eq!(r.dead_chunks, 41, "40 data chunks + the tree");
+    assert!(r.bytes_freed > 0);
+    let stored_after: u64 = b.list("packs/").unwrap().iter().map(|o| o.size).sum();
+    assert!(stored_after < stored_before);
+    for id in &shared {
+        s.get(id).unwrap();
+    }
+    for id in &only_a {
+        assert!(matches!(s.get(id), Err(StoreError::ChunkMissing { .. })));
+    }
+    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(!rep.is_damaged(), "{:?}", rep.problems);
+    assert_eq!(b.list("index/").unwrap().len(), b.list("packs/").unwrap().len());
+}
+
+#[test]
+fn gc_never_collects_what_live_sessions_hold() {
+    let (_d, s, _) = mem_store(64 << 10);
+    let w = s.session();
+    let kept = w.put(&data(1, 4096), ChunkKind::Data).unwrap();
+    s.flush().unwrap();
+    s.gc(&NoProgress).unwrap();
+    assert!(s.contains(&kept), "pinned chunk collected");
+    // Dedup hit after GC still has its data; committing works.
+    let again = w.put(&data(1, 4096), ChunkKind::Data).unwrap();
+    w.commit_ref("r", Ref::new(vec![again], vec![])).unwrap();
+    drop(w);
+    s.gc(&NoProgress).unwrap();
+    assert_eq!(s.get(&kept).unwrap(), data(1, 4096));
+}
+
+#[test]
+fn gc_concurrent_with_writers_loses_nothing() {
+    let (_d, s, _) = mem_store(32 << 10);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let writers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let s = s.clone();
+                let stop = &stop;
+                sc.spawn(move || {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) || n < 30 {
+                        let ses = s.session();
+                        // Half the chunks repeat earlier content (dedup hits on possibly-dead chunks).
+                        let ids: Vec<ChunkId> =
+                            (0..8).map(|i| ses.put(&data((n + i) % 20 + t * 1000, 4096), ChunkKind::Data).unwrap()).collect();
+                        let root = ses.put_tree(&Tree { children: ids, payload: vec![] }).unwrap();
+                        ses.commit_ref(&format!("w{t}/{}", n % 5), Ref::new(vec![root], vec![])).unwrap();
+                        n += 1;
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..15 {
+            s.gc(&NoProgress).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            w.join().unwrap();
+        }
+    });
+    s.gc(&NoProgress).unwrap();
+    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(!rep.is_damaged(), "{:?}", rep.problems);
+    assert_eq!(rep.refs, 10);
+}
+
+#[test]
+fn failed_sync_poisons_until_reopen() {
+    let d = tempfile::tempdir().unwrap();
+    let base = MemoryBackend::new();
+    {
+        let s = Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default()).unwrap();
+        s.close().unwrap();
+    }
+    let mut fb = FaultBackend::new(&base);
+    fb.fail_sync_at = Some(1);
+    let fb = Arc::new(fb);
+    let s = Store::open(fb.clone(), &d.path().join("b.redb")).unwrap();
+    let ses = s.session();
+    ses.put(&data(1, 4096), ChunkKind::Data).unwrap();
+    let e = ses.commit_ref("r", Ref::new(vec![], vec![])).unwrap_err();
+    assert!(s.is_poisoned(), "{e}");
+    let e2 = ses.put(&data(2, 4096), ChunkKind::Data).unwrap_err();
+    assert!(matches!(e2, StoreError::Poisoned { .. }), "{e2}");
+    assert!(e2.to_string().contains("reopen"), "{e2}");
+}
+
+#[test]
+fn full_backend_is_reported_and_poisons() {
+    let d = tempfile::tempdir().unwrap();
+    let base = MemoryBackend::new();
+    Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default()).unwrap().close().unwrap();
+    let mut fb = FaultBackend::new(&base);
+    fb.space_limit = Some(100_000);
+    let s = Store::open(Arc::new(fb), &d.path().join("b.redb")).unwrap();
+    let ses = s.session();
+    let mut err = None;
+    for i in 0..100 {
+        let r = ses.put_with(&data(i, 65536), ChunkKind::Data, Codec::None).and_then(|_| s.flush());
+        if let Err(e) = r {
+            err = Some(e);
+            break;
+        }
+    }
+    let e = err.expect("a full backend must fail");
+    assert!(e.to_string().contains("out of space"), "{e}");
+}

@@ -1,0 +1,183 @@
+//! The pack writer thread, and loading the chunk index at open.
+//!
+//! Sealed packs are queued (bounded, so fast producers are throttled by the backend) to one
+//! thread that `put`s them in order. A flush request travels down the same queue, so when the
+//! thread reaches it every earlier pack has been put: it then syncs (packs durable), writes each
+//! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
+//! records them in the local metadata cache. Any failure poisons the store.
+
+use super::meta::Meta;
+use super::pack::{IndexObject, PackEntry};
+use super::{Index, Loc, PackSlot, Result, Shared, StoreError};
+use crate::backend::Backend;
+use crate::id::PackId;
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+pub enum Job {
+    Pack { no: u32, id: PackId, bytes: Arc<Vec<u8>>, entries: Vec<PackEntry> },
+    Flush(mpsc::Sender<std::result::Result<(), String>>),
+}
+
+pub(crate) struct WriterHandle {
+    tx: Mutex<Option<SyncSender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    sh: Arc<Shared>,
+}
+
+impl WriterHandle {
+    pub fn spawn(sh: Arc<Shared>) -> WriterHandle {
+        let (tx, rx) = mpsc::sync_channel(2);
+        let sh2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name("strata-pack-writer".into())
+            .spawn(move || run(sh2, rx))
+            .expect("spawn pack writer");
+        WriterHandle { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)), sh }
+    }
+
+    fn gone(&self) -> StoreError {
+        StoreError::Poisoned { reason: "pack writer stopped".into() }
+    }
+
+    pub fn send(&self, job: Job) -> Result<()> {
+        let tx = self.tx.lock().clone().ok_or_else(|| self.gone())?;
+        tx.send(job).map_err(|_| self.gone())
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        let (rtx, rrx) = mpsc::channel();
+        self.send(Job::Flush(rtx))?;
+        match rrx.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(reason)) => Err(StoreError::Poisoned { reason }),
+            Err(_) => Err(self.gone()),
+        }
+    }
+}
+
+impl Drop for WriterHandle {
+    fn drop(&mut self) {
+        self.tx.lock().take();
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+        let _ = self.sh.meta.persist();
+    }
+}
+
+struct Written {
+    no: u32,
+    id: PackId,
+    size: u64,
+    entries: Vec<PackEntry>,
+}
+
+fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
+    let mut written: Vec<Written> = Vec::new();
+    for job in rx {
+        match job {
+            Job::Pack { no, id, bytes, entries } => {
+                if sh.poison.lock().is_some() {
+                    continue;
+                }
+                match sh.backend.put(&id.pack_key(), &bytes) {
+                    Ok(()) => {
+                        sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
+                        written.push(Written { no, id, size: bytes.len() as u64, entries });
+                    }
+                    Err(e) => sh.poison(&e),
+                }
+            }
+            Job::Flush(reply) => {
+                let r = commit(&sh, &mut written).map_err(|e| e.to_string());
+                let _ = reply.send(r);
+            }
+        }
+    }
+}
+
+/// Make the written packs durable, then their index objects.
+fn commit(sh: &Shared, written: &mut Vec<Written>) -> Result<()> {
+    sh.check_poison()?;
+    if written.is_empty() {
+        return Ok(());
+    }
+    sh.sync()?;
+    for w in written.iter() {
+        let obj = IndexObject { pack: w.id, pack_size: w.size, entries: w.entries.clone() };
+        sh.backend.put(&w.id.index_key(), &obj.encode()).map_err(|e| {
+            sh.poison(&e);
+            StoreError::Backend(e)
+        })?;
+    }
+    sh.sync()?;
+    {
+        let mut idx = sh.index.write();
+        for w in written.iter() {
+            if let Some(Some(slot)) = idx.packs.get_mut(w.no as usize) {
+                slot.durable = true;
+                slot.mem = None;
+            }
+        }
+    }
+    let rows: Vec<(PackId, u64, &[PackEntry])> = written.iter().map(|w| (w.id, w.size, &w.entries[..])).collect();
+    if let Err(e) = sh.meta.add_packs(&rows, false) {
+        tracing::warn!(target: "strata::store", error = %e, "metadata cache update failed; it will be rebuilt");
+    }
+    written.clear();
+    Ok(())
+}
+
+/// Build the in-memory index from the metadata cache, reconciled with the backend's
+/// `index/` objects (the source of truth).
+pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
+    let listed: HashSet<PackId> = backend
+        .list("index/")?
+        .into_iter()
+        .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
+        .collect();
+    let cached: HashMap<PackId, u64> = meta.packs()?.into_iter().collect();
+    let mut fresh = Vec::new();
+    for pid in listed.iter().filter(|p| !cached.contains_key(p)) {
+        let key = pid.index_key();
+        let obj = backend.get(&key).map_err(StoreError::Backend).and_then(|b| {
+            IndexObject::decode(&b).map_err(|source| StoreError::Format { key: key.clone(), source })
+        });
+        match obj {
+            Ok(o) if o.pack == *pid => fresh.push(o),
+            Ok(_) => tracing::warn!(target: "strata::store", key, "index object names another pack; ignored (run `strata check`)"),
+            Err(e) => tracing::warn!(target: "strata::store", key, error = %e, "unreadable index object ignored (run `strata check`)"),
+        }
+    }
+    if !fresh.is_empty() {
+        let rows: Vec<(PackId, u64, &[PackEntry])> = fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
+        meta.add_packs(&rows, true)?;
+    }
+    let mut idx = Index::default();
+    for (pid, size) in cached.iter().filter(|(p, _)| listed.contains(p)) {
+        idx.add_slot(PackSlot { id: *pid, size: *size, mem: None, durable: true });
+    }
+    for o in &fresh {
+        idx.add_slot(PackSlot { id: o.pack, size: o.pack_size, mem: None, durable: true });
+    }
+    let mut stale: HashMap<PackId, Vec<crate::id::ChunkId>> = HashMap::new();
+    meta.for_each_chunk(|pid, e| match idx.by_id.get(&pid) {
+        Some(&no) => {
+            idx.chunks.insert(e.id, Loc { pack: no, entry: e });
+        }
+        None => stale.entry(pid).or_default().push(e.id),
+    })?;
+    for pid in cached.keys().filter(|p| !listed.contains(p)) {
+        stale.entry(*pid).or_default();
+    }
+    if !stale.is_empty() {
+        let rows: Vec<(PackId, Vec<crate::id::ChunkId>)> = stale.into_iter().collect();
+        meta.remove_packs(&rows, true)?;
+    }
+    Ok(idx)
+}
