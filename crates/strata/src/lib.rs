@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod codec;
+pub mod disk;
 pub mod id;
 pub mod progress;
 pub mod store;

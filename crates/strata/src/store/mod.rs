@@ -316,6 +316,13 @@ impl Store {
         self.inner.sh.index.read().chunks.len()
     }
 
+    /// The pack and entry that hold a chunk.
+    pub fn locate(&self, id: &ChunkId) -> Option<(PackId, PackEntry)> {
+        let idx = self.inner.sh.index.read();
+        let loc = idx.chunks.get(id)?;
+        Some((idx.slot(loc.pack)?.id, loc.entry))
+    }
+
     /// Raw length and kind of a chunk, without reading it.
     pub fn chunk_info(&self, id: &ChunkId) -> Option<(u32, ChunkKind)> {
         self.inner.sh.index.read().chunks.get(id).map(|l| (l.entry.raw_len, l.entry.kind))
