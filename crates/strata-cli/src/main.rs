@@ -237,10 +237,11 @@ fn run(cli: Cli) -> Result<()> {
             drop(p);
             ui::emit(cli.json, &r, || {
                 format!(
-                    "Collected {} dead chunks: {} packs deleted, {} repacked, {} freed",
+                    "Collected {} dead chunks: {} packs deleted, {} repacked, {} orphan packs removed, {} freed",
                     r.dead_chunks,
                     r.packs_deleted,
                     r.packs_repacked,
+                    r.orphan_packs_deleted,
                     ui::human(r.bytes_freed)
                 )
             });

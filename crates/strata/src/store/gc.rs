@@ -30,6 +30,8 @@ pub struct GcReport {
     pub packs_deleted: usize,
     pub packs_repacked: usize,
     pub bytes_freed: u64,
+    /// Packs no index object names (left by interrupted writes), deleted.
+    pub orphan_packs_deleted: usize,
 }
 
 impl Store {
@@ -178,6 +180,30 @@ impl Store {
             let rows: Vec<(PackId, Vec<ChunkId>)> = victims.iter().map(|(p, _, ids)| (*p, ids.clone())).collect();
             sh.meta.remove_packs(&rows, true)?;
         }
+        // Orphan packs: written but never indexed (a write interrupted by a crash or a full
+        // disk). Packs this process is still writing are known to its index, and the metadata
+        // lock keeps other processes out of a local store, so nothing in flight is touched.
+        // (Stores shared between hosts need the lease protocol before this is safe there.)
+        let known: HashSet<PackId> = self.inner.sh.index.read().by_id.keys().copied().collect();
+        let indexed: HashSet<PackId> = self
+            .backend()
+            .list("index/")?
+            .into_iter()
+            .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
+            .collect();
+        let mut orphans = 0;
+        for o in self.backend().list("packs/")? {
+            let Some(pid) = o.key.rsplit('/').next().and_then(PackId::from_hex) else { continue };
+            if !known.contains(&pid) && !indexed.contains(&pid) {
+                self.backend().delete(&o.key)?;
+                report.bytes_freed += o.size;
+                orphans += 1;
+            }
+        }
+        if orphans > 0 {
+            self.inner.sh.sync()?;
+        }
+        report.orphan_packs_deleted = orphans;
         progress.finish();
         tracing::info!(target: "strata::gc", ?report, "gc done");
         Ok(report)
