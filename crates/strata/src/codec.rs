@@ -43,11 +43,11 @@ impl Codec {
     }
 
     pub fn from_bytes(c: u8, level: u8) -> Result<Codec, CodecError> {
-        match c {
-            0 => Ok(Codec::None),
-            1 => Ok(Codec::Lz4),
-            2 => Ok(Codec::Zstd(level.max(1) as i32)),
-            other => Err(CodecError::UnknownCodec(other)),
+        match (c, level) {
+            (0, 0) => Ok(Codec::None),
+            (1, 0) => Ok(Codec::Lz4),
+            (2, 1..=22) => Ok(Codec::Zstd(level as i32)),
+            (other, _) => Err(CodecError::UnknownCodec(other)),
         }
     }
 

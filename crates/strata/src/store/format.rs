@@ -87,6 +87,15 @@ impl<'a> Rd<'a> {
     }
 }
 
+/// Flags and reserved fields must be zero in this format version.
+pub fn zero(what: &'static str, field: &'static str, value: u64) -> FResult<()> {
+    if value != 0 {
+        Err(FormatError::Malformed { what, detail: format!("{field} is {value:#x}, must be 0 in format version {FORMAT_VERSION}") })
+    } else {
+        Ok(())
+    }
+}
+
 /// Fail with a cap error when `value > cap`.
 pub fn cap(what: &'static str, field: &'static str, value: u64, cap: u64) -> FResult<()> {
     if value > cap {

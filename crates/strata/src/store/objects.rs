@@ -8,7 +8,7 @@
 //! - A tree chunk is an ordinary chunk (content-addressed, deduplicated) whose bytes list child
 //!   ids; the all-zero id is a hole. GC and `check` follow trees; everything else is data.
 
-use super::format::{cap, crc, FResult, FormatError, Rd, Wr, FORMAT_VERSION};
+use super::format::{cap, crc, zero, FResult, FormatError, Rd, Wr, FORMAT_VERSION};
 use crate::id::ChunkId;
 
 pub const CONFIG_MAGIC: &[u8; 8] = b"STRACONF";
@@ -57,7 +57,7 @@ impl StoreConfig {
         let what = "store config";
         let mut rd = Rd::new(b, what);
         let version = rd.magic_version(CONFIG_MAGIC)?;
-        let _flags = rd.u16()?;
+        zero(what, "flags", rd.u16()? as u64)?;
         let len = rd.u32()? as u64;
         cap(what, "json_len", len, MAX_CONFIG_JSON)?;
         let store_id = rd.arr()?;
@@ -109,13 +109,13 @@ impl Ref {
         let what = "ref";
         let mut rd = Rd::new(b, what);
         rd.magic_version(REF_MAGIC)?;
-        let _flags = rd.u16()?;
+        zero(what, "flags", rd.u16()? as u64)?;
         let nroots = rd.u32()? as u64;
         let plen = rd.u32()? as u64;
         cap(what, "roots", nroots, MAX_REF_ROOTS)?;
         cap(what, "payload_len", plen, MAX_REF_PAYLOAD)?;
         let generation = rd.u64()?;
-        let _reserved = rd.u32()?;
+        zero(what, "reserved", rd.u32()? as u64)?;
         let mut roots = Vec::with_capacity(nroots as usize);
         for _ in 0..nroots {
             roots.push(ChunkId(rd.arr()?));
@@ -170,7 +170,7 @@ impl Tree {
         if v > FORMAT_VERSION || v == 0 {
             return Err(FormatError::TooNew { what, found: v, supported: FORMAT_VERSION });
         }
-        let _flags = rd.u16()?;
+        zero(what, "flags", rd.u16()? as u64)?;
         let n = rd.u32()? as u64;
         let plen = rd.u32()? as u64;
         cap(what, "children", n, MAX_TREE_CHILDREN)?;

@@ -11,7 +11,7 @@
 //! (`index/<pack id>`), so a host opening the store reads only indexes, never whole packs. The
 //! pack's own trailer makes every pack self-describing, for recovery and `check`.
 
-use super::format::{cap, crc, FResult, FormatError, Rd, Wr, FORMAT_VERSION};
+use super::format::{cap, crc, zero, FResult, FormatError, Rd, Wr, FORMAT_VERSION};
 use crate::codec::{Codec, MAX_FRAME_RAW};
 use crate::id::{ChunkId, PackId};
 
@@ -83,9 +83,10 @@ impl PackEntry {
         let raw_len = rd.u32()?;
         let (c, l) = (rd.u8()?, rd.u8()?);
         let kind = rd.u8()?;
-        let _reserved = rd.u8()?;
+        let reserved = rd.u8()?;
         let frame_crc = rd.u32()?;
         let what = "pack entry";
+        zero(what, "reserved", reserved as u64)?;
         let codec = Codec::from_bytes(c, l)
             .map_err(|_| FormatError::Malformed { what, detail: format!("codec byte {c}") })?;
         let kind = ChunkKind::from_u8(kind)
@@ -246,7 +247,7 @@ pub struct PackFooter {
 pub fn parse_pack_header(b: &[u8]) -> FResult<PackId> {
     let mut rd = Rd::new(b, "pack header");
     rd.magic_version(PACK_MAGIC)?;
-    let _flags = rd.u16()?;
+    zero("pack header", "flags", rd.u16()? as u64)?;
     let id = PackId(rd.arr()?);
     let stored = rd.u32()?;
     if crc(&b[..28]) != stored {
@@ -332,7 +333,7 @@ impl IndexObject {
         let what = "index object";
         let mut rd = Rd::new(b, what);
         rd.magic_version(INDEX_MAGIC)?;
-        let _flags = rd.u16()?;
+        zero(what, "flags", rd.u16()? as u64)?;
         let pack = PackId(rd.arr()?);
         let pack_size = rd.u64()?;
         let count = rd.u32()? as u64;
