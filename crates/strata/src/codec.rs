@@ -8,6 +8,13 @@
 use std::fmt;
 use std::str::FromStr;
 
+thread_local! {
+    // zstd contexts are expensive to create (~100 µs); reuse one per thread, as the hot paths
+    // (import, memory save, restore) run on a fixed pool of threads.
+    static ZSTD_C: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { std::cell::RefCell::new(None) };
+    static ZSTD_D: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// Largest decompressed frame the store accepts (16 MiB).
 pub const MAX_FRAME_RAW: usize = 16 << 20;
 
@@ -57,7 +64,13 @@ impl Codec {
         let out = match self {
             Codec::None => return None,
             Codec::Lz4 => lz4_flex::block::compress(raw),
-            Codec::Zstd(level) => zstd::bulk::compress(raw, level).ok()?,
+            Codec::Zstd(level) => ZSTD_C.with(|c| {
+                let mut c = c.borrow_mut();
+                if c.as_ref().map(|(l, _)| *l) != Some(level) {
+                    *c = Some((level, zstd::bulk::Compressor::new(level).ok()?));
+                }
+                c.as_mut()?.1.compress(raw).ok()
+            })?,
         };
         if out.len() + raw.len() / 32 < raw.len() {
             Some(out)
@@ -76,9 +89,18 @@ impl Codec {
             Codec::Lz4 => lz4_flex::block::decompress(stored, raw_len).map_err(|e| {
                 CodecError::Corrupt { codec: self, reason: e.to_string() }
             })?,
-            Codec::Zstd(_) => zstd::bulk::decompress(stored, raw_len).map_err(|e| {
-                CodecError::Corrupt { codec: self, reason: e.to_string() }
-            })?,
+            Codec::Zstd(_) => ZSTD_D
+                .with(|d| {
+                    let mut d = d.borrow_mut();
+                    if d.is_none() {
+                        *d = zstd::bulk::Decompressor::new().ok();
+                    }
+                    match d.as_mut() {
+                        Some(d) => d.decompress(stored, raw_len),
+                        None => zstd::bulk::decompress(stored, raw_len),
+                    }
+                })
+                .map_err(|e| CodecError::Corrupt { codec: self, reason: e.to_string() })?,
         };
         if out.len() != raw_len {
             return Err(CodecError::WrongLength { got: out.len(), expected: raw_len });
