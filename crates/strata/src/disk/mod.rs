@@ -5,7 +5,10 @@
 //! all-zero blocks are holes and cost nothing. Import reads the source sequentially and hashes
 //! and compresses blocks on all cores.
 
+pub mod extent;
+pub mod log;
 pub mod map;
+pub mod volume;
 
 use crate::codec::Codec;
 use crate::id::ChunkId;
@@ -31,6 +34,18 @@ pub enum DiskError {
     Io { op: &'static str, path: PathBuf, #[source] source: std::io::Error },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("Disk log problem: {0}")]
+    Log(String),
+    #[error("'{name}' is a snapshot and cannot be written: clone it to get a writable disk")]
+    ReadOnlySnapshot { name: String },
+    #[error("Disk '{name}' is open in another strata process (stop it, or go through its daemon)")]
+    InUse { name: String },
+    #[error("Disk '{name}' refuses I/O after a failed write ({reason}); fix the cause and reopen it")]
+    Failed { name: String, reason: String },
+    #[error("{op} of {len} bytes at offset {offset} is outside the disk ({size} bytes)")]
+    OutOfRange { op: &'static str, offset: u64, len: u64, size: u64 },
+    #[error("Invalid disk name '{name}': use letters, digits and '._-', without '@' or '/'")]
+    BadName { name: String },
 }
 
 pub type Result<T> = std::result::Result<T, DiskError>;
@@ -41,6 +56,12 @@ pub struct DiskMeta {
     pub block_size: u32,
     #[serde(default)]
     pub parent: Option<String>,
+    /// Identity of the disk's local write log (hex); absent on snapshots.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Set on snapshots: the disk this is an immutable snapshot of.
+    #[serde(default)]
+    pub snapshot_of: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -50,13 +71,21 @@ pub struct DiskInfo {
     pub block_size: u32,
     pub allocated_blocks: u64,
     pub root: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_of: Option<String>,
+}
+
+fn new_id() -> String {
+    hex::encode(rand::random::<[u8; 16]>())
 }
 
 pub fn ref_name(name: &str) -> String {
     format!("disk/{name}")
 }
 
-fn load(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
+pub(crate) fn load(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
     let r = store.get_ref(&ref_name(name))?.ok_or_else(|| DiskError::NotFound { name: name.into() })?;
     let m: DiskMeta = serde_json::from_slice(&r.payload).map_err(|source| DiskError::BadMeta { name: name.into(), source })?;
     Ok((r, m))
@@ -64,6 +93,7 @@ fn load(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
 
 /// Import a raw image file as disk `name`.
 pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &dyn Progress) -> Result<DiskInfo> {
+    check_name(name)?;
     if store.get_ref(&ref_name(name))?.is_some() {
         return Err(DiskError::Exists { name: name.into() });
     }
@@ -123,7 +153,7 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
         }
     }
     let root = map::write_map(&ses, &blocks)?;
-    let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None };
+    let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None, id: Some(new_id()), snapshot_of: None };
     ses.commit_ref(&ref_name(name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
     progress.finish();
     info(store, name)
@@ -131,7 +161,7 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
 
 /// Write disk `name` to a raw file (sparse: holes are skipped).
 pub fn export(store: &Store, name: &str, file: &Path, progress: &dyn Progress) -> Result<u64> {
-    let (r, m) = load(store, name)?;
+    let (r, m) = settle(store, name)?;
     let blocks = map::read_map(store, &r.roots[0])?;
     let io = |op, e| DiskError::Io { op, path: file.to_path_buf(), source: e };
     let mut f = File::create(file).map_err(|e| io("create", e))?;
@@ -153,19 +183,90 @@ pub fn export(store: &Store, name: &str, file: &Path, progress: &dyn Progress) -
     Ok(m.size)
 }
 
-/// Full clone: a new ref to the same block map. O(metadata).
-pub fn clone_full(store: &Store, src: &str, dst: &str) -> Result<DiskInfo> {
-    if store.get_ref(&ref_name(dst))?.is_some() {
-        return Err(DiskError::Exists { name: dst.into() });
+fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && name != "."
+        && name != "..";
+    if ok {
+        Ok(())
+    } else {
+        Err(DiskError::BadName { name: name.into() })
     }
-    let (r, mut m) = load(store, src)?;
+}
+
+/// Create an empty (all-holes) disk of `size` bytes. O(metadata).
+pub fn create(store: &Store, name: &str, size: u64) -> Result<DiskInfo> {
+    check_name(name)?;
+    if store.get_ref(&ref_name(name))?.is_some() {
+        return Err(DiskError::Exists { name: name.into() });
+    }
+    let bs = DEFAULT_BLOCK as u64;
+    let ses = store.session();
+    let root = map::write_map(&ses, &vec![ChunkId::ZERO; size.div_ceil(bs) as usize])?;
+    let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None, id: Some(new_id()), snapshot_of: None };
+    ses.commit_ref(&ref_name(name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
+    info(store, name)
+}
+
+/// Fold a writable disk's log into its base map so its ref is complete (needs the disk not
+/// to be open elsewhere). Snapshots are always complete.
+fn settle(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
+    let (_, m) = load(store, name)?;
+    if m.snapshot_of.is_none() {
+        let v = volume::Volume::open(store, name)?;
+        v.close()?;
+    }
+    load(store, name)
+}
+
+/// Immutable snapshot `disk@snap` of a disk's current content. O(metadata) after the log is folded.
+pub fn snapshot(store: &Store, name: &str, snap: &str) -> Result<DiskInfo> {
+    check_name(name)?;
+    check_name(snap)?;
+    let full = format!("{name}@{snap}");
+    if store.get_ref(&ref_name(&full))?.is_some() {
+        return Err(DiskError::Exists { name: full });
+    }
+    let (r, mut m) = settle(store, name)?;
+    if m.snapshot_of.is_some() {
+        return Err(DiskError::ReadOnlySnapshot { name: name.into() });
+    }
     let ses = store.session();
     for root in &r.roots {
         ses.pin(*root)?;
     }
-    m.parent = Some(src.into());
+    m.snapshot_of = Some(name.into());
+    m.id = None;
+    ses.commit_ref(&ref_name(&full), Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")))?;
+    info(store, &full)
+}
+
+/// Clone a disk or snapshot (`src` or `src@snap`) into a new writable disk. Linked and full
+/// clones both share the source's block map: O(metadata), no data copied. A linked clone
+/// records its parent; a full clone is independent of it from the start (in a
+/// content-addressed store sharing chunks is safe either way: GC keeps what any ref reaches).
+pub fn clone(store: &Store, src: &str, dst: &str, full: bool) -> Result<DiskInfo> {
+    check_name(dst)?;
+    if store.get_ref(&ref_name(dst))?.is_some() {
+        return Err(DiskError::Exists { name: dst.into() });
+    }
+    let (r, mut m) = settle(store, src)?;
+    let ses = store.session();
+    for root in &r.roots {
+        ses.pin(*root)?;
+    }
+    m.parent = if full { None } else { Some(src.into()) };
+    m.id = Some(new_id());
+    m.snapshot_of = None;
     ses.commit_ref(&ref_name(dst), Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")))?;
     info(store, dst)
+}
+
+/// Full clone (kept for callers of the first API).
+pub fn clone_full(store: &Store, src: &str, dst: &str) -> Result<DiskInfo> {
+    clone(store, src, dst, true)
 }
 
 pub fn info(store: &Store, name: &str) -> Result<DiskInfo> {
@@ -177,6 +278,8 @@ pub fn info(store: &Store, name: &str) -> Result<DiskInfo> {
         block_size: m.block_size,
         allocated_blocks: blocks.iter().filter(|b| !b.is_zero()).count() as u64,
         root: r.roots[0].to_hex(),
+        parent: m.parent,
+        snapshot_of: m.snapshot_of,
     })
 }
 
@@ -184,9 +287,19 @@ pub fn list(store: &Store) -> Result<Vec<DiskInfo>> {
     store.list_refs("disk/")?.iter().filter_map(|n| n.strip_prefix("disk/")).map(|n| info(store, n)).collect()
 }
 
+/// Remove a disk or snapshot; its local log goes too. Space returns with `strata gc`.
 pub fn remove(store: &Store, name: &str) -> Result<()> {
-    load(store, name)?;
+    let (_, m) = load(store, name)?;
+    // Take the disk's lock so a running server can't be writing it.
+    let dir = m.id.as_ref().map(|id| store.local_dir().join("disks").join(id));
+    if m.snapshot_of.is_none() {
+        drop(volume::Volume::open(store, name)?);
+    }
     store.delete_ref(&ref_name(name))?;
+    if let Some(dir) = dir {
+        std::fs::remove_dir_all(&dir).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+            .map_err(|e| DiskError::Io { op: "remove", path: dir, source: e })?;
+    }
     Ok(())
 }
 
@@ -222,3 +335,6 @@ mod tests {
         assert_eq!(list(&s).unwrap().len(), 1);
     }
 }
+
+#[cfg(test)]
+mod volume_tests;

@@ -169,6 +169,7 @@ pub(crate) struct Inner {
     pub default_codec: Codec,
     pub pack_size: u64,
     pub location: String,
+    pub local_dir: PathBuf,
 }
 
 /// A handle to an open store; cheap to clone and share between threads.
@@ -236,6 +237,7 @@ impl Store {
             .pack_size
             .clamp(64 << 10, backend.capabilities().max_object_size.min(pack::MAX_PACK_SIZE) / 2);
         let location = backend.name();
+        let local_dir = meta_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
         let sh = Arc::new(Shared {
             backend,
             config,
@@ -258,6 +260,7 @@ impl Store {
                 default_codec,
                 pack_size,
                 location,
+                local_dir,
             }),
         })
     }
@@ -292,6 +295,11 @@ impl Store {
     pub fn location(&self) -> &str {
         &self.inner.location
     }
+    /// Host-local state directory (disk write logs, caches): next to the metadata cache.
+    pub fn local_dir(&self) -> &Path {
+        &self.inner.local_dir
+    }
+
     pub fn default_codec(&self) -> Codec {
         self.inner.default_codec
     }
