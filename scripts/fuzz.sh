@@ -31,6 +31,7 @@ i=0; for f in "$seed"/s/refs/disk/*; do { printf '\x00'; cat "$f"; } > "fuzz/cor
 for t in $("${fuzz[@]}" list); do
   echo "fuzz: $t for ${secs}s"
   mkdir -p "fuzz/corpus/$t"
+  [ -d "fuzz/seeds/$t" ] && cp -n fuzz/seeds/"$t"/* "fuzz/corpus/$t/" 2>/dev/null || true
   "${fuzz[@]}" run "${san[@]}" "$t" "fuzz/corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 3
 done
 echo "fuzz: all targets ran without crashes"

@@ -8,7 +8,9 @@ pub mod backend;
 pub mod codec;
 pub mod disk;
 pub mod id;
+pub mod memory;
 pub mod progress;
+pub mod qmp;
 pub mod store;
 
 pub use codec::Codec;

@@ -37,7 +37,10 @@ pub struct Unsupported {
 }
 
 fn list(r: &[RefusedCapability]) -> String {
-    r.iter().map(|c| format!("{} ({})", c.name, c.reason)).collect::<Vec<_>>().join(", ")
+    r.iter()
+        .map(|c| format!("{} ({})", c.name, c.reason))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Verdict for one capability: `None` = fine when enabled.
@@ -49,7 +52,9 @@ fn verdict(name: &str, policy: &CapabilityPolicy) -> Option<&'static str> {
             Some("device state travels in a PACKAGED command and needs a return path")
         }
         "return-path" => Some("needs a bidirectional channel and QEMU's return-path protocol"),
-        "block" => Some("block migration interleaves disk sections with RAM; strata stores disks itself"),
+        "block" => {
+            Some("block migration interleaves disk sections with RAM; strata stores disks itself")
+        }
         "dirty-bitmaps" => Some("interleaves dirty-bitmap sections with RAM"),
         "x-ignore-shared" => Some("shared ramblocks are left out of the stream"),
         "x-colo" => Some("COLO streams are continuous checkpoints with a return path"),
@@ -60,8 +65,16 @@ fn verdict(name: &str, policy: &CapabilityPolicy) -> Option<&'static str> {
         }
         "multifd" | "zero-copy-send" => None,
         // Capabilities that leave the single-channel precopy format unchanged.
-        "events" | "auto-converge" | "zero-blocks" | "pause-before-switchover" | "late-block-activate"
-        | "release-ram" | "postcopy-blocktime" | "validate-uuid" | "background-snapshot" | "rdma-pin-all"
+        "events"
+        | "auto-converge"
+        | "zero-blocks"
+        | "pause-before-switchover"
+        | "late-block-activate"
+        | "release-ram"
+        | "postcopy-blocktime"
+        | "validate-uuid"
+        | "background-snapshot"
+        | "rdma-pin-all"
         | "dirty-limit" => None,
         _ => Some("unknown capability: not checked against the stream parser"),
     }
@@ -73,11 +86,19 @@ pub fn check_capabilities(caps: &[MigrationCapability]) -> Result<(), Unsupporte
 }
 
 /// Refuse capabilities strata cannot store, under `policy`.
-pub fn check_capabilities_with(caps: &[MigrationCapability], policy: &CapabilityPolicy) -> Result<(), Unsupported> {
+pub fn check_capabilities_with(
+    caps: &[MigrationCapability],
+    policy: &CapabilityPolicy,
+) -> Result<(), Unsupported> {
     let refused: Vec<RefusedCapability> = caps
         .iter()
         .filter(|c| c.state)
-        .filter_map(|c| verdict(&c.capability, policy).map(|reason| RefusedCapability { name: c.capability.clone(), reason }))
+        .filter_map(|c| {
+            verdict(&c.capability, policy).map(|reason| RefusedCapability {
+                name: c.capability.clone(),
+                reason,
+            })
+        })
         .collect();
     if refused.is_empty() {
         Ok(())
@@ -91,22 +112,56 @@ mod tests {
     use super::*;
 
     fn caps(on: &[&str]) -> Vec<MigrationCapability> {
-        ["xbzrle", "events", "multifd", "background-snapshot", "compress", "block", "return-path"]
-            .iter()
-            .chain(on.iter().filter(|c| !["xbzrle", "events", "multifd", "background-snapshot", "compress", "block", "return-path"].contains(c)))
-            .map(|c| MigrationCapability { capability: c.to_string(), state: on.contains(c) })
-            .collect()
+        [
+            "xbzrle",
+            "events",
+            "multifd",
+            "background-snapshot",
+            "compress",
+            "block",
+            "return-path",
+        ]
+        .iter()
+        .chain(on.iter().filter(|c| {
+            ![
+                "xbzrle",
+                "events",
+                "multifd",
+                "background-snapshot",
+                "compress",
+                "block",
+                "return-path",
+            ]
+            .contains(c)
+        }))
+        .map(|c| MigrationCapability {
+            capability: c.to_string(),
+            state: on.contains(c),
+        })
+        .collect()
     }
 
     #[test]
     fn defaults_and_harmless_ones_pass() {
         assert_eq!(check_capabilities(&caps(&[])), Ok(()));
-        assert_eq!(check_capabilities(&caps(&["events", "background-snapshot", "auto-converge"])), Ok(()));
+        assert_eq!(
+            check_capabilities(&caps(&["events", "background-snapshot", "auto-converge"])),
+            Ok(())
+        );
     }
 
     #[test]
     fn refuses_each_and_names_it() {
-        for c in ["xbzrle", "compress", "postcopy-ram", "block", "multifd", "return-path", "x-ignore-shared", "x-new-thing"] {
+        for c in [
+            "xbzrle",
+            "compress",
+            "postcopy-ram",
+            "block",
+            "multifd",
+            "return-path",
+            "x-ignore-shared",
+            "x-new-thing",
+        ] {
             let e = check_capabilities(&caps(&[c])).unwrap_err();
             assert_eq!(e.refused.len(), 1, "{c}");
             assert_eq!(e.refused[0].name, c);
@@ -119,7 +174,9 @@ mod tests {
 
     #[test]
     fn multifd_only_with_opt_in() {
-        let p = CapabilityPolicy { allow_multifd: true };
+        let p = CapabilityPolicy {
+            allow_multifd: true,
+        };
         assert_eq!(check_capabilities_with(&caps(&["multifd"]), &p), Ok(()));
         assert!(check_capabilities(&caps(&["multifd"])).is_err());
     }

@@ -81,15 +81,27 @@ impl QmpClient {
         let sock = UnixStream::connect(&path).map_err(|source| match source.kind() {
             io::ErrorKind::ConnectionRefused => QmpError::Refused { path: path.clone() },
             io::ErrorKind::NotFound => QmpError::NoSocket { path: path.clone() },
-            _ => QmpError::Connect { path: path.clone(), source },
+            _ => QmpError::Connect {
+                path: path.clone(),
+                source,
+            },
         })?;
         sock.set_write_timeout(Some(timeout))
-            .map_err(|source| QmpError::Io { op: "socket setup".into(), path: path.clone(), source })?;
+            .map_err(|source| QmpError::Io {
+                op: "socket setup".into(),
+                path: path.clone(),
+                source,
+            })?;
         let mut c = QmpClient {
             sock,
             path,
             rbuf: Vec::with_capacity(64 << 10),
-            version: QemuVersion { major: 0, minor: 0, micro: 0, package: String::new() },
+            version: QemuVersion {
+                major: 0,
+                minor: 0,
+                micro: 0,
+                package: String::new(),
+            },
             server_caps: Vec::new(),
             events: VecDeque::new(),
             next_id: 1,
@@ -103,21 +115,44 @@ impl QmpClient {
     }
 
     fn parse_greeting(&mut self, g: &Value) -> Result<(), QmpError> {
-        let bad = |why: &str| QmpError::BadGreeting { path: self.path.clone(), why: why.into() };
-        let q = g.get("QMP").ok_or_else(|| bad("no \"QMP\" object; is this a QMP (not HMP) socket?"))?;
+        let bad = |why: &str| QmpError::BadGreeting {
+            path: self.path.clone(),
+            why: why.into(),
+        };
+        let q = g
+            .get("QMP")
+            .ok_or_else(|| bad("no \"QMP\" object; is this a QMP (not HMP) socket?"))?;
         let v = q.get("version").ok_or_else(|| bad("no version"))?;
-        let num = |k: &str| v.get("qemu").and_then(|x| x.get(k)).and_then(Value::as_u64).map(|n| n as u32);
+        let num = |k: &str| {
+            v.get("qemu")
+                .and_then(|x| x.get(k))
+                .and_then(Value::as_u64)
+                .map(|n| n as u32)
+        };
         match (num("major"), num("minor"), num("micro")) {
             (Some(major), Some(minor), Some(micro)) => {
-                let package = v.get("package").and_then(Value::as_str).unwrap_or("").to_owned();
-                self.version = QemuVersion { major, minor, micro, package };
+                let package = v
+                    .get("package")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned();
+                self.version = QemuVersion {
+                    major,
+                    minor,
+                    micro,
+                    package,
+                };
             }
             _ => return Err(bad("version numbers missing")),
         }
         self.server_caps = q
             .get("capabilities")
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default();
         Ok(())
     }
@@ -151,9 +186,14 @@ impl QmpClient {
         if let Some(a) = args {
             msg["arguments"] = a;
         }
-        let mut line = serde_json::to_vec(&msg).map_err(|source| QmpError::BadJson { op: cmd.into(), source })?;
+        let mut line = serde_json::to_vec(&msg).map_err(|source| QmpError::BadJson {
+            op: cmd.into(),
+            source,
+        })?;
         line.push(b'\n');
-        self.sock.write_all(&line).map_err(|source| self.io_error(cmd, source))?;
+        self.sock
+            .write_all(&line)
+            .map_err(|source| self.io_error(cmd, source))?;
         tracing::debug!(target: TARGET, cmd, "QMP execute");
         let deadline = Instant::now() + self.timeout;
         loop {
@@ -162,17 +202,38 @@ impl QmpClient {
                 self.queue_event(m);
                 continue;
             }
-            if m.get("id").and_then(Value::as_str) != Some(id.as_str()) {
-                return Err(QmpError::BadReply { cmd: cmd.into(), why: format!("reply without our id {id}: {m}") });
+            let rid = m.get("id").and_then(Value::as_str);
+            if rid != Some(id.as_str()) {
+                // A late reply to a command that timed out earlier: drop it.
+                if let Some(n) = rid
+                    .and_then(|r| r.strip_prefix("strata-"))
+                    .and_then(|n| n.parse::<u64>().ok())
+                {
+                    if n < self.next_id - 1 {
+                        tracing::debug!(target: TARGET, stale = n, "dropping a late QMP reply");
+                        continue;
+                    }
+                }
+                return Err(QmpError::BadReply {
+                    cmd: cmd.into(),
+                    why: format!("reply without our id {id}: {m}"),
+                });
             }
             if let Some(r) = m.get("return") {
                 return Ok(r.clone());
             }
             if let Some(e) = m.get("error") {
                 let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("?").to_owned();
-                return Err(QmpError::Command { cmd: cmd.into(), class: s("class"), desc: s("desc") });
+                return Err(QmpError::Command {
+                    cmd: cmd.into(),
+                    class: s("class"),
+                    desc: s("desc"),
+                });
             }
-            return Err(QmpError::BadReply { cmd: cmd.into(), why: format!("neither return nor error: {m}") });
+            return Err(QmpError::BadReply {
+                cmd: cmd.into(),
+                why: format!("neither return nor error: {m}"),
+            });
         }
     }
 
@@ -208,7 +269,12 @@ impl QmpClient {
         loop {
             match self.read_message("events", deadline, wait) {
                 Ok(m) if m.get("event").is_some() => self.queue_event(m),
-                Ok(m) => return Err(QmpError::BadReply { cmd: "events".into(), why: format!("unsolicited message {m}") }),
+                Ok(m) => {
+                    return Err(QmpError::BadReply {
+                        cmd: "events".into(),
+                        why: format!("unsolicited message {m}"),
+                    })
+                }
                 Err(QmpError::Timeout { .. }) => return Ok(self.events.len() - before),
                 Err(e) => return Err(e),
             }
@@ -223,7 +289,11 @@ impl QmpClient {
 
     /// PID of the QEMU process on the other end (`SO_PEERCRED`).
     pub fn peer_pid(&self) -> Result<u32, QmpError> {
-        let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: `cred` and `len` are valid for writes of the sizes given, and the fd is a
         // connected unix socket owned by `self.sock` for the whole call.
@@ -237,7 +307,10 @@ impl QmpClient {
             )
         };
         if rc != 0 {
-            return Err(QmpError::PeerCred { path: self.path.clone(), source: io::Error::last_os_error() });
+            return Err(QmpError::PeerCred {
+                path: self.path.clone(),
+                source: io::Error::last_os_error(),
+            });
         }
         if cred.pid <= 0 {
             return Err(QmpError::PeerCred {
@@ -251,8 +324,11 @@ impl QmpClient {
     /// Command line of the QEMU process on the other end, from `/proc/PID/cmdline`.
     pub fn peer_cmdline(&self) -> Result<Vec<String>, QmpError> {
         let pid = self.peer_pid()?;
-        let raw = std::fs::read(format!("/proc/{pid}/cmdline"))
-            .map_err(|source| QmpError::PeerCred { path: self.path.clone(), source })?;
+        let raw =
+            std::fs::read(format!("/proc/{pid}/cmdline")).map_err(|source| QmpError::PeerCred {
+                path: self.path.clone(),
+                source,
+            })?;
         Ok(raw
             .split(|&b| b == 0)
             .filter(|s| !s.is_empty())
@@ -262,26 +338,42 @@ impl QmpClient {
 
     fn io_error(&self, op: &str, source: io::Error) -> QmpError {
         match source.kind() {
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
-                QmpError::Closed { op: op.into(), path: self.path.clone() }
-            }
-            _ => QmpError::Io { op: op.into(), path: self.path.clone(), source },
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => QmpError::Closed {
+                op: op.into(),
+                path: self.path.clone(),
+            },
+            _ => QmpError::Io {
+                op: op.into(),
+                path: self.path.clone(),
+                source,
+            },
         }
     }
 
     /// Read one JSON line, keeping partial lines across calls.
-    fn read_message(&mut self, op: &str, deadline: Instant, wait: Duration) -> Result<Value, QmpError> {
+    fn read_message(
+        &mut self,
+        op: &str,
+        deadline: Instant,
+        wait: Duration,
+    ) -> Result<Value, QmpError> {
         let mut scanned = 0;
         loop {
             if let Some(nl) = self.rbuf[scanned..].iter().position(|&b| b == b'\n') {
                 let end = scanned + nl;
                 let v = serde_json::from_slice::<Value>(&self.rbuf[..end]);
                 self.rbuf.drain(..=end);
-                return v.map_err(|source| QmpError::BadJson { op: op.into(), source });
+                return v.map_err(|source| QmpError::BadJson {
+                    op: op.into(),
+                    source,
+                });
             }
             scanned = self.rbuf.len();
             if self.rbuf.len() > MAX_MESSAGE {
-                return Err(QmpError::TooLarge { op: op.into(), max: MAX_MESSAGE });
+                return Err(QmpError::TooLarge {
+                    op: op.into(),
+                    max: MAX_MESSAGE,
+                });
             }
             let now = Instant::now();
             if now >= deadline {
@@ -292,10 +384,20 @@ impl QmpClient {
                 .map_err(|source| self.io_error(op, source))?;
             let mut chunk = [0u8; 64 << 10];
             match self.sock.read(&mut chunk) {
-                Ok(0) => return Err(QmpError::Closed { op: op.into(), path: self.path.clone() }),
+                Ok(0) => {
+                    return Err(QmpError::Closed {
+                        op: op.into(),
+                        path: self.path.clone(),
+                    })
+                }
                 Ok(n) => self.rbuf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
                     return Err(self.timeout_error(op, wait));
                 }
                 Err(e) => return Err(self.io_error(op, e)),
@@ -304,15 +406,27 @@ impl QmpClient {
     }
 
     fn timeout_error(&self, op: &str, wait: Duration) -> QmpError {
-        QmpError::Timeout { op: op.into(), path: self.path.clone(), after: wait }
+        QmpError::Timeout {
+            op: op.into(),
+            path: self.path.clone(),
+            after: wait,
+        }
     }
 }
 
 fn to_event(m: &Value) -> QmpEvent {
     let ts = m.get("timestamp");
-    let t = |k: &str| ts.and_then(|t| t.get(k)).and_then(Value::as_i64).unwrap_or(0);
+    let t = |k: &str| {
+        ts.and_then(|t| t.get(k))
+            .and_then(Value::as_i64)
+            .unwrap_or(0)
+    };
     QmpEvent {
-        name: m.get("event").and_then(Value::as_str).unwrap_or("").to_owned(),
+        name: m
+            .get("event")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned(),
         data: m.get("data").cloned().unwrap_or(Value::Null),
         seconds: t("seconds"),
         microseconds: t("microseconds"),

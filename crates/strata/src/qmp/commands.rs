@@ -92,9 +92,18 @@ impl QmpClient {
     /// `query-status`.
     pub fn query_status(&mut self) -> Result<RunStatus, QmpError> {
         let r = self.execute("query-status", None)?;
-        match (r.get("status").and_then(Value::as_str), r.get("running").and_then(Value::as_bool)) {
-            (Some(s), Some(running)) => Ok(RunStatus { status: s.to_owned(), running }),
-            _ => Err(QmpError::BadReply { cmd: "query-status".into(), why: format!("no status/running in {r}") }),
+        match (
+            r.get("status").and_then(Value::as_str),
+            r.get("running").and_then(Value::as_bool),
+        ) {
+            (Some(s), Some(running)) => Ok(RunStatus {
+                status: s.to_owned(),
+                running,
+            }),
+            _ => Err(QmpError::BadReply {
+                cmd: "query-status".into(),
+                why: format!("no status/running in {r}"),
+            }),
         }
     }
 
@@ -118,13 +127,22 @@ impl QmpClient {
 
     /// `migrate-set-capabilities` with (name, state) pairs.
     pub fn migrate_set_capabilities(&mut self, caps: &[(&str, bool)]) -> Result<(), QmpError> {
-        let list: Vec<Value> = caps.iter().map(|(c, s)| json!({ "capability": c, "state": s })).collect();
-        self.execute("migrate-set-capabilities", Some(json!({ "capabilities": list })))?;
+        let list: Vec<Value> = caps
+            .iter()
+            .map(|(c, s)| json!({ "capability": c, "state": s }))
+            .collect();
+        self.execute(
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": list })),
+        )?;
         Ok(())
     }
 
     /// Query the capabilities and refuse the ones strata cannot store.
-    pub fn ensure_storable_capabilities(&mut self, policy: &CapabilityPolicy) -> Result<(), QmpError> {
+    pub fn ensure_storable_capabilities(
+        &mut self,
+        policy: &CapabilityPolicy,
+    ) -> Result<(), QmpError> {
         let caps = self.query_migrate_capabilities()?;
         check_capabilities_with(&caps, policy)?;
         Ok(())
@@ -132,8 +150,10 @@ impl QmpClient {
 
     /// `migrate-set-parameters`.
     pub fn migrate_set_parameters(&mut self, p: &MigrateParameters) -> Result<(), QmpError> {
-        let v = serde_json::to_value(p)
-            .map_err(|source| QmpError::BadJson { op: "migrate-set-parameters".into(), source })?;
+        let v = serde_json::to_value(p).map_err(|source| QmpError::BadJson {
+            op: "migrate-set-parameters".into(),
+            source,
+        })?;
         self.execute("migrate-set-parameters", Some(v))?;
         Ok(())
     }
@@ -165,7 +185,11 @@ impl QmpClient {
     /// `query-migrate`.
     pub fn query_migrate(&mut self) -> Result<MigrationInfo, QmpError> {
         let r = self.execute("query-migrate", None)?;
-        let status = r.get("status").and_then(Value::as_str).unwrap_or("none").to_owned();
+        let status = r
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("none")
+            .to_owned();
         let ram = r.get("ram").map(|m| MigrationRam {
             transferred: u64_at(m, "transferred").unwrap_or(0),
             total: u64_at(m, "total").unwrap_or(0),
@@ -179,14 +203,21 @@ impl QmpClient {
             total_time_ms: u64_at(&r, "total-time"),
             downtime_ms: u64_at(&r, "downtime"),
             ram,
-            error_desc: r.get("error-desc").and_then(Value::as_str).map(str::to_owned),
+            error_desc: r
+                .get("error-desc")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
             raw: r,
         })
     }
 
     /// Poll `query-migrate` every `poll` until `completed` (Ok), `failed` or `cancelled`
     /// (Err with QEMU's error-desc), or `timeout`.
-    pub fn wait_migration(&mut self, timeout: Duration, poll: Duration) -> Result<MigrationInfo, QmpError> {
+    pub fn wait_migration(
+        &mut self,
+        timeout: Duration,
+        poll: Duration,
+    ) -> Result<MigrationInfo, QmpError> {
         let deadline = Instant::now() + timeout;
         loop {
             let info = self.query_migrate()?;
@@ -194,7 +225,10 @@ impl QmpClient {
                 "completed" => return Ok(info),
                 "failed" | "cancelled" => {
                     return Err(QmpError::MigrationFailed {
-                        desc: info.error_desc.clone().unwrap_or_else(|| "no error-desc from QEMU".into()),
+                        desc: info
+                            .error_desc
+                            .clone()
+                            .unwrap_or_else(|| "no error-desc from QEMU".into()),
                         status: info.status,
                     })
                 }
@@ -232,16 +266,20 @@ impl QmpClient {
     /// `query-machines`.
     pub fn query_machines(&mut self) -> Result<Vec<MachineInfo>, QmpError> {
         let r = self.execute("query-machines", None)?;
-        let arr = r
-            .as_array()
-            .ok_or_else(|| QmpError::BadReply { cmd: "query-machines".into(), why: "not an array".into() })?;
+        let arr = r.as_array().ok_or_else(|| QmpError::BadReply {
+            cmd: "query-machines".into(),
+            why: "not an array".into(),
+        })?;
         Ok(arr
             .iter()
             .filter_map(|m| {
                 Some(MachineInfo {
                     name: m.get("name")?.as_str()?.to_owned(),
                     alias: m.get("alias").and_then(Value::as_str).map(str::to_owned),
-                    is_default: m.get("is-default").and_then(Value::as_bool).unwrap_or(false),
+                    is_default: m
+                        .get("is-default")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
                 })
             })
             .collect())
@@ -250,10 +288,14 @@ impl QmpClient {
     /// Machine type of the running VM (e.g. `pc-i440fx-7.2`), as written into CONFIGURATION:
     /// the QOM type of `/machine` without its `-machine` suffix.
     pub fn machine_type(&mut self) -> Result<String, QmpError> {
-        let r = self.execute("qom-get", Some(json!({ "path": "/machine", "property": "type" })))?;
-        let t = r
-            .as_str()
-            .ok_or_else(|| QmpError::BadReply { cmd: "qom-get /machine type".into(), why: format!("not a string: {r}") })?;
+        let r = self.execute(
+            "qom-get",
+            Some(json!({ "path": "/machine", "property": "type" })),
+        )?;
+        let t = r.as_str().ok_or_else(|| QmpError::BadReply {
+            cmd: "qom-get /machine type".into(),
+            why: format!("not a string: {r}"),
+        })?;
         Ok(t.strip_suffix("-machine").unwrap_or(t).to_owned())
     }
 
@@ -263,7 +305,10 @@ impl QmpClient {
         self.query_machines()?
             .into_iter()
             .find(|m| m.name == name)
-            .ok_or_else(|| QmpError::BadReply { cmd: "query-machines".into(), why: format!("no entry for '{name}'") })
+            .ok_or_else(|| QmpError::BadReply {
+                cmd: "query-machines".into(),
+                why: format!("no entry for '{name}'"),
+            })
     }
 
     /// `query-memory-size-summary`.
@@ -280,17 +325,25 @@ impl QmpClient {
 
     /// `human-monitor-command`: run an HMP command and return its text output.
     pub fn human_monitor_command(&mut self, line: &str) -> Result<String, QmpError> {
-        let r = self.execute("human-monitor-command", Some(json!({ "command-line": line })))?;
+        let r = self.execute(
+            "human-monitor-command",
+            Some(json!({ "command-line": line })),
+        )?;
         r.as_str()
             .map(str::to_owned)
-            .ok_or_else(|| QmpError::BadReply { cmd: format!("human-monitor-command {line}"), why: "not a string".into() })
+            .ok_or_else(|| QmpError::BadReply {
+                cmd: format!("human-monitor-command {line}"),
+                why: "not a string".into(),
+            })
     }
 
     /// The ramblocks of the running VM (HMP `info ramblock`).
     pub fn ram_blocks(&mut self) -> Result<Vec<RamBlockInfo>, QmpError> {
         let text = self.human_monitor_command("info ramblock")?;
-        parse_info_ramblock(&text)
-            .map_err(|why| QmpError::BadReply { cmd: "human-monitor-command info ramblock".into(), why })
+        parse_info_ramblock(&text).map_err(|why| QmpError::BadReply {
+            cmd: "human-monitor-command info ramblock".into(),
+            why,
+        })
     }
 }
 
@@ -319,7 +372,9 @@ pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, String> {
             "GiB" => 1 << 30,
             u => return Err(format!("bad page-size unit '{u}' in '{line}'")),
         };
-        let size: u64 = t[n - 5].parse().map_err(|_| format!("bad page size in '{line}'"))?;
+        let size: u64 = t[n - 5]
+            .parse()
+            .map_err(|_| format!("bad page size in '{line}'"))?;
         out.push(RamBlockInfo {
             name: t[..n - 5].join(" "),
             page_size: size * unit,
@@ -347,7 +402,16 @@ mod tests {
       /rom@etc/acpi/rsdp    4 KiB  0x00000000082c0000 0x0000000000001000 0x0000000000001000\r\n";
         let b = parse_info_ramblock(text).unwrap();
         assert_eq!(b.len(), 3);
-        assert_eq!(b[0], RamBlockInfo { name: "pc.ram".into(), page_size: 4096, offset: 0, used: 0x800_0000, total: 0x800_0000 });
+        assert_eq!(
+            b[0],
+            RamBlockInfo {
+                name: "pc.ram".into(),
+                page_size: 4096,
+                offset: 0,
+                used: 0x800_0000,
+                total: 0x800_0000
+            }
+        );
         assert_eq!(b[1].name, "/rom@etc/acpi/tables");
         assert_eq!(b[1].used, 0x20000);
         assert_eq!(b[1].total, 0x200000);
@@ -357,7 +421,14 @@ mod tests {
 
     #[test]
     fn parameters_serialise_kebab_case() {
-        let p = MigrateParameters { max_bandwidth: Some(1 << 30), downtime_limit: Some(500), ..Default::default() };
-        assert_eq!(serde_json::to_value(&p).unwrap(), json!({"max-bandwidth": 1073741824u64, "downtime-limit": 500}));
+        let p = MigrateParameters {
+            max_bandwidth: Some(1 << 30),
+            downtime_limit: Some(500),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_value(&p).unwrap(),
+            json!({"max-bandwidth": 1073741824u64, "downtime-limit": 500})
+        );
     }
 }

@@ -13,10 +13,13 @@ pub mod client;
 pub mod commands;
 pub mod error;
 
-pub use caps::{check_capabilities, check_capabilities_with, CapabilityPolicy, MigrationCapability, RefusedCapability, Unsupported};
+pub use caps::{
+    check_capabilities, check_capabilities_with, CapabilityPolicy, MigrationCapability,
+    RefusedCapability, Unsupported,
+};
 pub use client::{QemuVersion, QmpClient, QmpEvent};
 pub use commands::{
-    parse_info_ramblock, MachineInfo, MemorySizeSummary, MigrateParameters, MigrationInfo, MigrationRam, RamBlockInfo,
-    RunStatus,
+    parse_info_ramblock, MachineInfo, MemorySizeSummary, MigrateParameters, MigrationInfo,
+    MigrationRam, RamBlockInfo, RunStatus,
 };
 pub use error::QmpError;

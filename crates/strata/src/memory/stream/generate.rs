@@ -68,8 +68,17 @@ pub struct StreamWriter<W: Write> {
     allow_partial: bool,
 }
 
-fn put<W: Write>(out: &mut BufWriter<W>, bytes: &mut u64, what: &'static str, data: &[u8]) -> Result<(), GenerateError> {
-    out.write_all(data).map_err(|source| GenerateError::Io { offset: *bytes, what, source })?;
+fn put<W: Write>(
+    out: &mut BufWriter<W>,
+    bytes: &mut u64,
+    what: &'static str,
+    data: &[u8],
+) -> Result<(), GenerateError> {
+    out.write_all(data).map_err(|source| GenerateError::Io {
+        offset: *bytes,
+        what,
+        source,
+    })?;
     *bytes += data.len() as u64;
     Ok(())
 }
@@ -77,10 +86,16 @@ fn put<W: Write>(out: &mut BufWriter<W>, bytes: &mut u64, what: &'static str, da
 fn check_layout(layout: &StreamLayout) -> Result<(), GenerateError> {
     let bad = |why: String| Err(GenerateError::Layout { why });
     if layout.version != wire::FILE_VERSION {
-        return bad(format!("file version {} (only 3 is written)", layout.version));
+        return bad(format!(
+            "file version {} (only 3 is written)",
+            layout.version
+        ));
     }
     if layout.ram_section.version_id != wire::RAM_SECTION_VERSION {
-        return bad(format!("RAM section version {} (QEMU 7.2 loads only 4)", layout.ram_section.version_id));
+        return bad(format!(
+            "RAM section version {} (QEMU 7.2 loads only 4)",
+            layout.ram_section.version_id
+        ));
     }
     if layout.machine_type.is_none() && !layout.config_subsections.is_empty() {
         return bad("configuration subsections without a machine type".into());
@@ -93,7 +108,10 @@ fn check_layout(layout: &StreamLayout) -> Result<(), GenerateError> {
             return bad(format!("ramblock name '{}' must be 1 to 255 bytes", b.name));
         }
         if b.used_len == 0 || b.used_len % PAGE_SIZE as u64 != 0 {
-            return bad(format!("ramblock '{}' length {:#x} is not a non-zero multiple of 4 KiB", b.name, b.used_len));
+            return bad(format!(
+                "ramblock '{}' length {:#x} is not a non-zero multiple of 4 KiB",
+                b.name, b.used_len
+            ));
         }
         if layout.blocks[..i].iter().any(|o| o.name == b.name) {
             return bad(format!("ramblock '{}' is listed twice", b.name));
@@ -114,7 +132,11 @@ impl<W: Write> StreamWriter<W> {
         }
         let id = layout.ram_section.section_id;
         wire::put_ram_start(&mut head, &layout.ram_section);
-        head.extend_from_slice(&wire::record_word(layout.total_ram(), RecordKind::MemSize, false));
+        head.extend_from_slice(&wire::record_word(
+            layout.total_ram(),
+            RecordKind::MemSize,
+            false,
+        ));
         for b in &layout.blocks {
             // Names were checked to be at most 255 bytes.
             let _ = wire::put_idstr(&mut head, &b.name);
@@ -130,7 +152,11 @@ impl<W: Write> StreamWriter<W> {
             state: WState::Ram,
             last_block: None,
             stats: GenerateStats::default(),
-            coverage: layout.blocks.iter().map(|b| vec![0u64; b.pages().div_ceil(64) as usize]).collect(),
+            coverage: layout
+                .blocks
+                .iter()
+                .map(|b| vec![0u64; b.pages().div_ceil(64) as usize])
+                .collect(),
             allow_partial: false,
         };
         put(&mut w.out, &mut w.stats.bytes, "the stream header", &head)?;
@@ -146,7 +172,12 @@ impl<W: Write> StreamWriter<W> {
     }
 
     /// Write one full page.
-    pub fn page(&mut self, block: BlockIdx, offset: u64, data: &[u8; PAGE_SIZE]) -> Result<(), GenerateError> {
+    pub fn page(
+        &mut self,
+        block: BlockIdx,
+        offset: u64,
+        data: &[u8; PAGE_SIZE],
+    ) -> Result<(), GenerateError> {
         self.record(block, offset, RecordKind::Page, data)
     }
 
@@ -164,15 +195,31 @@ impl<W: Write> StreamWriter<W> {
     }
 
     #[inline]
-    fn record(&mut self, block: BlockIdx, offset: u64, kind: RecordKind, payload: &[u8]) -> Result<(), GenerateError> {
+    fn record(
+        &mut self,
+        block: BlockIdx,
+        offset: u64,
+        kind: RecordKind,
+        payload: &[u8],
+    ) -> Result<(), GenerateError> {
         if self.state != WState::Ram {
-            return Err(GenerateError::Order { call: "page", state: "the tail" });
+            return Err(GenerateError::Order {
+                call: "page",
+                state: "the tail",
+            });
         }
         let Some(b) = self.layout.blocks.get(block.get()) else {
-            return Err(GenerateError::BlockIndex { block: block.0, count: self.layout.blocks.len() });
+            return Err(GenerateError::BlockIndex {
+                block: block.0,
+                count: self.layout.blocks.len(),
+            });
         };
         if offset % PAGE_SIZE as u64 != 0 || offset >= b.used_len {
-            return Err(GenerateError::BadOffset { name: b.name.clone(), page_offset: offset, used_len: b.used_len });
+            return Err(GenerateError::BadOffset {
+                name: b.name.clone(),
+                page_offset: offset,
+                used_len: b.used_len,
+            });
         }
         let cont = self.last_block == Some(block.0);
         let mut hdr = [0u8; 8 + 256];
@@ -183,8 +230,18 @@ impl<W: Write> StreamWriter<W> {
             hdr[9..9 + b.name.len()].copy_from_slice(b.name.as_bytes());
             n += 1 + b.name.len();
         }
-        put(&mut self.out, &mut self.stats.bytes, "a page record", &hdr[..n])?;
-        put(&mut self.out, &mut self.stats.bytes, "a page record", payload)?;
+        put(
+            &mut self.out,
+            &mut self.stats.bytes,
+            "a page record",
+            &hdr[..n],
+        )?;
+        put(
+            &mut self.out,
+            &mut self.stats.bytes,
+            "a page record",
+            payload,
+        )?;
         let page = offset / PAGE_SIZE as u64;
         self.coverage[block.get()][(page / 64) as usize] |= 1 << (page % 64);
         self.last_block = Some(block.0);
@@ -202,7 +259,9 @@ impl<W: Write> StreamWriter<W> {
                 let pages = b.pages();
                 let present: u64 = bits.iter().map(|w| w.count_ones() as u64).sum();
                 if present < pages {
-                    let first = (0..pages).find(|p| bits[(p / 64) as usize] & (1 << (p % 64)) == 0).unwrap_or(0);
+                    let first = (0..pages)
+                        .find(|p| bits[(p / 64) as usize] & (1 << (p % 64)) == 0)
+                        .unwrap_or(0);
                     return Err(GenerateError::MissingPages {
                         name: b.name.clone(),
                         missing: pages - present,
@@ -214,7 +273,12 @@ impl<W: Write> StreamWriter<W> {
         let mut end = Vec::with_capacity(13);
         end.extend_from_slice(&wire::record_word(0, RecordKind::Eos, false));
         wire::put_footer(&mut end, self.layout.ram_section.section_id);
-        put(&mut self.out, &mut self.stats.bytes, "the RAM END section", &end)?;
+        put(
+            &mut self.out,
+            &mut self.stats.bytes,
+            "the RAM END section",
+            &end,
+        )?;
         self.state = WState::Tail;
         Ok(())
     }
@@ -233,7 +297,12 @@ impl<W: Write> StreamWriter<W> {
             }
             self.end_ram()?;
         }
-        put(&mut self.out, &mut self.stats.bytes, "the device-state tail", bytes)?;
+        put(
+            &mut self.out,
+            &mut self.stats.bytes,
+            "the device-state tail",
+            bytes,
+        )?;
         self.stats.tail_bytes += bytes.len() as u64;
         Ok(())
     }
@@ -241,7 +310,10 @@ impl<W: Write> StreamWriter<W> {
     /// Flush and return the writer. The tail must have been written.
     pub fn finish(self) -> Result<(W, GenerateStats), GenerateError> {
         if self.state == WState::Ram {
-            return Err(GenerateError::Order { call: "finish", state: "no tail" });
+            return Err(GenerateError::Order {
+                call: "finish",
+                state: "no tail",
+            });
         }
         let stats = self.stats;
         let out = self.out.into_inner().map_err(|e| GenerateError::Io {
@@ -255,7 +327,12 @@ impl<W: Write> StreamWriter<W> {
 }
 
 /// Write a whole stream: layout, `pages` in the order given, then `tail`.
-pub fn generate<'a, W, I>(out: W, layout: &StreamLayout, pages: I, tail: &[u8]) -> Result<(W, GenerateStats), GenerateError>
+pub fn generate<'a, W, I>(
+    out: W,
+    layout: &StreamLayout,
+    pages: I,
+    tail: &[u8],
+) -> Result<(W, GenerateStats), GenerateError>
 where
     W: Write,
     I: IntoIterator<Item = PageRecord<'a>>,

@@ -31,6 +31,8 @@
 pub mod error;
 pub mod generate;
 pub mod parse;
+pub mod sink;
+mod tail;
 pub mod wire;
 
 #[cfg(test)]
@@ -38,9 +40,9 @@ mod tests;
 
 pub use error::{GenerateError, SinkError, StreamError};
 pub use generate::{generate, GenerateStats, PageContent, PageRecord, StreamWriter};
-pub use parse::{
-    parse_all, parse_all_chunked, Event, Limits, ParseStats, ParsedSummary, Parser, StreamInfo,
-    StreamSink,
+pub use parse::Parser;
+pub use sink::{
+    parse_all, parse_all_chunked, Event, Limits, ParseStats, ParsedSummary, StreamInfo, StreamSink,
 };
 pub use wire::PAGE_SIZE;
 
@@ -96,7 +98,8 @@ pub struct StreamLayout {
     /// Machine type from the CONFIGURATION section (e.g. `pc-i440fx-7.2`); `None` when the
     /// source machine type does not send one.
     pub machine_type: Option<String>,
-    /// Configuration subsections (only `configuration/uuid` is accepted), verbatim.
+    /// Configuration subsections (`configuration/uuid`, `configuration/target-page-bits`),
+    /// verbatim.
     pub config_subsections: Vec<u8>,
     /// Numbers of the `ram` section header.
     pub ram_section: RamSectionHeader,

@@ -26,139 +26,17 @@
 //! with EOF + VMDESCRIPTION and hand the blob back. Background-snapshot streams have no RAM
 //! END: their tail starts at the first FULL after a PART. Multiple precopy passes simply repeat
 //! page records; the sink sees every record and the latest one wins.
+//!
+//! The event types and the summary live in `sink.rs`; the end-of-stream check of the tail in
+//! `tail.rs`.
 
-use super::error::{SinkError, StreamError};
+use super::error::StreamError;
+use super::sink::{Event, Limits, ParseStats, StreamInfo, StreamSink};
+use super::tail::validate_tail;
 use super::wire::{self, FlagProblem, RecordKind};
 use super::{BlockIdx, RamBlock, RamSectionHeader, SectionKind, StreamLayout, PAGE_SIZE};
 
 const TARGET: &str = "strata::memory::stream";
-
-/// Caps on sizes taken from the stream, so hostile input cannot make the parser allocate
-/// without bound.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Most ramblocks in `MEM_SIZE` (a pc guest has 6–10).
-    pub max_blocks: usize,
-    /// Largest single ramblock.
-    pub max_block_bytes: u64,
-    /// Longest machine-type string in CONFIGURATION.
-    pub max_machine_type: usize,
-    /// Largest device-state tail kept for validation (QEMU 7.2 x86 tails are 100–400 KB).
-    pub max_tail_bytes: usize,
-    /// Require EOF + VMDESCRIPTION at the end. Turn off only for sources started with
-    /// `-machine suppress-vmdesc=on`, whose streams end at EOF.
-    pub require_vmdesc: bool,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_blocks: 1024,
-            max_block_bytes: 16 << 40,
-            max_machine_type: 256,
-            max_tail_bytes: 64 << 20,
-            require_vmdesc: true,
-        }
-    }
-}
-
-/// What the parser reports, in stream order.
-#[derive(Debug)]
-pub enum Event<'a> {
-    /// File magic and version were accepted.
-    Header { version: u32 },
-    /// CONFIGURATION section: the source's machine type.
-    Configuration { machine_type: &'a str },
-    /// A RAM section header (START, PART or END) was read.
-    SectionBegin { kind: SectionKind, section_id: u32 },
-    /// The ramblock list from `MEM_SIZE`, in stream order ([`BlockIdx`] indexes it).
-    RamBlocks(&'a [RamBlock]),
-    /// A full page. `data` is borrowed from the fed slice (or the staging buffer).
-    Page { block: BlockIdx, offset: u64, data: &'a [u8; PAGE_SIZE] },
-    /// A page filled with one byte (QEMU 7.2 only sends 0).
-    Zero { block: BlockIdx, offset: u64, fill: u8 },
-    /// A RAM section's EOS and footer were read.
-    SectionEnd { kind: SectionKind, section_id: u32 },
-    /// Device-state tail bytes, verbatim; may arrive in several pieces.
-    Tail(&'a [u8]),
-    /// The stream ended correctly (sent by `finish`).
-    End { layout: &'a StreamLayout },
-}
-
-/// Receiver of parser events. A sink error stops the parse and is returned wrapped in
-/// [`StreamError::Sink`] with the stream offset.
-pub trait StreamSink {
-    fn event(&mut self, ev: Event<'_>) -> Result<(), SinkError>;
-}
-
-impl<F> StreamSink for F
-where
-    F: FnMut(Event<'_>) -> Result<(), SinkError>,
-{
-    fn event(&mut self, ev: Event<'_>) -> Result<(), SinkError> {
-        self(ev)
-    }
-}
-
-/// Counters kept while parsing.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ParseStats {
-    pub bytes: u64,
-    pub page_records: u64,
-    pub zero_records: u64,
-    pub part_sections: u64,
-    pub end_sections: u64,
-}
-
-/// Result of a successful parse.
-#[derive(Debug, Clone)]
-pub struct StreamInfo {
-    pub layout: StreamLayout,
-    pub stats: ParseStats,
-    /// Stream offset where the tail starts.
-    pub tail_offset: u64,
-    /// The tail, verbatim (FULL sections, EOF, VMDESCRIPTION).
-    pub tail: Vec<u8>,
-    /// Entries in the VMDESCRIPTION `devices` array (0 without VMDESCRIPTION).
-    pub vmdesc_devices: usize,
-    /// True when the RAM data had no END section (a `background-snapshot` stream).
-    pub background_snapshot: bool,
-}
-
-/// Everything [`parse_all`] learns, without the tail bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParsedSummary {
-    pub layout: StreamLayout,
-    pub stats: ParseStats,
-    pub tail_offset: u64,
-    pub tail_len: usize,
-    pub vmdesc_devices: usize,
-    pub background_snapshot: bool,
-}
-
-/// Parse a whole stream held in memory. Pure function over bytes, for cargo-fuzz.
-pub fn parse_all(bytes: &[u8]) -> Result<ParsedSummary, StreamError> {
-    parse_all_chunked(bytes, bytes.len().max(1))
-}
-
-/// Parse a stream fed in `chunk`-byte pieces (exercises the staging path; same result as
-/// [`parse_all`] for every chunk size).
-pub fn parse_all_chunked(bytes: &[u8], chunk: usize) -> Result<ParsedSummary, StreamError> {
-    let mut p = Parser::new(Limits::default());
-    let mut sink = |_: Event<'_>| -> Result<(), SinkError> { Ok(()) };
-    for piece in bytes.chunks(chunk.max(1)) {
-        p.feed(piece, &mut sink)?;
-    }
-    let info = p.finish(&mut sink)?;
-    Ok(ParsedSummary {
-        layout: info.layout,
-        stats: info.stats,
-        tail_offset: info.tail_offset,
-        tail_len: info.tail.len(),
-        vmdesc_devices: info.vmdesc_devices,
-        background_snapshot: info.background_snapshot,
-    })
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -269,9 +147,15 @@ impl Parser {
     }
 
     /// Feed the next bytes of the stream. After an error the parser is poisoned.
-    pub fn feed<S: StreamSink + ?Sized>(&mut self, input: &[u8], sink: &mut S) -> Result<(), StreamError> {
+    pub fn feed<S: StreamSink + ?Sized>(
+        &mut self,
+        input: &[u8],
+        sink: &mut S,
+    ) -> Result<(), StreamError> {
         if self.state == State::Failed {
-            return Err(StreamError::Poisoned { offset: self.offset });
+            return Err(StreamError::Poisoned {
+                offset: self.offset,
+            });
         }
         let r = self.feed_inner(input, sink);
         if r.is_err() {
@@ -280,7 +164,11 @@ impl Parser {
         r
     }
 
-    fn feed_inner<S: StreamSink + ?Sized>(&mut self, mut input: &[u8], sink: &mut S) -> Result<(), StreamError> {
+    fn feed_inner<S: StreamSink + ?Sized>(
+        &mut self,
+        mut input: &[u8],
+        sink: &mut S,
+    ) -> Result<(), StreamError> {
         while !input.is_empty() {
             if !self.stage.is_empty() {
                 let take = self.need.saturating_sub(self.stage.len()).min(input.len());
@@ -334,12 +222,22 @@ impl Parser {
 
     /// Check that the stream ended after its tail, validate the tail and return what was
     /// parsed. A stream that stops anywhere else is reported as truncated at its last byte.
-    pub fn finish<S: StreamSink + ?Sized>(mut self, sink: &mut S) -> Result<StreamInfo, StreamError> {
+    pub fn finish<S: StreamSink + ?Sized>(
+        mut self,
+        sink: &mut S,
+    ) -> Result<StreamInfo, StreamError> {
         match self.state {
             State::Tail => {}
-            State::Failed => return Err(StreamError::Poisoned { offset: self.offset }),
+            State::Failed => {
+                return Err(StreamError::Poisoned {
+                    offset: self.offset,
+                })
+            }
             s => {
-                return Err(StreamError::Truncated { offset: self.bytes_fed(), expected: s.expecting() });
+                return Err(StreamError::Truncated {
+                    offset: self.bytes_fed(),
+                    expected: s.expecting(),
+                });
             }
         }
         let end = self.bytes_fed();
@@ -357,7 +255,10 @@ impl Parser {
         };
         self.stats.bytes = end;
         sink.event(Event::End { layout: &layout })
-            .map_err(|source| StreamError::Sink { offset: end, source })?;
+            .map_err(|source| StreamError::Sink {
+                offset: end,
+                source,
+            })?;
         tracing::debug!(target: TARGET, bytes = end, pages = self.stats.page_records,
             zeros = self.stats.zero_records, tail = self.tail.len(), "stream parsed");
         Ok(StreamInfo {
@@ -371,10 +272,17 @@ impl Parser {
     }
 
     fn emit<S: StreamSink + ?Sized>(&self, sink: &mut S, ev: Event<'_>) -> Result<(), StreamError> {
-        sink.event(ev).map_err(|source| StreamError::Sink { offset: self.offset, source })
+        sink.event(ev).map_err(|source| StreamError::Sink {
+            offset: self.offset,
+            source,
+        })
     }
 
-    fn step<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         match self.state {
             State::RamRecord => self.step_record(b, sink),
             State::Magic => self.step_magic(b, sink),
@@ -382,21 +290,33 @@ impl Parser {
             State::MemSizeEntry => self.step_mem_entry(b, sink),
             State::Footer => self.step_footer(b, sink),
             State::Tail => self.step_tail(b, sink),
-            State::Failed => Err(StreamError::Poisoned { offset: self.offset }),
+            State::Failed => Err(StreamError::Poisoned {
+                offset: self.offset,
+            }),
         }
     }
 
-    fn step_magic<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_magic<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 8 {
             return Ok(Step::Need(8));
         }
         let magic = wire::be32(b, 0);
         if magic != wire::FILE_MAGIC {
-            return Err(StreamError::BadMagic { offset: self.offset, found: magic });
+            return Err(StreamError::BadMagic {
+                offset: self.offset,
+                found: magic,
+            });
         }
         let version = wire::be32(b, 4);
         if version != wire::FILE_VERSION {
-            return Err(StreamError::BadVersion { offset: self.offset + 4, found: version });
+            return Err(StreamError::BadVersion {
+                offset: self.offset + 4,
+                found: version,
+            });
         }
         self.version = version;
         self.state = State::AfterHeader;
@@ -404,11 +324,23 @@ impl Parser {
         Ok(Step::Consumed(8))
     }
 
-    fn step_section<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_section<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         let off = self.offset;
-        let unexpected = |why| Err(StreamError::UnexpectedSection { offset: off, kind: b[0], why });
+        let unexpected = |why| {
+            Err(StreamError::UnexpectedSection {
+                offset: off,
+                kind: b[0],
+                why,
+            })
+        };
         match b[0] {
-            wire::SEC_CONFIGURATION if self.state == State::AfterHeader => self.step_configuration(b, sink),
+            wire::SEC_CONFIGURATION if self.state == State::AfterHeader => {
+                self.step_configuration(b, sink)
+            }
             wire::SEC_SUBSECTION if self.state == State::AfterConfig => self.step_subsection(b),
             wire::SEC_START => self.step_start(b, sink),
             wire::SEC_PART | wire::SEC_END => self.step_part_end(b, sink),
@@ -424,14 +356,20 @@ impl Parser {
                 self.step_tail(b, sink)
             }
             wire::SEC_COMMAND => Err(StreamError::Command { offset: off }),
-            wire::SEC_CONFIGURATION => unexpected("CONFIGURATION is only valid right after the file header"),
+            wire::SEC_CONFIGURATION => {
+                unexpected("CONFIGURATION is only valid right after the file header")
+            }
             wire::SEC_SUBSECTION => unexpected("SUBSECTION outside the configuration"),
             wire::SEC_VMDESCRIPTION => unexpected("VMDESCRIPTION before EOF"),
             _ => unexpected("not a QEMU 7.2 section type"),
         }
     }
 
-    fn step_configuration<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_configuration<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 5 {
             return Ok(Step::Need(5));
         }
@@ -439,24 +377,29 @@ impl Parser {
         if len > self.limits.max_machine_type {
             return Err(StreamError::BadConfiguration {
                 offset: self.offset + 1,
-                why: format!("machine type is {len} bytes, over the {}-byte cap", self.limits.max_machine_type),
+                why: format!(
+                    "machine type is {len} bytes, over the {}-byte cap",
+                    self.limits.max_machine_type
+                ),
             });
         }
         if b.len() < 5 + len {
             return Ok(Step::Need(5 + len));
         }
-        let name = std::str::from_utf8(&b[5..5 + len]).map_err(|_| StreamError::BadConfiguration {
-            offset: self.offset + 5,
-            why: "machine type is not UTF-8".into(),
-        })?;
+        let name =
+            std::str::from_utf8(&b[5..5 + len]).map_err(|_| StreamError::BadConfiguration {
+                offset: self.offset + 5,
+                why: "machine type is not UTF-8".into(),
+            })?;
         self.machine_type = Some(name.to_owned());
         self.state = State::AfterConfig;
         self.emit(sink, Event::Configuration { machine_type: name })?;
         Ok(Step::Consumed(5 + len))
     }
 
-    /// `0x05 | idstr name | be32 version | body`. Only `configuration/uuid` (16 bytes) is
-    /// kept; `configuration/capabilities` is parsed so the error can name the capability.
+    /// `0x05 | idstr name | be32 version | body`. `configuration/uuid` (16 bytes) and
+    /// `configuration/target-page-bits` (be32, must be 12) are kept verbatim;
+    /// `configuration/capabilities` is parsed so the error can name the capability.
     fn step_subsection(&mut self, b: &[u8]) -> Result<Step, StreamError> {
         if b.len() < 2 {
             return Ok(Step::Need(2));
@@ -469,6 +412,21 @@ impl Parser {
         let name = String::from_utf8_lossy(&b[2..2 + n]).into_owned();
         let total = match name.as_str() {
             wire::SUBSECTION_UUID => hdr + 16,
+            wire::SUBSECTION_TARGET_PAGE_BITS => {
+                if b.len() < hdr + 4 {
+                    return Ok(Step::Need(hdr + 4));
+                }
+                let bits = wire::be32(b, hdr);
+                if bits != wire::PAGE_BITS {
+                    return Err(StreamError::BadConfiguration {
+                        offset: self.offset + hdr as u64,
+                        why: format!(
+                            "target page size is 2^{bits} bytes; only 4 KiB pages are parsed"
+                        ),
+                    });
+                }
+                hdr + 4
+            }
             wire::SUBSECTION_CAPABILITIES => {
                 if b.len() < hdr + 4 {
                     return Ok(Step::Need(hdr + 4));
@@ -501,7 +459,12 @@ impl Parser {
                     fix: "shared ramblocks are left out of such streams; disable x-ignore-shared",
                 });
             }
-            _ => return Err(StreamError::UnknownSubsection { offset: self.offset, name }),
+            _ => {
+                return Err(StreamError::UnknownSubsection {
+                    offset: self.offset,
+                    name,
+                })
+            }
         };
         if b.len() < total {
             return Ok(Step::Need(total));
@@ -510,7 +473,11 @@ impl Parser {
         Ok(Step::Consumed(total))
     }
 
-    fn step_start<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_start<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 6 {
             return Ok(Step::Need(6));
         }
@@ -537,20 +504,41 @@ impl Parser {
         let instance_id = wire::be32(b, 6 + n);
         let version_id = wire::be32(b, 10 + n);
         if version_id != wire::RAM_SECTION_VERSION {
-            return Err(StreamError::RamVersion { offset: self.offset + 10 + n as u64, found: version_id });
+            return Err(StreamError::RamVersion {
+                offset: self.offset + 10 + n as u64,
+                found: version_id,
+            });
         }
         tracing::debug!(target: TARGET, offset = self.offset, section_id, instance_id, "RAM START");
-        self.ram = Some(RamSectionHeader { section_id, instance_id, version_id });
+        self.ram = Some(RamSectionHeader {
+            section_id,
+            instance_id,
+            version_id,
+        });
         self.begin_section(SectionKind::Start, section_id, sink)?;
         Ok(Step::Consumed(total))
     }
 
-    fn step_part_end<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_part_end<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 5 {
             return Ok(Step::Need(5));
         }
-        let kind = if b[0] == wire::SEC_PART { SectionKind::Part } else { SectionKind::End };
-        let unexpected = |why| Err(StreamError::UnexpectedSection { offset: self.offset, kind: b[0], why });
+        let kind = if b[0] == wire::SEC_PART {
+            SectionKind::Part
+        } else {
+            SectionKind::End
+        };
+        let unexpected = |why| {
+            Err(StreamError::UnexpectedSection {
+                offset: self.offset,
+                kind: b[0],
+                why,
+            })
+        };
         let Some(ram) = &self.ram else {
             return unexpected("PART or END before the RAM START section");
         };
@@ -559,7 +547,11 @@ impl Parser {
         }
         let id = wire::be32(b, 1);
         if id != ram.section_id {
-            return Err(StreamError::SectionIdMismatch { offset: self.offset + 1, found: id, expected: ram.section_id });
+            return Err(StreamError::SectionIdMismatch {
+                offset: self.offset + 1,
+                found: id,
+                expected: ram.section_id,
+            });
         }
         match kind {
             SectionKind::End => {
@@ -576,24 +568,45 @@ impl Parser {
         Ok(Step::Consumed(5))
     }
 
-    fn begin_section<S: StreamSink + ?Sized>(&mut self, kind: SectionKind, id: u32, sink: &mut S) -> Result<(), StreamError> {
+    fn begin_section<S: StreamSink + ?Sized>(
+        &mut self,
+        kind: SectionKind,
+        id: u32,
+        sink: &mut S,
+    ) -> Result<(), StreamError> {
         self.section = Some((kind, id));
         self.records_in_section = 0;
         self.state = State::RamRecord;
-        self.emit(sink, Event::SectionBegin { kind, section_id: id })
+        self.emit(
+            sink,
+            Event::SectionBegin {
+                kind,
+                section_id: id,
+            },
+        )
     }
 
     #[inline]
-    fn step_record<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_record<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 8 {
             return Ok(Step::Need(8));
         }
         let word = wire::be64(b, 0);
         let h = wire::decode_record(word).map_err(|p| match p {
-            FlagProblem::Refused(flag, fix) => {
-                StreamError::RefusedFlag { offset: self.offset, flags: word & !wire::PAGE_MASK, flag, fix }
-            }
-            FlagProblem::Unknown => StreamError::UnknownFlags { offset: self.offset, flags: word & !wire::PAGE_MASK },
+            FlagProblem::Refused(flag, fix) => StreamError::RefusedFlag {
+                offset: self.offset,
+                flags: word & !wire::PAGE_MASK,
+                flag,
+                fix,
+            },
+            FlagProblem::Unknown => StreamError::UnknownFlags {
+                offset: self.offset,
+                flags: word & !wire::PAGE_MASK,
+            },
         })?;
         let first = self.records_in_section == 0;
         match h.kind {
@@ -638,13 +651,27 @@ impl Parser {
                         return Ok(Step::Need(hdr + PAGE_SIZE));
                     };
                     self.stats.page_records += 1;
-                    (Event::Page { block: BlockIdx(idx), offset: h.addr, data }, hdr + PAGE_SIZE)
+                    (
+                        Event::Page {
+                            block: BlockIdx(idx),
+                            offset: h.addr,
+                            data,
+                        },
+                        hdr + PAGE_SIZE,
+                    )
                 } else {
                     let Some(&fill) = b.get(hdr) else {
                         return Ok(Step::Need(hdr + 1));
                     };
                     self.stats.zero_records += 1;
-                    (Event::Zero { block: BlockIdx(idx), offset: h.addr, fill }, hdr + 1)
+                    (
+                        Event::Zero {
+                            block: BlockIdx(idx),
+                            offset: h.addr,
+                            fill,
+                        },
+                        hdr + 1,
+                    )
                 };
                 self.last_block = Some(idx);
                 self.records_in_section += 1;
@@ -652,14 +679,20 @@ impl Parser {
                 Ok(Step::Consumed(ev.1))
             }
             RecordKind::MemSize => {
-                if self.mem_size_seen || !first || self.section.map(|s| s.0) != Some(SectionKind::Start) {
+                if self.mem_size_seen
+                    || !first
+                    || self.section.map(|s| s.0) != Some(SectionKind::Start)
+                {
                     return Err(StreamError::RecordOrder {
                         offset: self.offset,
                         why: "MEM_SIZE is only valid as the first record of the RAM START section",
                     });
                 }
                 if h.addr == 0 {
-                    return Err(StreamError::BadBlockList { offset: self.offset, why: "MEM_SIZE announces 0 bytes".into() });
+                    return Err(StreamError::BadBlockList {
+                        offset: self.offset,
+                        why: "MEM_SIZE announces 0 bytes".into(),
+                    });
                 }
                 self.mem_remaining = h.addr;
                 self.records_in_section += 1;
@@ -668,7 +701,10 @@ impl Parser {
             }
             RecordKind::Eos => {
                 if h.addr != 0 {
-                    return Err(StreamError::UnknownFlags { offset: self.offset, flags: word });
+                    return Err(StreamError::UnknownFlags {
+                        offset: self.offset,
+                        flags: word,
+                    });
                 }
                 if !self.mem_size_seen {
                     return Err(StreamError::RecordOrder {
@@ -700,13 +736,22 @@ impl Parser {
             })
     }
 
-    fn step_mem_entry<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_mem_entry<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         let n = b[0] as usize;
         let total = 1 + n + 8;
         if b.len() < total {
             return Ok(Step::Need(total));
         }
-        let bad = |why: String| Err(StreamError::BadBlockList { offset: self.offset, why });
+        let bad = |why: String| {
+            Err(StreamError::BadBlockList {
+                offset: self.offset,
+                why,
+            })
+        };
         let Ok(name) = std::str::from_utf8(&b[1..1 + n]) else {
             return bad("ramblock name is not UTF-8".into());
         };
@@ -715,13 +760,20 @@ impl Parser {
             return bad("empty ramblock name".into());
         }
         if used_len == 0 || used_len % PAGE_SIZE as u64 != 0 {
-            return bad(format!("ramblock '{name}' has length {used_len:#x}, not a non-zero multiple of 4 KiB"));
+            return bad(format!(
+                "ramblock '{name}' has length {used_len:#x}, not a non-zero multiple of 4 KiB"
+            ));
         }
         if used_len > self.limits.max_block_bytes {
-            return bad(format!("ramblock '{name}' is {used_len} bytes, over the cap of {}", self.limits.max_block_bytes));
+            return bad(format!(
+                "ramblock '{name}' is {used_len} bytes, over the cap of {}",
+                self.limits.max_block_bytes
+            ));
         }
         if used_len > self.mem_remaining {
-            return bad(format!("ramblock '{name}' ({used_len:#x} bytes) overruns the MEM_SIZE total"));
+            return bad(format!(
+                "ramblock '{name}' ({used_len:#x} bytes) overruns the MEM_SIZE total"
+            ));
         }
         if self.blocks.iter().any(|blk| blk.name == name) {
             return bad(format!("ramblock '{name}' is listed twice"));
@@ -729,7 +781,10 @@ impl Parser {
         if self.blocks.len() >= self.limits.max_blocks {
             return bad(format!("more than {} ramblocks", self.limits.max_blocks));
         }
-        self.blocks.push(RamBlock { name: name.to_owned(), used_len });
+        self.blocks.push(RamBlock {
+            name: name.to_owned(),
+            used_len,
+        });
         self.mem_remaining -= used_len;
         if self.mem_remaining == 0 {
             self.mem_size_seen = true;
@@ -740,24 +795,45 @@ impl Parser {
         Ok(Step::Consumed(total))
     }
 
-    fn step_footer<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_footer<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if b.len() < 5 {
             return Ok(Step::Need(5));
         }
         let Some((kind, id)) = self.section else {
-            return Err(StreamError::Poisoned { offset: self.offset });
+            return Err(StreamError::Poisoned {
+                offset: self.offset,
+            });
         };
         let found_id = wire::be32(b, 1);
         if b[0] != wire::SEC_FOOTER || found_id != id {
-            return Err(StreamError::BadFooter { offset: self.offset, found_type: b[0], found_id, expected_id: id });
+            return Err(StreamError::BadFooter {
+                offset: self.offset,
+                found_type: b[0],
+                found_id,
+                expected_id: id,
+            });
         }
         self.section = None;
         self.state = State::Section;
-        self.emit(sink, Event::SectionEnd { kind, section_id: id })?;
+        self.emit(
+            sink,
+            Event::SectionEnd {
+                kind,
+                section_id: id,
+            },
+        )?;
         Ok(Step::Consumed(5))
     }
 
-    fn step_tail<S: StreamSink + ?Sized>(&mut self, b: &[u8], sink: &mut S) -> Result<Step, StreamError> {
+    fn step_tail<S: StreamSink + ?Sized>(
+        &mut self,
+        b: &[u8],
+        sink: &mut S,
+    ) -> Result<Step, StreamError> {
         if self.tail.len() + b.len() > self.limits.max_tail_bytes {
             return Err(StreamError::TailTooLarge {
                 offset: self.offset + (self.limits.max_tail_bytes - self.tail.len()) as u64,
@@ -767,54 +843,5 @@ impl Parser {
         self.tail.extend_from_slice(b);
         self.emit(sink, Event::Tail(b))?;
         Ok(Step::Consumed(b.len()))
-    }
-}
-
-/// Check the tail's first section header and its EOF + VMDESCRIPTION ending; return the
-/// number of devices the VMDESCRIPTION lists. `end` is the stream offset just past the tail.
-fn validate_tail(tail: &[u8], end: u64, require_vmdesc: bool) -> Result<usize, StreamError> {
-    let start = end - tail.len() as u64;
-    let bad = |at: u64, why: String| Err(StreamError::BadTail { offset: at, why });
-    if tail[0] == wire::SEC_FULL {
-        // type | be32 id | idstr | be32 instance | be32 version
-        if tail.len() < 7 || tail[5] == 0 || tail.len() < 6 + tail[5] as usize + 8 {
-            return bad(start, "the first FULL section header is cut short".into());
-        }
-    }
-    // The JSON cannot contain a NUL byte, so the last 0x00 0x06 whose be32 length reaches
-    // exactly to the end is the EOF + VMDESCRIPTION pair.
-    let mut q = tail.len().saturating_sub(6);
-    let found = loop {
-        if tail.len() >= 6
-            && tail[q] == wire::SEC_EOF
-            && tail[q + 1] == wire::SEC_VMDESCRIPTION
-            && wire::be32(tail, q + 2) as usize == tail.len() - q - 6
-        {
-            break Some(q);
-        }
-        if q == 0 {
-            break None;
-        }
-        q -= 1;
-    };
-    match found {
-        Some(q) => {
-            let json = &tail[q + 6..];
-            let v: serde_json::Value = match serde_json::from_slice(json) {
-                Ok(v) => v,
-                Err(_) => return bad(start + q as u64 + 6, "VMDESCRIPTION is not valid JSON".into()),
-            };
-            match v.get("devices").and_then(|d| d.as_array()) {
-                Some(d) => Ok(d.len()),
-                None => bad(start + q as u64 + 6, "VMDESCRIPTION has no \"devices\" array".into()),
-            }
-        }
-        None if !require_vmdesc && tail.last() == Some(&wire::SEC_EOF) => Ok(0),
-        None => bad(
-            end,
-            "no EOF + VMDESCRIPTION at the end: the stream is cut short (a source with \
-             suppress-vmdesc=on needs Limits::require_vmdesc = false)"
-                .into(),
-        ),
     }
 }
