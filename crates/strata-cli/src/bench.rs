@@ -31,11 +31,31 @@ pub enum BenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    /// Full clones of a large image (004 Fig 7): strata's O(metadata) clone against
+    /// `cp --sparse=always` and `qemu-img convert`, for 1, 2, 5 and 10 copies.
+    Clone {
+        /// Virtual size of the image.
+        #[arg(long, default_value = "30G")]
+        size: String,
+        /// Bytes of data in it.
+        #[arg(long, default_value = "3G")]
+        data: String,
+        #[arg(long, default_value = "1,2,5,10")]
+        copies: String,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
 }
 
 pub fn run(cmd: &BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Store { size, threads, out, scratch } => bench_store(parse_size(size)?, *threads, out, scratch.as_deref()),
+        BenchCmd::Clone { size, data, copies, out, scratch } => {
+            let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
+            crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())
+        }
     }
 }
 
@@ -93,7 +113,7 @@ struct Row {
     get_vs_file_read: f64,
 }
 
-fn mib_s(bytes: usize, secs: f64) -> f64 {
+pub fn mib_s(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / (1 << 20) as f64 / secs.max(1e-9)
 }
 

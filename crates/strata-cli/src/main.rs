@@ -6,6 +6,7 @@
 //! bars come from the library's `Progress` trait, drawn with indicatif on a terminal only.
 
 mod bench;
+mod bench_disk;
 mod chart;
 mod inspect;
 mod ui;
@@ -80,6 +81,15 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum DiskCmd {
+    /// Create an empty, thin-provisioned disk.
+    Create {
+        name: String,
+        /// Size, e.g. 20G.
+        #[arg(long)]
+        size: String,
+    },
+    /// Take an immutable snapshot NAME@SNAP.
+    Snapshot { name: String, snap: String },
     /// Import a raw image (for qcow2: `qemu-img convert -O raw in.qcow2 out.raw` first).
     Import {
         name: String,
@@ -90,13 +100,16 @@ enum DiskCmd {
     },
     /// Write a disk to a raw image file (sparse).
     Export { name: String, file: PathBuf },
-    /// Clone a disk. --full copies only metadata (O(metadata), instant).
+    /// Clone a disk or snapshot (SRC or SRC@SNAP) into a new writable disk. Both kinds copy
+    /// only metadata; a linked clone records its parent, --full does not.
     Clone {
         src: String,
         dst: String,
         #[arg(long)]
         full: bool,
     },
+    /// Fold a disk's write log into its block map.
+    Compact { name: String },
     /// List disks.
     List,
     /// Show one disk.
@@ -285,12 +298,22 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
                 format!("Exported disk '{name}' to {} ({})", file.display(), ui::human(n))
             });
         }
+        DiskCmd::Create { name, size } => {
+            let i = disk::create(s, name, parse_size(size)?)?;
+            ui::emit(json, &i, || format!("Created disk '{name}' of {} (thin)", ui::human(i.size)));
+        }
+        DiskCmd::Snapshot { name, snap } => {
+            let i = disk::snapshot(s, name, snap)?;
+            ui::emit(json, &i, || format!("Snapshot '{}' taken", i.name));
+        }
+        DiskCmd::Compact { name } => {
+            let v = disk::volume::Volume::open(s, name)?;
+            let g = v.compact()?;
+            ui::emit(json, &serde_json::json!({"disk": name, "generation": g}), || format!("Compacted '{name}' (generation {g})"));
+        }
         DiskCmd::Clone { src, dst, full } => {
-            if !full {
-                bail!("Linked clones are not implemented yet: use --full (O(metadata) and instant)");
-            }
             let t = std::time::Instant::now();
-            let i = disk::clone_full(s, src, dst)?;
+            let i = disk::clone(s, src, dst, *full)?;
             let secs = t.elapsed().as_secs_f64();
             ui::emit(json, &serde_json::json!({"disk": i, "seconds": secs}), || {
                 format!("Cloned '{src}' to '{dst}' ({}) in {:.1} ms", ui::human(i.size), secs * 1000.0)
@@ -299,7 +322,17 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
         DiskCmd::List => {
             let l = disk::list(s)?;
             ui::emit(json, &l, || {
-                l.iter().map(|d| format!("{:<24} {:>10}  {} blocks allocated", d.name, ui::human(d.size), d.allocated_blocks)).collect::<Vec<_>>().join("\n")
+                l.iter()
+                    .map(|d| {
+                        let kind = match (&d.snapshot_of, &d.parent) {
+                            (Some(_), _) => "snapshot".to_string(),
+                            (None, Some(p)) => format!("clone of {p}"),
+                            _ => String::new(),
+                        };
+                        format!("{:<28} {:>10}  {:>8} blocks  {kind}", d.name, ui::human(d.size), d.allocated_blocks)
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
             });
         }
         DiskCmd::Info { name } => {

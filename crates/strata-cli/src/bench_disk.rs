@@ -1,0 +1,150 @@
+//! Disk benchmarks: `strata bench clone` (and, with the NBD server, sync and io).
+//!
+//! Clone (004 Fig 7): a sparse image of `size` bytes holding `data` bytes is imported once;
+//! then N full clones are made with strata (a new ref to the same block map), with
+//! `cp --sparse=always` of the raw file, and with `qemu-img convert -O qcow2`. Each method's N
+//! copies are timed together, including a final sync, and removed before the next N.
+
+use crate::chart::{bars, Series};
+use anyhow::{ensure, Context, Result};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+use strata::disk;
+use strata::progress::NoProgress;
+use strata::store::{InitOptions, Store};
+use strata::Codec;
+
+/// Fill `data` bytes of a sparse `size`-byte file: 1 MiB runs spread evenly, half-compressible.
+fn make_image(path: &Path, size: u64, data: u64) -> Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    f.set_len(size)?;
+    let runs = (data >> 20).max(1);
+    let stride = (size / runs) & !((1 << 20) - 1);
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    let mut buf = vec![0u8; 1 << 20];
+    for r in 0..runs {
+        for b in buf.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x & 0x0f) as u8;
+        }
+        f.seek(SeekFrom::Start(r * stride))?;
+        f.write_all(&buf)?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+fn sync_all() {
+    let _ = Command::new("sync").status();
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let o = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    ensure!(o.status.success(), "{cmd:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    Ok(())
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    copies: usize,
+    strata_s: f64,
+    cp_sparse_s: f64,
+    qemu_img_convert_s: f64,
+    cp_over_strata: f64,
+    qemu_img_over_strata: f64,
+}
+
+pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: Option<&Path>) -> Result<()> {
+    let tmp = match scratch {
+        Some(p) => tempfile::tempdir_in(p)?,
+        None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
+    };
+    let img = tmp.path().join("golden.raw");
+    eprintln!("bench clone: {} GiB image with {} GiB of data in {}", size >> 30, data >> 30, tmp.path().display());
+    make_image(&img, size, data)?;
+    let store = Store::init_local(&tmp.path().join("store"), InitOptions { pack_size: 64 << 20, default_codec: Codec::Lz4 })?;
+    let t = Instant::now();
+    disk::import(&store, "golden", &img, Codec::Lz4, &NoProgress)?;
+    let import_s = t.elapsed().as_secs_f64();
+    eprintln!("  import (one-time): {import_s:.1} s");
+
+    let mut rows = Vec::new();
+    for &n in copies {
+        let t = Instant::now();
+        for i in 0..n {
+            disk::clone(&store, "golden", &format!("c{n}-{i}"), true)?;
+        }
+        let strata_s = t.elapsed().as_secs_f64();
+        for i in 0..n {
+            disk::remove(&store, &format!("c{n}-{i}"))?;
+        }
+
+        let t = Instant::now();
+        for i in 0..n {
+            run(Command::new("cp").arg("--sparse=always").arg(&img).arg(tmp.path().join(format!("cp{i}.raw"))))?;
+        }
+        sync_all();
+        let cp_s = t.elapsed().as_secs_f64();
+        for i in 0..n {
+            std::fs::remove_file(tmp.path().join(format!("cp{i}.raw")))?;
+        }
+
+        let t = Instant::now();
+        for i in 0..n {
+            run(Command::new("qemu-img")
+                .args(["convert", "-f", "raw", "-O", "qcow2"])
+                .arg(&img)
+                .arg(tmp.path().join(format!("q{i}.qcow2"))))?;
+        }
+        sync_all();
+        let q_s = t.elapsed().as_secs_f64();
+        for i in 0..n {
+            std::fs::remove_file(tmp.path().join(format!("q{i}.qcow2")))?;
+        }
+        let row = Row {
+            copies: n,
+            strata_s,
+            cp_sparse_s: cp_s,
+            qemu_img_convert_s: q_s,
+            cp_over_strata: cp_s / strata_s,
+            qemu_img_over_strata: q_s / strata_s,
+        };
+        eprintln!(
+            "  {n:>2} copies: strata {:.4} s, cp --sparse {:.1} s ({:.0}x), qemu-img convert {:.1} s ({:.0}x)",
+            strata_s, cp_s, row.cp_over_strata, q_s, row.qemu_img_over_strata
+        );
+        rows.push(row);
+    }
+    std::fs::create_dir_all(out)?;
+    let mut csv = String::from("copies,strata_s,cp_sparse_s,qemu_img_convert_s,cp_over_strata,qemu_img_over_strata\n");
+    for r in &rows {
+        csv += &format!("{},{:.5},{:.3},{:.3},{:.1},{:.1}\n", r.copies, r.strata_s, r.cp_sparse_s, r.qemu_img_convert_s, r.cp_over_strata, r.qemu_img_over_strata);
+    }
+    std::fs::write(out.join("bench-clone.csv"), csv)?;
+    let meta = serde_json::json!({
+        "benchmark": "clone",
+        "command": format!("strata bench clone --size {}G --data {}G --copies {}", size >> 30, data >> 30,
+            copies.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")),
+        "image": {"virtual_bytes": size, "data_bytes": data, "strata_import_s": import_s},
+        "rows": rows,
+    });
+    std::fs::write(out.join("bench-clone.json"), serde_json::to_string_pretty(&meta)?)?;
+    let cats: Vec<String> = rows.iter().map(|r| format!("{} copies", r.copies)).collect();
+    let svg = bars(
+        &format!("Full clones of a {} GiB image holding {} GiB (seconds, lower is better)", size >> 30, data >> 30),
+        "seconds",
+        &cats,
+        &[
+            Series { name: "strata clone --full".into(), values: rows.iter().map(|r| r.strata_s).collect() },
+            Series { name: "cp --sparse=always".into(), values: rows.iter().map(|r| r.cp_sparse_s).collect() },
+            Series { name: "qemu-img convert -O qcow2".into(), values: rows.iter().map(|r| r.qemu_img_convert_s).collect() },
+        ],
+    );
+    std::fs::write(out.join("bench-clone.svg"), svg)?;
+    eprintln!("wrote {}/bench-clone.{{csv,json,svg}}", out.display());
+    Ok(())
+}
