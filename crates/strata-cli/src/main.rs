@@ -72,6 +72,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: DiskCmd,
     },
+    /// Serve every disk over NBD (writable disks read-write, snapshots read-only) until
+    /// SIGINT/SIGTERM; then flush and compact. Default: unix socket STORE/.meta/nbd.sock.
+    Serve {
+        /// Unix socket path.
+        #[arg(long, conflicts_with = "tcp")]
+        socket: Option<PathBuf>,
+        /// Loopback TCP address instead, e.g. 127.0.0.1:10809.
+        #[arg(long)]
+        tcp: Option<std::net::SocketAddr>,
+    },
     /// Benchmarks that write tables and charts to docs/results/.
     Bench {
         #[command(subcommand)]
@@ -268,6 +278,7 @@ fn run(cli: Cli) -> Result<()> {
             let s = open(&cli)?;
             disk_cmd(&s, cmd, cli.json)?;
         }
+        Cmd::Serve { socket, tcp } => serve(&cli, socket.clone(), *tcp)?,
         Cmd::Bench { which } => bench::run(which)?,
     }
     Ok(())
@@ -344,5 +355,51 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
             ui::emit(json, &serde_json::json!({"removed": name}), || format!("Removed disk '{name}' (run `strata gc` to reclaim space)"));
         }
     }
+    Ok(())
+}
+
+fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) -> Result<()> {
+    use strata::nbd::Server;
+    // Block SIGINT/SIGTERM in every thread; one thread waits for them.
+    // SAFETY: plain libc signal-mask calls with a properly initialised set.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let s = open(cli)?;
+    let exports = strata::serve::DiskExports::new(s.clone());
+    let server = match tcp {
+        Some(addr) => {
+            if !addr.ip().is_loopback() {
+                tracing::warn!("serving on a non-loopback address {addr}: NBD has no authentication");
+            }
+            Server::bind_tcp(addr)?
+        }
+        None => {
+            let path = socket.unwrap_or_else(|| store_location(&cli.store).join(".meta").join("nbd.sock"));
+            if let Some(d) = path.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            Server::bind_unix(&path).with_context(|| format!("Cannot listen on {}", path.display()))?
+        }
+    };
+    let handle = server.serve(exports.clone())?;
+    let disks: Vec<String> = strata::disk::list(&s)?.into_iter().map(|d| d.name).collect();
+    ui::emit(cli.json, &serde_json::json!({"uri": handle.uri(""), "exports": disks}), || {
+        format!("Serving {} disk(s) at {} (export name = disk name); Ctrl-C to stop", disks.len(), handle.uri("NAME"))
+    });
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+    let mut sig: libc::c_int = 0;
+    // SAFETY: waits on the set blocked above.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    eprintln!("strata serve: signal {sig}, stopping");
+    handle.shutdown();
+    exports.close_all()?;
+    s.close()?;
     Ok(())
 }

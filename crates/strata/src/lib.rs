@@ -9,8 +9,10 @@ pub mod codec;
 pub mod disk;
 pub mod id;
 pub mod memory;
+pub mod nbd;
 pub mod progress;
 pub mod qmp;
+pub mod serve;
 pub mod store;
 
 pub use codec::Codec;

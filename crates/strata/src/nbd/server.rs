@@ -234,7 +234,7 @@ impl Server {
             .spawn(move || accept_loop(listener, listen_fd, stop_r, s2, exports))
             .map_err(|source| ServerError::Setup { op: "spawn accept thread", source })?;
         tracing::info!(target: TARGET, addr = ?addr, "NBD server listening");
-        Ok(ServerHandle { stop: Some(stop_w), accept: Some(accept), shared, addr, owned_path })
+        Ok(ServerHandle { stopper: Stopper { fd: Arc::new(stop_w) }, accept: Some(accept), shared, addr, owned_path, done: false })
     }
 }
 
@@ -249,7 +249,8 @@ impl Drop for Server {
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: fds is a valid array of two ints for pipe2 to fill.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+    // Non-blocking so that repeated `Stopper::stop` calls can never block on a full pipe.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: pipe2 succeeded, so both descriptors are open and owned by us alone.
@@ -269,13 +270,29 @@ struct Shared {
     config: ServerConfig,
 }
 
+/// Asks a running server to stop; cheap to clone and send to a signal-handling thread.
+#[derive(Clone)]
+pub struct Stopper {
+    fd: Arc<OwnedFd>,
+}
+
+impl Stopper {
+    /// Stop accepting connections. The `ServerHandle` owner (in `wait` or `shutdown`) then
+    /// drains and closes existing connections. Calling it again is harmless.
+    pub fn stop(&self) {
+        // SAFETY: writing one byte from a valid buffer to the pipe we own.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+}
+
 /// A running server. Dropping it shuts the server down.
 pub struct ServerHandle {
-    stop: Option<OwnedFd>,
+    stopper: Stopper,
     accept: Option<JoinHandle<()>>,
     shared: Arc<Shared>,
     addr: ServerAddr,
     owned_path: Option<PathBuf>,
+    done: bool,
 }
 
 impl ServerHandle {
@@ -285,6 +302,11 @@ impl ServerHandle {
 
     pub fn uri(&self, export: &str) -> String {
         self.addr.uri(export)
+    }
+
+    /// A handle that can stop the server from another thread while this one `wait`s.
+    pub fn stopper(&self) -> Stopper {
+        self.stopper.clone()
     }
 
     /// Connections currently open.
@@ -297,23 +319,23 @@ impl ServerHandle {
         self.shared.total.load(Ordering::SeqCst)
     }
 
-    /// Block until the accept thread ends (it only ends on `shutdown` from another handle
-    /// owner or a fatal listener error).
+    /// Serve until a `Stopper` stops the server (or the listener fails), then close every
+    /// connection as `shutdown` does.
     pub fn wait(mut self) {
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
+        self.finish();
     }
 
     /// Stop accepting, let connections finish queued requests, then close them.
     pub fn shutdown(mut self) {
-        self.stop_now();
+        self.stopper.stop();
+        self.finish();
     }
 
-    fn stop_now(&mut self) {
-        let Some(stop) = self.stop.take() else { return };
-        // SAFETY: writing one byte from a valid buffer to the pipe we own.
-        let _ = unsafe { libc::write(stop.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    fn finish(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
         if let Some(t) = self.accept.take() {
             let _ = t.join();
         }
@@ -343,7 +365,10 @@ impl ServerHandle {
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
-        self.stop_now();
+        if !self.done {
+            self.stopper.stop();
+            self.finish();
+        }
     }
 }
 

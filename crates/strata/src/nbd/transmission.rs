@@ -205,8 +205,11 @@ pub fn check_request(r: &Request, l: &Limits) -> Result<Action, Rejection> {
         }
         Command::Flush => Ok(Action::Flush),
         Command::Trim => {
+            if ro {
+                return Err(reject(Perm, "export is read-only"));
+            }
             if !has(TFLAG_SEND_TRIM) {
-                return Err(if ro { reject(Perm, "export is read-only") } else { reject(Inval, "trim was not negotiated") });
+                return Err(reject(Inval, "trim was not negotiated"));
             }
             if !in_range {
                 return Err(reject(Inval, "trim beyond the end of the export"));
@@ -660,6 +663,10 @@ mod tests {
         assert_eq!(errno(check_request(&req(Command::Trim, 0, 0, 1), &l)), NbdErrno::Perm);
         assert_eq!(errno(check_request(&req(Command::WriteZeroes, 0, 0, 1), &l)), NbdErrno::Perm);
         assert!(check_request(&req(Command::Read, 0, 0, 1), &l).is_ok());
+        // Read-only wins even over inconsistent flags (found by the nbd_request fuzz target).
+        l.tflags |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
+        assert_eq!(errno(check_request(&req(Command::Trim, 0, 0, 1), &l)), NbdErrno::Perm);
+        assert_eq!(errno(check_request(&req(Command::WriteZeroes, 0, 0, 1), &l)), NbdErrno::Perm);
         let mut l = limits();
         l.min_block = 512;
         assert_eq!(errno(check_request(&req(Command::Read, 0, 1, 512), &l)), NbdErrno::Inval);

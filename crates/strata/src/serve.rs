@@ -1,0 +1,219 @@
+//! Disks as NBD exports: the glue between `disk` and `nbd` that `strata serve` runs.
+//!
+//! Every writable disk is exported read-write under its name, every snapshot (`name@snap`)
+//! read-only. All connections to one disk share one open `Volume`, so a flush on any
+//! connection makes the writes of every connection durable (NBD multi-conn consistency): the
+//! volume's group commit covers everything appended to its log before the flush began.
+//! Volumes stay open while the server runs and are flushed and compacted on shutdown.
+
+use crate::disk::{self, volume::Volume, DiskError};
+use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use crate::store::Store;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
+    match e {
+        DiskError::OutOfRange { .. } => ExportError::Invalid { op, offset, reason: "beyond the end of the disk".into() },
+        DiskError::ReadOnlySnapshot { .. } => ExportError::ReadOnly { op },
+        DiskError::Io { source, .. } => ExportError::io(op, offset, source),
+        DiskError::Store(crate::store::StoreError::Backend(b)) if b.kind == crate::backend::ErrorKind::NoSpace => {
+            ExportError::NoSpace { op, offset }
+        }
+        other => {
+            tracing::error!(target: "strata::serve", op, offset, error = %other, "I/O failed");
+            ExportError::io(op, offset, std::io::Error::other(other.to_string()))
+        }
+    }
+}
+
+/// A writable disk behind NBD.
+pub struct VolumeExport(pub Arc<Volume>);
+
+impl Export for VolumeExport {
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        self.0.read(offset, buf).map_err(|e| map_err("read", offset, e))
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+        self.0.write(offset, data, fua).map_err(|e| map_err("write", offset, e))
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        self.0.flush().map_err(|e| map_err("flush", 0, e))
+    }
+    fn description(&self) -> Option<String> {
+        Some(format!("strata disk {}", self.0.name()))
+    }
+    fn can_trim(&self) -> bool {
+        true
+    }
+    fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
+        self.0.trim(offset, len, fua).map_err(|e| map_err("trim", offset, e))
+    }
+    fn can_zero(&self) -> bool {
+        true
+    }
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, _may_trim: bool, fua: bool) -> Result<(), ExportError> {
+        // One small log record whatever the length: always fast.
+        self.0.write_zeroes(offset, len, fua).map_err(|e| map_err("write_zeroes", offset, e))
+    }
+    fn can_multi_conn(&self) -> bool {
+        true
+    }
+    fn block_status(&self, offset: u64, len: u32) -> Result<Vec<Extent>, ExportError> {
+        Ok(self
+            .0
+            .allocation(offset, len as u64)
+            .into_iter()
+            .map(|(l, alloc)| if alloc { Extent::data(l) } else { Extent::hole(l) })
+            .collect())
+    }
+    fn block_size(&self) -> BlockSize {
+        BlockSize { min: 1, preferred: 4096, max: 32 << 20 }
+    }
+}
+
+/// A snapshot behind NBD: read-only, straight from its block map.
+pub struct SnapshotExport {
+    store: Store,
+    size: u64,
+    block_size: u64,
+    blocks: Vec<crate::ChunkId>,
+    name: String,
+}
+
+impl Export for SnapshotExport {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
+        if offset.checked_add(buf.len() as u64).is_none_or(|e| e > self.size) {
+            return Err(ExportError::Invalid { op: "read", offset, reason: "beyond the end of the disk".into() });
+        }
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let blk = (pos / self.block_size) as usize;
+            let inb = (pos % self.block_size) as usize;
+            let n = (self.block_size as usize - inb).min(buf.len() - done);
+            let id = self.blocks.get(blk).copied().unwrap_or_default();
+            if id.is_zero() {
+                buf[done..done + n].fill(0);
+            } else {
+                let b = self.store.get(&id).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
+                let avail = b.len().saturating_sub(inb).min(n);
+                buf[done..done + avail].copy_from_slice(&b[inb..inb + avail]);
+                buf[done + avail..done + n].fill(0);
+            }
+            done += n;
+        }
+        Ok(())
+    }
+    fn write(&self, _: u64, _: &[u8], _: bool) -> Result<(), ExportError> {
+        Err(ExportError::ReadOnly { op: "write" })
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        Ok(())
+    }
+    fn is_read_only(&self) -> bool {
+        true
+    }
+    fn description(&self) -> Option<String> {
+        Some(format!("strata snapshot {} (read-only)", self.name))
+    }
+    fn can_multi_conn(&self) -> bool {
+        true
+    }
+    fn block_status(&self, offset: u64, len: u32) -> Result<Vec<Extent>, ExportError> {
+        let mut out: Vec<Extent> = Vec::new();
+        let end = (offset + len as u64).min(self.size);
+        let mut cur = offset;
+        while cur < end {
+            let blk = cur / self.block_size;
+            let e = ((blk + 1) * self.block_size).min(end);
+            let alloc = self.blocks.get(blk as usize).is_some_and(|id| !id.is_zero());
+            let ext = if alloc { Extent::data(e - cur) } else { Extent::hole(e - cur) };
+            match out.last_mut() {
+                Some(last) if last.hole == ext.hole => last.len += ext.len,
+                _ => out.push(ext),
+            }
+            cur = e;
+        }
+        Ok(out)
+    }
+}
+
+/// The store's disks as a set of NBD exports.
+pub struct DiskExports {
+    store: Store,
+    open: Mutex<HashMap<String, Arc<Volume>>>,
+}
+
+impl DiskExports {
+    pub fn new(store: Store) -> Arc<DiskExports> {
+        Arc::new(DiskExports { store, open: Mutex::new(HashMap::new()) })
+    }
+
+    /// The open volume of a disk, if a client has opened it.
+    pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
+        self.open.lock().get(name).cloned()
+    }
+
+    /// Flush and compact every open volume (on shutdown).
+    pub fn close_all(&self) -> Result<(), DiskError> {
+        let vols: Vec<Arc<Volume>> = self.open.lock().drain().map(|(_, v)| v).collect();
+        for v in vols {
+            v.close()?;
+        }
+        Ok(())
+    }
+}
+
+impl ExportSet for DiskExports {
+    fn list(&self) -> Vec<ExportInfo> {
+        match disk::list(&self.store) {
+            Ok(l) => l
+                .into_iter()
+                .map(|d| ExportInfo {
+                    description: Some(if d.snapshot_of.is_some() { "strata snapshot (read-only)".into() } else { "strata disk".into() }),
+                    name: d.name,
+                })
+                .collect(),
+            Err(e) => {
+                tracing::error!(target: "strata::serve", error = %e, "cannot list disks");
+                vec![]
+            }
+        }
+    }
+
+    fn open(&self, name: &str) -> Result<Arc<dyn Export>, OpenError> {
+        let unavailable = |e: DiskError| match e {
+            DiskError::NotFound { .. } => OpenError::NotFound { name: name.into() },
+            other => OpenError::Unavailable { name: name.into(), reason: other.to_string() },
+        };
+        let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
+        if m.snapshot_of.is_some() {
+            let blocks = disk::map::read_map(&self.store, &r.roots[0]).map_err(|e| unavailable(DiskError::Store(e)))?;
+            return Ok(Arc::new(SnapshotExport {
+                store: self.store.clone(),
+                size: m.size,
+                block_size: m.block_size as u64,
+                blocks,
+                name: name.into(),
+            }));
+        }
+        let mut open = self.open.lock();
+        if let Some(v) = open.get(name) {
+            return Ok(Arc::new(VolumeExport(v.clone())));
+        }
+        let v = Volume::open(&self.store, name).map_err(unavailable)?;
+        open.insert(name.into(), v.clone());
+        Ok(Arc::new(VolumeExport(v)))
+    }
+}
