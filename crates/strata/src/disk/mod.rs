@@ -17,7 +17,7 @@ use crate::store::objects::Ref;
 use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_BLOCK: u32 = 64 << 10;
@@ -98,29 +98,50 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
         return Err(DiskError::Exists { name: name.into() });
     }
     let io = |op, e| DiskError::Io { op, path: file.to_path_buf(), source: e };
-    let mut f = File::open(file).map_err(|e| io("open", e))?;
+    let f = File::open(file).map_err(|e| io("open", e))?;
     let size = f.metadata().map_err(|e| io("stat", e))?.len();
     let bs = DEFAULT_BLOCK as usize;
     progress.phase("importing", Some(size), Unit::Bytes);
     let ses = store.session();
     let mut blocks = Vec::with_capacity(size.div_ceil(bs as u64) as usize);
-    // Batches of blocks are hashed and compressed in parallel, in order.
-    let batch = 64;
-    let mut buf = vec![0u8; bs * batch];
-    loop {
+    // Holes (SEEK_DATA/SEEK_HOLE) are skipped without reading; data is read in batches whose
+    // blocks are hashed and compressed in parallel, in order.
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let fd = f.as_raw_fd();
+    let seek = |off: u64, whence: libc::c_int| -> Option<u64> {
+        // SAFETY: lseek on a valid fd; returns -1 (ENXIO) past the last data.
+        let r = unsafe { libc::lseek(fd, off as libc::off_t, whence) };
+        (r >= 0).then_some(r as u64)
+    };
+    let nblocks = size.div_ceil(bs as u64);
+    let batch = 64u64;
+    let mut buf = vec![0u8; bs * batch as usize];
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let mut blk = 0u64;
+    while blk < nblocks {
+        let pos = blk * bs as u64;
+        let data_at = seek(pos, libc::SEEK_DATA).unwrap_or(size);
+        let skip = (data_at.saturating_sub(pos) / bs as u64).min(nblocks - blk);
+        if skip > 0 {
+            blocks.extend(std::iter::repeat_n(ChunkId::ZERO, skip as usize));
+            progress.advance((skip * bs as u64).min(size - pos));
+            blk += skip;
+            continue;
+        }
+        let hole_at = seek(pos, libc::SEEK_HOLE).unwrap_or(size).max(pos + 1);
+        let n = (hole_at - pos).div_ceil(bs as u64).min(batch).min(nblocks - blk);
+        let want = ((n * bs as u64).min(size - pos)) as usize;
         let mut filled = 0;
-        while filled < buf.len() {
-            let n = f.read(&mut buf[filled..]).map_err(|e| io("read", e))?;
-            if n == 0 {
+        while filled < want {
+            let r = f.read_at(&mut buf[filled..want], pos + filled as u64).map_err(|e| io("read", e))?;
+            if r == 0 {
                 break;
             }
-            filled += n;
+            filled += r;
         }
-        if filled == 0 {
-            break;
-        }
-        let parts: Vec<&[u8]> = buf[..filled].chunks(bs).collect();
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        buf[filled..want].fill(0);
+        let parts: Vec<&[u8]> = buf[..want].chunks(bs).collect();
         let per = parts.len().div_ceil(threads);
         let ids: Vec<ChunkId> = std::thread::scope(|sc| {
             let hs: Vec<_> = parts
@@ -130,13 +151,7 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
                     sc.spawn(move || -> std::result::Result<Vec<ChunkId>, StoreError> {
                         group
                             .iter()
-                            .map(|b| {
-                                if b.iter().all(|&x| x == 0) {
-                                    Ok(ChunkId::ZERO)
-                                } else {
-                                    ses.put_with(b, ChunkKind::Data, codec)
-                                }
-                            })
+                            .map(|b| if b.iter().all(|&x| x == 0) { Ok(ChunkId::ZERO) } else { ses.put_with(b, ChunkKind::Data, codec) })
                             .collect()
                     })
                 })
@@ -147,10 +162,8 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
         .flatten()
         .collect();
         blocks.extend(ids);
-        progress.advance(filled as u64);
-        if filled < buf.len() {
-            break;
-        }
+        progress.advance(want as u64);
+        blk += n;
     }
     let root = map::write_map(&ses, &blocks)?;
     let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None, id: Some(new_id()), snapshot_of: None };
@@ -308,6 +321,38 @@ mod tests {
     use super::*;
     use crate::progress::NoProgress;
     use crate::store::InitOptions;
+
+    #[test]
+    fn sparse_files_import_without_reading_holes() {
+        use std::os::unix::fs::FileExt;
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::init_local(&d.path().join("s"), InitOptions::default()).unwrap();
+        let img = d.path().join("sparse.raw");
+        let f = File::create(&img).unwrap();
+        let size = (1u64 << 30) + 12345;
+        f.set_len(size).unwrap();
+        let mut expect = vec![];
+        for (i, off) in [0u64, 7 << 20, 300 << 20, (1 << 30) - 100, (1 << 30) + 12000].into_iter().enumerate() {
+            let data = vec![i as u8 + 1; 200];
+            f.write_all_at(&data, off).unwrap();
+            expect.push((off, data));
+        }
+        drop(f);
+        let t = std::time::Instant::now();
+        let i = import(&s, "sp", &img, Codec::Lz4, &NoProgress).unwrap();
+        assert!(t.elapsed().as_secs() < 10, "holes were read");
+        assert_eq!(i.size, size);
+        assert_eq!(i.allocated_blocks, 5);
+        let out = d.path().join("out.raw");
+        export(&s, "sp", &out, &NoProgress).unwrap();
+        let back = File::open(&out).unwrap();
+        assert_eq!(back.metadata().unwrap().len(), size);
+        for (off, data) in expect {
+            let mut b = vec![0u8; 200];
+            back.read_exact_at(&mut b, off).unwrap();
+            assert_eq!(b, data, "at {off}");
+        }
+    }
 
     #[test]
     fn import_export_clone_round_trip_with_holes() {
