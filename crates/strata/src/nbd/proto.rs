@@ -611,10 +611,7 @@ mod tests {
     #[test]
     fn info_payloads() {
         assert_eq!(encode_info_export(0x1_0000_0000, 0x0d6f), [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0x0d, 0x6f]);
-        assert_eq!(
-            encode_info_block_size(1, 4096, 32 << 20),
-            [0, 3, 0, 0, 0, 1, 0, 0, 0x10, 0, 0x02, 0, 0, 0]
-        );
+        assert_eq!(encode_info_block_size(1, 4096, 32 << 20), [0, 3, 0, 0, 0, 1, 0, 0, 0x10, 0, 0x02, 0, 0, 0]);
     }
 
     #[test]

@@ -185,7 +185,12 @@ impl Server {
     pub fn bind_tcp(addr: SocketAddr) -> Result<Server, ServerError> {
         let l = TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr: addr.to_string(), source })?;
         let bound = l.local_addr().map_err(|source| ServerError::Setup { op: "local_addr", source })?;
-        Ok(Server { listener: Some(Listener::Tcp(l)), addr: ServerAddr::Tcp(bound), config: ServerConfig::default(), owned_path: None })
+        Ok(Server {
+            listener: Some(Listener::Tcp(l)),
+            addr: ServerAddr::Tcp(bound),
+            config: ServerConfig::default(),
+            owned_path: None,
+        })
     }
 
     /// Listen on 127.0.0.1 at `port` (10809 if `None`; `Some(0)` picks a free port).
@@ -234,7 +239,14 @@ impl Server {
             .spawn(move || accept_loop(listener, listen_fd, stop_r, s2, exports))
             .map_err(|source| ServerError::Setup { op: "spawn accept thread", source })?;
         tracing::info!(target: TARGET, addr = ?addr, "NBD server listening");
-        Ok(ServerHandle { stopper: Stopper { fd: Arc::new(stop_w) }, accept: Some(accept), shared, addr, owned_path, done: false })
+        Ok(ServerHandle {
+            stopper: Stopper { fd: Arc::new(stop_w) },
+            accept: Some(accept),
+            shared,
+            addr,
+            owned_path,
+            done: false,
+        })
     }
 }
 
@@ -344,7 +356,9 @@ impl ServerHandle {
             let _ = e.stream.shutdown(Shutdown::Read);
         }
         let deadline = Instant::now() + self.shared.config.shutdown_grace;
-        while Instant::now() < deadline && entries.iter().any(|(_, e)| e.thread.as_ref().is_some_and(|t| !t.is_finished())) {
+        while Instant::now() < deadline
+            && entries.iter().any(|(_, e)| e.thread.as_ref().is_some_and(|t| !t.is_finished()))
+        {
             thread::sleep(Duration::from_millis(5));
         }
         for (id, e) in &mut entries {
@@ -440,7 +454,8 @@ fn spawn_connection(stream: Stream, shared: &Arc<Shared>, exports: &Arc<dyn Expo
     let (s2, e2) = (shared.clone(), exports.clone());
     let spawned = thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
         let peer = stream.peer();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_connection(id, stream, e2, &s2.config)));
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_connection(id, stream, e2, &s2.config)));
         if outcome.is_err() {
             tracing::error!(target: TARGET, conn = id, peer, "connection thread panicked; connection closed");
         }

@@ -390,7 +390,8 @@ impl<W: Write> Conn<'_, W> {
             len = req.len, errno = %errno, message, "request failed");
         if self.n.structured {
             let payload = encode_error_payload(errno, message);
-            let mut b = encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, req.handle, payload.len() as u32).to_vec();
+            let mut b =
+                encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, req.handle, payload.len() as u32).to_vec();
             b.extend_from_slice(&payload);
             self.send(req.handle, &b)
         } else {
@@ -404,8 +405,10 @@ impl<W: Write> Conn<'_, W> {
 
     fn export_error(&self, req: &Request, e: &ExportError) -> Result<(), TransmissionError> {
         let mut errno = e.errno();
-        // ENOTSUP is reserved for fast-zero refusals; anything else reports EINVAL.
-        if errno == NbdErrno::NotSup && req.command != Command::WriteZeroes {
+        // ENOTSUP is reserved for refusing WRITE_ZEROES with FAST_ZERO; the spec forbids it
+        // anywhere else (even for WRITE_ZEROES without the flag), so report EINVAL there.
+        let fast_zero = req.command == Command::WriteZeroes && req.flags & CMD_FLAG_FAST_ZERO != 0;
+        if errno == NbdErrno::NotSup && !fast_zero {
             errno = NbdErrno::Inval;
         }
         tracing::warn!(target: TARGET, export = %self.n.name, cmd = req.command.name(), offset = req.offset,
@@ -421,7 +424,8 @@ impl<W: Write> Conn<'_, W> {
                 // One buffer holds the reply header and the data: one allocation, one write.
                 let prefix = if self.n.structured { CHUNK_HEADER_LEN + 8 } else { SIMPLE_REPLY_LEN };
                 if self.n.structured && req.len == 0 {
-                    return self.send(req.handle, &encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.handle, 0));
+                    return self
+                        .send(req.handle, &encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.handle, 0));
                 }
                 let mut buf = vec![0u8; prefix + req.len as usize];
                 if let Err(e) = self.export.read(req.offset, &mut buf[prefix..]) {
@@ -485,7 +489,12 @@ fn worker<W: Write>(queue: &Queue, conn: &Conn<'_, W>) {
     }
 }
 
-fn read_full<R: Read>(r: &mut R, buf: &mut [u8], what: &'static str, at_boundary: bool) -> Result<bool, TransmissionError> {
+fn read_full<R: Read>(
+    r: &mut R,
+    buf: &mut [u8],
+    what: &'static str,
+    at_boundary: bool,
+) -> Result<bool, TransmissionError> {
     let mut got = 0;
     while got < buf.len() {
         match r.read(&mut buf[got..]) {
@@ -509,7 +518,12 @@ fn drain<R: Read>(r: &mut R, mut len: u64) -> Result<(), TransmissionError> {
     Ok(())
 }
 
-fn read_loop<R: Read, W: Write>(reader: &mut R, queue: &Queue, conn: &Conn<'_, W>, limits: &Limits) -> Result<Ending, TransmissionError> {
+fn read_loop<R: Read, W: Write>(
+    reader: &mut R,
+    queue: &Queue,
+    conn: &Conn<'_, W>,
+    limits: &Limits,
+) -> Result<Ending, TransmissionError> {
     let mut header = [0u8; REQUEST_LEN];
     loop {
         if !read_full(reader, &mut header, "request header", true)? {
@@ -591,8 +605,13 @@ mod tests {
     fn limits() -> Limits {
         Limits {
             size: 1 << 20,
-            tflags: TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_TRIM
-                | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FAST_ZERO | TFLAG_SEND_DF,
+            tflags: TFLAG_HAS_FLAGS
+                | TFLAG_SEND_FLUSH
+                | TFLAG_SEND_FUA
+                | TFLAG_SEND_TRIM
+                | TFLAG_SEND_WRITE_ZEROES
+                | TFLAG_SEND_FAST_ZERO
+                | TFLAG_SEND_DF,
             structured: true,
             base_allocation: true,
             can_fast_zero: false,
@@ -613,7 +632,10 @@ mod tests {
     fn range_and_length_checks() {
         let l = limits();
         assert_eq!(check_request(&req(Command::Read, 0, 0, 4096), &l), Ok(Action::Read { df: false }));
-        assert_eq!(check_request(&req(Command::Read, CMD_FLAG_DF, (1 << 20) - 1, 1), &l), Ok(Action::Read { df: true }));
+        assert_eq!(
+            check_request(&req(Command::Read, CMD_FLAG_DF, (1 << 20) - 1, 1), &l),
+            Ok(Action::Read { df: true })
+        );
         assert_eq!(errno(check_request(&req(Command::Read, 0, 1 << 20, 1), &l)), NbdErrno::Inval);
         assert_eq!(errno(check_request(&req(Command::Read, 0, u64::MAX, 2), &l)), NbdErrno::Inval);
         assert_eq!(errno(check_request(&req(Command::Read, 0, 0, MAX_REQUEST_LEN + 1), &l)), NbdErrno::Inval);
@@ -683,8 +705,12 @@ mod tests {
         assert_eq!(block_status_descriptors(&[], 7, false), vec![Descriptor { len: 7, flags: 0 }]);
         assert_eq!(block_status_descriptors(&[Extent::hole(0)], 7, false), vec![Descriptor { len: 7, flags: 0 }]);
         // Short answers are allowed: the client asks again for the rest.
-        assert_eq!(block_status_descriptors(&[Extent::zero(3)], 7, false), vec![Descriptor { len: 3, flags: STATE_ZERO }]);
-        let many: Vec<Extent> = (0..(MAX_EXTENTS + 10)).map(|i| if i % 2 == 0 { Extent::data(1) } else { Extent::hole(1) }).collect();
+        assert_eq!(
+            block_status_descriptors(&[Extent::zero(3)], 7, false),
+            vec![Descriptor { len: 3, flags: STATE_ZERO }]
+        );
+        let many: Vec<Extent> =
+            (0..(MAX_EXTENTS + 10)).map(|i| if i % 2 == 0 { Extent::data(1) } else { Extent::hole(1) }).collect();
         assert_eq!(block_status_descriptors(&many, u32::MAX, false).len(), MAX_EXTENTS);
     }
 }
