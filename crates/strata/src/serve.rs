@@ -160,6 +160,10 @@ impl DiskExports {
         Arc::new(DiskExports { store, open: Mutex::new(HashMap::new()) })
     }
 
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// The open volume of a disk, if a client has opened it.
     pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
         self.open.lock().get(name).cloned()
