@@ -31,6 +31,28 @@ pub enum BenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    /// Host fdatasyncs per guest flush (paper 001) and 64 KiB append+flush throughput: strata
+    /// against qemu-nbd serving qcow2 (default, lazy_refcounts) and raw, same qemu-io workloads.
+    Sync {
+        /// Write+flush pairs per case.
+        #[arg(long, default_value_t = 200)]
+        ops: usize,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
+    /// fio over NBD (004 Figs 5/6, local): 4 KiB random and 1 MiB sequential read/write,
+    /// strata against qemu-nbd raw and qcow2.
+    Io {
+        /// Seconds per fio test.
+        #[arg(long, default_value_t = 15)]
+        runtime: u32,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
     /// Full clones of a large image (004 Fig 7): strata's O(metadata) clone against
     /// `cp --sparse=always` and `qemu-img convert`, for 1, 2, 5 and 10 copies.
     Clone {
@@ -52,6 +74,8 @@ pub enum BenchCmd {
 pub fn run(cmd: &BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Store { size, threads, out, scratch } => bench_store(parse_size(size)?, *threads, out, scratch.as_deref()),
+        BenchCmd::Io { runtime, out, scratch } => crate::bench_io::bench_io(*runtime, out, scratch.as_deref()),
+        BenchCmd::Sync { ops, out, scratch } => crate::bench_sync::bench_sync(*ops, out, scratch.as_deref()),
         BenchCmd::Clone { size, data, copies, out, scratch } => {
             let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
             crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())

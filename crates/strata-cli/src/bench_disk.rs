@@ -148,3 +148,140 @@ pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: 
     eprintln!("wrote {}/bench-clone.{{csv,json,svg}}", out.display());
     Ok(())
 }
+
+/// Fail early with advice when a peer tool is missing.
+pub fn ensure_tool(name: &str) -> Result<()> {
+    let ok = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().map(|o| o.status.success()).unwrap_or(false);
+    ensure!(ok, "{name} is not installed: run scripts/setup.sh");
+    Ok(())
+}
+
+/// An NBD server process for benchmarks: `strata serve` or `qemu-nbd`, under strace.
+pub struct Server {
+    child: std::process::Child,
+    uri: String,
+    trace: std::path::PathBuf,
+    strata: bool,
+    stderr: std::path::PathBuf,
+}
+
+fn wait_socket(sock: &Path) -> Result<()> {
+    let t = Instant::now();
+    while !sock.exists() {
+        ensure!(t.elapsed().as_secs() < 30, "server socket {} did not appear", sock.display());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+impl Server {
+    /// A fresh store with one disk `name` (optionally a clone of a golden disk whose blocks
+    /// hold data), served by `strata serve` under strace.
+    pub fn strata_disk(dir: &Path, name: &str, size: u64, clone: bool) -> Result<Server> {
+        let st = dir.join(format!("store-{name}"));
+        let _ = std::fs::remove_dir_all(&st);
+        let store = Store::init_local(&st, InitOptions::default())?;
+        if clone {
+            let raw = dir.join("golden.raw");
+            disk::import(&store, "golden", &raw, Codec::Lz4, &NoProgress)?;
+            disk::snapshot(&store, "golden", "base")?;
+            disk::clone(&store, "golden@base", name, false)?;
+        } else {
+            disk::create(&store, name, size)?;
+        }
+        drop(store);
+        Server::spawn_strata(dir, name, &st)
+    }
+
+    fn spawn_strata(dir: &Path, name: &str, st: &Path) -> Result<Server> {
+        let exe = std::env::current_exe()?;
+        let sock = dir.join(format!("{name}.sock"));
+        let _ = std::fs::remove_file(&sock);
+        let trace = dir.join(format!("{name}.strace"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        let child = Command::new("strace")
+            .args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"])
+            .arg(&trace)
+            .arg(&exe)
+            .arg("--store")
+            .arg(st)
+            .args(["serve", "--socket"])
+            .arg(&sock)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&stderr)?)
+            .spawn()?;
+        wait_socket(&sock)?;
+        Ok(Server { child, uri: format!("nbd+unix:///{name}?socket={}", sock.display()), trace, strata: true, stderr })
+    }
+
+    /// Serve an existing store made by `strata_disk` again.
+    pub fn strata_existing(dir: &Path, name: &str) -> Result<Server> {
+        Server::spawn_strata(dir, name, &dir.join(format!("store-{name}")))
+    }
+
+    pub fn qemu_nbd(dir: &Path, file: &Path, fmt: &str) -> Result<Server> {
+        let stem = file.file_name().unwrap().to_string_lossy().into_owned();
+        let sock = dir.join(format!("{stem}.sock"));
+        let _ = std::fs::remove_file(&sock);
+        let trace = dir.join(format!("{stem}.strace"));
+        let stderr = dir.join(format!("{stem}.stderr"));
+        let child = Command::new("strace")
+            .args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"])
+            .arg(&trace)
+            .args(["qemu-nbd", "-f", fmt, "--cache=writeback", "--aio=threads", "-t", "-x", "x", "-k"])
+            .arg(&sock)
+            .arg(file)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&stderr)?)
+            .spawn()?;
+        wait_socket(&sock)?;
+        Ok(Server { child, uri: format!("nbd+unix:///x?socket={}", sock.display()), trace, strata: false, stderr })
+    }
+
+    pub fn uri(&self) -> String {
+        self.uri.clone()
+    }
+
+    /// Sync-family system calls traced so far.
+    pub fn sync_calls(&self) -> Result<usize> {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let t = std::fs::read_to_string(&self.trace).unwrap_or_default();
+        Ok(t.lines().filter(|l| !l.contains("resumed>") && (l.contains("sync(") || l.contains("sync_file_range("))).count())
+    }
+
+    /// Stop the server; for strata, return its own fdatasync counter for the disk.
+    pub fn stop(&mut self) -> Result<Option<u64>> {
+        // Signal the traced server itself (strace's child), so it shuts down cleanly and
+        // prints its counters; strace exits when it does.
+        let tracer = self.child.id();
+        let kids = std::fs::read_to_string(format!("/proc/{tracer}/task/{tracer}/children")).unwrap_or_default();
+        for pid in kids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            // SAFETY: signalling a process we started (through strace).
+            unsafe { libc::kill(pid, libc::SIGINT) };
+        }
+        let t = Instant::now();
+        loop {
+            if self.child.try_wait()?.is_some() {
+                break;
+            }
+            if t.elapsed().as_secs() > 60 {
+                let _ = self.child.kill();
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if !self.strata {
+            return Ok(None);
+        }
+        let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let stats = err.lines().find_map(|l| l.strip_prefix("strata serve: stats ")).and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok());
+        Ok(stats.and_then(|v| v.as_object().and_then(|o| o.values().next().cloned())).and_then(|d| d["fdatasyncs"].as_u64()))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

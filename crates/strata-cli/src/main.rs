@@ -7,6 +7,8 @@
 
 mod bench;
 mod bench_disk;
+mod bench_io;
+mod bench_sync;
 mod chart;
 mod inspect;
 mod ui;
@@ -399,6 +401,12 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) 
     unsafe { libc::sigwait(&set, &mut sig) };
     eprintln!("strata serve: signal {sig}, stopping");
     handle.shutdown();
+    // Per-disk I/O counters (flushes vs host fdatasyncs, bytes), for operators and benchmarks.
+    let stats: serde_json::Map<String, serde_json::Value> = disks
+        .iter()
+        .filter_map(|d| exports.volume(d).map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())))
+        .collect();
+    eprintln!("strata serve: stats {}", serde_json::Value::Object(stats));
     exports.close_all()?;
     s.close()?;
     Ok(())

@@ -1,0 +1,125 @@
+//! `strata bench io` (paper 004 Figs 5 and 6, local): fio's nbd engine against strata, and
+//! against qemu-nbd serving raw and qcow2, in the same run. 4 KiB random read/write IOPS
+//! (iodepth 16) and 1 MiB sequential read/write MB/s over a 1 GiB region.
+//!
+//! strata is measured in the state a long-lived disk is in: the region is written through
+//! NBD, the server is stopped (which folds the write log into chunks) and restarted, so reads
+//! come from compressed, verified chunks; the write tests then go to the log.
+
+use crate::bench_disk::{ensure_tool, Server};
+use crate::chart::{bars, Series};
+use anyhow::{Context, Result};
+use std::path::Path;
+use std::process::Command;
+
+#[derive(serde::Serialize, Clone)]
+struct Row {
+    system: String,
+    test: String,
+    iops: f64,
+    mib_s: f64,
+}
+
+fn fio(uri: &str, name: &str, rw: &str, bs: &str, size: &str, runtime: Option<u32>) -> Result<(f64, f64)> {
+    let mut c = Command::new("fio");
+    c.args([
+        &format!("--name={name}"),
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        &format!("--rw={rw}"),
+        &format!("--bs={bs}"),
+        &format!("--size={size}"),
+        "--iodepth=16",
+        "--output-format=json",
+        "--randrepeat=1",
+    ]);
+    if let Some(t) = runtime {
+        c.args([&format!("--runtime={t}"), "--time_based=1"]);
+    }
+    let o = c.output().context("running fio")?;
+    anyhow::ensure!(o.status.success(), "fio {rw} failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let start = text.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..])?;
+    let job = &v["jobs"][0];
+    let side = if rw.contains("read") { &job["read"] } else { &job["write"] };
+    Ok((side["iops"].as_f64().unwrap_or(0.0), side["bw"].as_f64().unwrap_or(0.0) / 1024.0))
+}
+
+pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
+    for t in ["fio", "qemu-nbd", "qemu-img", "strace"] {
+        ensure_tool(t)?;
+    }
+    let tmp = match scratch {
+        Some(p) => tempfile::tempdir_in(p)?,
+        None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
+    };
+    let dir = tmp.path();
+    let size = 4u64 << 30;
+    let region = "1G";
+    let mut rows = Vec::new();
+    for system in ["strata", "raw", "qcow2"] {
+        let mk = |round: u32| -> Result<Server> {
+            match system {
+                "strata" if round == 0 => Server::strata_disk(dir, "io", size, false),
+                "strata" => Server::strata_existing(dir, "io"),
+                "raw" => {
+                    let f = dir.join("io.raw");
+                    if round == 0 {
+                        std::fs::File::create(&f)?.set_len(size)?;
+                    }
+                    Server::qemu_nbd(dir, &f, "raw")
+                }
+                _ => {
+                    let f = dir.join("io.qcow2");
+                    if round == 0 {
+                        anyhow::ensure!(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&f).arg(size.to_string()).status()?.success());
+                    }
+                    Server::qemu_nbd(dir, &f, "qcow2")
+                }
+            }
+        };
+        // Fill the region, restart the server (strata folds its log into chunks here).
+        let mut s = mk(0)?;
+        fio(&s.uri(), "fill", "write", "1M", region, None)?;
+        s.stop()?;
+        drop(s);
+        let mut s = mk(1)?;
+        for (test, rw, bs) in [("4k randread", "randread", "4k"), ("1M read", "read", "1M"), ("4k randwrite", "randwrite", "4k"), ("1M write", "write", "1M")] {
+            let (iops, mib) = fio(&s.uri(), "t", rw, bs, region, Some(runtime))?;
+            eprintln!("  {system:<7} {test:<13} {iops:>9.0} IOPS {mib:>8.1} MiB/s");
+            rows.push(Row { system: system.into(), test: test.into(), iops, mib_s: mib });
+        }
+        s.stop()?;
+    }
+    let get = |sys: &str, test: &str| rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.iops).unwrap_or(0.0);
+    let rr = get("strata", "4k randread") / get("raw", "4k randread");
+    eprintln!("  4k randread strata/raw = {rr:.2}; 4k randwrite strata/raw = {:.2}", get("strata", "4k randwrite") / get("raw", "4k randwrite"));
+    std::fs::create_dir_all(out)?;
+    let mut csv = String::from("system,test,iops,mib_s\n");
+    for r in &rows {
+        csv += &format!("{},{},{:.0},{:.1}\n", r.system, r.test, r.iops, r.mib_s);
+    }
+    std::fs::write(out.join("bench-io.csv"), csv)?;
+    let tests = ["4k randread", "4k randwrite", "1M read", "1M write"];
+    let ratios: serde_json::Map<String, serde_json::Value> = tests
+        .iter()
+        .map(|t| (t.to_string(), serde_json::json!({"strata_over_raw": get("strata", t) / get("raw", t), "strata_over_qcow2": get("strata", t) / get("qcow2", t)})))
+        .collect();
+    let meta = serde_json::json!({
+        "benchmark": "io",
+        "command": format!("strata bench io --runtime {runtime}"),
+        "method": "fio --ioengine=nbd --iodepth=16 over nbd+unix, 1 GiB region of a 4 GiB disk, filled first; strata restarted after the fill so reads come from chunks",
+        "rows": rows,
+        "ratios": ratios,
+    });
+    std::fs::write(out.join("bench-io.json"), serde_json::to_string_pretty(&meta)?)?;
+    let series: Vec<Series> = ["strata", "raw", "qcow2"]
+        .iter()
+        .map(|s| Series { name: if *s == "strata" { "strata".into() } else { format!("qemu-nbd {s}") }, values: tests.iter().map(|t| get(s, t) / get("raw", t)).collect() })
+        .collect();
+    let svg = bars("fio over NBD, relative to qemu-nbd raw (higher is better)", "x qemu-nbd raw", &tests.map(String::from), &series);
+    std::fs::write(out.join("bench-io.svg"), svg)?;
+    eprintln!("wrote {}/bench-io.{{csv,json,svg}}", out.display());
+    Ok(())
+}
