@@ -97,6 +97,32 @@ impl FaultBackend {
         }
     }
 
+    /// Cut the power now (for harnesses that count sync points across several devices).
+    pub fn power_cut(&self) {
+        let n = self.syncs.load(Ordering::SeqCst);
+        let mut st = self.state.lock();
+        if !st.crashed {
+            self.cut_locked(&mut st, n);
+        }
+    }
+
+    fn cut_locked(&self, st: &mut State, n: u64) {
+        let pending = std::mem::take(&mut st.pending);
+        match self.cut_mode {
+            CutMode::DropAll => {}
+            CutMode::KeepAll => pending.iter().for_each(|op| Self::apply(&self.durable, op)),
+            CutMode::Random(seed) => {
+                let mut rng = StdRng::seed_from_u64(seed ^ n);
+                for op in &pending {
+                    if rng.gen_bool(0.5) {
+                        Self::apply(&self.durable, op);
+                    }
+                }
+            }
+        }
+        st.crashed = true;
+    }
+
     fn apply(target: &MemoryBackend, op: &Op) {
         match op {
             Op::Put(k, v) => target.put(k, v).expect("memory put"),
@@ -175,20 +201,7 @@ impl Backend for FaultBackend {
             return Err(BackendError::new(ErrorKind::Unavailable, "sync", ""));
         }
         if self.cut_at_sync == Some(n) {
-            let pending = std::mem::take(&mut st.pending);
-            match self.cut_mode {
-                CutMode::DropAll => {}
-                CutMode::KeepAll => pending.iter().for_each(|op| Self::apply(&self.durable, op)),
-                CutMode::Random(seed) => {
-                    let mut rng = StdRng::seed_from_u64(seed ^ n);
-                    for op in &pending {
-                        if rng.gen_bool(0.5) {
-                            Self::apply(&self.durable, op);
-                        }
-                    }
-                }
-            }
-            st.crashed = true;
+            self.cut_locked(&mut st, n);
             return Err(BackendError::new(ErrorKind::Unavailable, "sync", "(power cut)"));
         }
         if self.fail_sync_at == Some(n) {

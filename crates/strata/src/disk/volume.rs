@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Bytes of decompressed base blocks kept per volume.
-const CACHE_BYTES: usize = 64 << 20;
+const CACHE_BYTES: usize = 256 << 20;
 /// Compact automatically when the log grows past this.
 pub const DEFAULT_COMPACT_AT: u64 = 1 << 30;
 
@@ -81,9 +81,22 @@ pub struct Volume {
     cache: Mutex<BlockCache>,
     failed: Mutex<Option<String>>,
     _lock: File,
-    pub compact_at: u64,
+    compact_at: AtomicU64,
     stats: VolumeStats,
+    sync_hook: RwLock<Option<SyncHook>>,
 }
+
+/// What a [`SyncHook`] is told about.
+#[derive(Debug, Clone)]
+pub enum SyncEvent {
+    /// The log at this path is about to be fdatasync'ed; an error fails the sync.
+    LogSync(PathBuf),
+    /// A new, empty log was created (durably) at this path.
+    LogCreated(PathBuf),
+}
+
+/// Test seam for crash harnesses: observes (and may fail) the volume's durability points.
+pub type SyncHook = Arc<dyn Fn(&SyncEvent) -> std::io::Result<()> + Send + Sync>;
 
 fn io_err(op: &'static str, path: &std::path::Path, e: std::io::Error) -> DiskError {
     DiskError::Io { op, path: path.to_path_buf(), source: e }
@@ -181,8 +194,9 @@ impl Volume {
             cache: Mutex::new(BlockCache { map: HashMap::new(), order: VecDeque::new(), bytes: 0 }),
             failed: Mutex::new(None),
             _lock: lock,
-            compact_at: DEFAULT_COMPACT_AT,
+            compact_at: AtomicU64::new(DEFAULT_COMPACT_AT),
             stats: VolumeStats::default(),
+            sync_hook: RwLock::new(None),
         }))
     }
 
@@ -197,6 +211,23 @@ impl Volume {
     }
     pub fn stats(&self) -> &VolumeStats {
         &self.stats
+    }
+
+    /// Compact automatically once the log passes this many bytes.
+    pub fn set_compact_at(&self, bytes: u64) {
+        self.compact_at.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Install a hook on the volume's durability points (crash tests).
+    pub fn set_sync_hook(&self, hook: SyncHook) {
+        *self.sync_hook.write() = Some(hook);
+    }
+
+    fn hook(&self, ev: SyncEvent) -> std::io::Result<()> {
+        match &*self.sync_hook.read() {
+            Some(h) => h(&ev),
+            None => Ok(()),
+        }
     }
 
     fn check_failed(&self) -> Result<()> {
@@ -294,7 +325,7 @@ impl Volume {
             self.stats.writes.fetch_add(1, Ordering::Relaxed);
             self.stats.guest_bytes_written.fetch_add(len, Ordering::Relaxed);
         }
-        if grown > self.compact_at {
+        if grown > self.compact_at.load(Ordering::Relaxed) {
             self.flush()?;
             self.compact()?;
         }
@@ -341,13 +372,14 @@ impl Volume {
             if !s.syncing {
                 s.syncing = true;
                 drop(s);
-                let (upto, file) = {
+                let (upto, file, path) = {
                     let w = self.log.lock();
-                    (self.appended.load(Ordering::Acquire), w.file_handle())
+                    (self.appended.load(Ordering::Acquire), w.file_handle(), w.path.clone())
                 };
                 let res = file.map_err(DiskError::from).and_then(|f| {
+                    self.hook(SyncEvent::LogSync(path.clone())).map_err(|e| io_err("fdatasync", &path, e))?;
                     self.stats.fdatasyncs.fetch_add(1, Ordering::Relaxed);
-                    f.sync_data().map_err(|e| io_err("fdatasync", &self.dir, e))
+                    f.sync_data().map_err(|e| io_err("fdatasync", &path, e))
                 });
                 s = self.sync.lock();
                 s.syncing = false;
@@ -367,6 +399,16 @@ impl Volume {
 
     /// Fold the log into the base map and start a new log. Returns the new generation.
     pub fn compact(&self) -> Result<u64> {
+        let r = self.compact_inner();
+        if let Err(e) = &r {
+            // The base and the log may now disagree about which is current; reopening resolves
+            // it from the ref generation, so refuse I/O until then.
+            *self.failed.lock() = Some(format!("compaction failed: {e}"));
+        }
+        r
+    }
+
+    fn compact_inner(&self) -> Result<u64> {
         self.check_failed()?;
         let mut w = self.log.lock();
         let (gen, root) = {
@@ -413,6 +455,7 @@ impl Volume {
             &self.dir.join(format!("log.{next}")),
             LogHeader { disk_id: w.header.disk_id, base_generation: gen, file_seq: next },
         )?;
+        let _ = self.hook(SyncEvent::LogCreated(nw.path.clone()));
         let old_path = w.path.clone();
         let old_id = w.header.file_seq as u32;
         self.files.write().insert(next as u32, Arc::new(nw.file_handle()?));

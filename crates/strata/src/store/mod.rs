@@ -352,16 +352,16 @@ impl Store {
 
     fn read_frame(&self, loc: &Loc) -> Result<Vec<u8>> {
         let e = &loc.entry;
-        let (pid, mem) = {
+        let (pid, mem, durable) = {
             let idx = self.inner.sh.index.read();
             let slot = idx.slot(loc.pack).ok_or(StoreError::PackMissing { id: e.id, pack: PackId::default() })?;
-            (slot.id, slot.mem.clone())
+            (slot.id, slot.mem.clone(), slot.durable)
         };
         let range = e.frame_off as usize..e.frame_off as usize + e.frame_len as usize;
         if let Some(mem) = mem {
             return Ok(mem[range].to_vec());
         }
-        {
+        if !durable {
             let open = self.inner.open.lock();
             if open.no == loc.pack {
                 if let Some(b) = &open.builder {
@@ -385,11 +385,15 @@ impl Store {
 
     fn read_loc(&self, id: &ChunkId, loc: &Loc) -> Result<Vec<u8>> {
         let frame = self.read_frame(loc)?;
+        let e = &loc.entry;
+        if e.codec == Codec::None && e.off_in_frame == 0 && e.raw_len == e.frame_raw_len {
+            // The frame is the chunk: verify in place and hand the buffer over without a copy.
+            if format::crc(&frame) == e.frame_crc && ChunkId::of(&frame) == *id {
+                return Ok(frame);
+            }
+        }
         let pack = self.inner.sh.index.read().slot(loc.pack).map(|s| s.id).unwrap_or_default();
-        decode_chunk(&frame, &loc.entry, pack).map(|data| {
-            debug_assert_eq!(ChunkId::of(&data), *id);
-            data
-        })
+        decode_chunk(&frame, e, pack)
     }
 
     /// Make every chunk put so far durable (packs, then their index objects).
@@ -586,6 +590,13 @@ pub(crate) fn decode_chunk(frame: &[u8], e: &PackEntry, pack: PackId) -> Result<
     let corrupt = |reason: String| StoreError::Corrupt { id: e.id, pack, offset: e.frame_off, reason };
     if format::crc(frame) != e.frame_crc {
         return Err(corrupt("frame checksum mismatch".into()));
+    }
+    if e.codec == Codec::None && e.off_in_frame == 0 && e.raw_len == e.frame_raw_len {
+        // A whole uncompressed frame is the chunk itself: verify it in place.
+        if ChunkId::of(frame) != e.id {
+            return Err(corrupt("content does not match its hash".into()));
+        }
+        return Ok(frame.to_vec());
     }
     let raw = e.codec.decompress(frame, e.frame_raw_len as usize).map_err(|err| corrupt(err.to_string()))?;
     let data = raw[e.off_in_frame as usize..(e.off_in_frame + e.raw_len) as usize].to_vec();

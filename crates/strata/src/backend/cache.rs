@@ -1,0 +1,1050 @@
+//! SSD cache decorator: a fixed-size cache file on local disk in front of any (remote) backend,
+//! after paper 004's client-side SSD cache for VDI, with the boot-storm fixes Ceph lacks.
+//!
+//! What is cached, and why that is "keyed by content": the store reads a chunk as one range of
+//! an immutable pack (`get_range(packs/XX/<id>, frame_off, frame_len)`), and a chunk lives in
+//! exactly one pack (the store deduplicates by BLAKE3 id) whose name is random and never reused.
+//! So an entry keyed by (pack key, offset, length) *is* an entry keyed by chunk id: every clone,
+//! snapshot and image that shares a chunk shares its one cache entry, and entries never go stale
+//! (GC deletes whole packs; `delete` drops their entries). Only keys the `cacheable` predicate
+//! accepts (default: `packs/`) are cached; refs, config and index objects pass straight through,
+//! as do whole-object `get`s (those are `check` and GC verifying the backend itself).
+//! Entries are whole frames (typically 20-64 KiB compressed), not 4 MiB objects: a boot reads
+//! only the frames it needs.
+//!
+//! Paths through the cache:
+//! - Hit: look up the range, bump its LRU tick, `pread` the block, check the entry's BLAKE3
+//!   (truncated to 128 bits) and return. A mismatch (bit rot, a torn write before a crash, or a
+//!   block reused while we read it) drops the entry and falls through to a miss: the cache can
+//!   lose data, never return wrong data.
+//! - Miss, with coalescing: the first reader of a range becomes its leader and reads the
+//!   backend; concurrent readers of the same range wait for the leader's bytes instead of
+//!   issuing their own read (N clones booting together fetch each frame once).
+//! - Lazy fill: the leader answers its caller at once and hands the bytes to the fill thread
+//!   through a staging map (which also serves hits until the entry is on disk). The fill thread
+//!   allocates a block (evicting if needed), writes it, then publishes the entry and appends an
+//!   `Insert` record to the index log. Staging is bounded in bytes; beyond it fills are dropped.
+//! - Writes are write-through: `put` goes to the backend first and its result is the caller's;
+//!   with a `splitter` (which cuts a pack into its frame ranges), the bytes of a new pack are
+//!   also staged for filling, so a host reads back what it just wrote from the SSD.
+//!   There is no write-back mode: the disk layer's local write log already gives low-latency
+//!   durable writes, and acknowledging a pack before the backend has it would break the
+//!   store's durability ordering (pack -> index -> ref).
+//! - Eviction: least recently used. The buddy allocator needs a free block of a given order;
+//!   if the LRU entry is at least that big, evicting it suffices, otherwise every entry inside
+//!   the aligned block of that order around the LRU entry is evicted (the block then merges
+//!   free). Collateral evictions are bounded by one block of the needed order.
+//! - Restart: `cache.index` is replayed (torn tail ignored), overlapping or invalid records are
+//!   dropped, the allocator is rebuilt with `reserve`, and the log is rewritten compacted.
+//!   Entries are verified lazily, on their first (and every) use. One process owns a cache
+//!   directory at a time (`flock` on the data file).
+//!
+//! Layout of both files: `cache/format.rs` and `docs/format-cache.md`.
+
+pub mod buddy;
+pub mod format;
+
+use super::{BResult, Backend, BackendError, Capabilities, DynBackend, ErrorKind, ObjectInfo};
+use buddy::Buddy;
+use format::{Geometry, Record, DATA_HEADER_LEN, HASH_LEN, INDEX_HEADER_LEN};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+const TARGET: &str = "strata::backend::cache";
+const DATA_FILE: &str = "cache.data";
+const INDEX_FILE: &str = "cache.index";
+
+/// Cuts a freshly written object into the ranges worth caching (a pack into its frames).
+pub type Splitter = Arc<dyn Fn(&str, &[u8]) -> Vec<(u64, u64)> + Send + Sync>;
+
+/// How to build the cache.
+#[derive(Clone)]
+pub struct CacheOptions {
+    /// Size of the cache file's data region in bytes (rounded down to whole top blocks).
+    pub size: u64,
+    /// Smallest block; entries are rounded up to a power-of-two multiple of it.
+    pub min_block: u32,
+    /// Largest entry (rounded up to a power of two); bigger ranges bypass the cache.
+    pub max_entry: u64,
+    /// Which keys hold immutable objects worth caching.
+    pub cacheable: fn(&str) -> bool,
+    /// Fill the cache from `put`s of cacheable objects, cut by this function.
+    pub splitter: Option<Splitter>,
+    /// Most bytes staged for filling at once; fills beyond it are dropped.
+    pub max_staged: u64,
+}
+
+/// The default predicate: pack objects, and nothing else.
+pub fn packs_only(key: &str) -> bool {
+    key.starts_with("packs/")
+}
+
+impl CacheOptions {
+    pub fn new(size: u64) -> CacheOptions {
+        CacheOptions {
+            size,
+            min_block: 4096,
+            max_entry: 16 << 20,
+            cacheable: packs_only,
+            splitter: None,
+            max_staged: 128 << 20,
+        }
+    }
+
+    /// The region geometry these options give, or None if the size is below one block.
+    pub fn geometry(&self) -> Option<(u8, u8, u64)> {
+        let min_shift = self.min_block.max(512).next_power_of_two().trailing_zeros() as u8;
+        let max_shift = self.max_entry.max(self.min_block as u64).next_power_of_two().trailing_zeros() as u8;
+        let size_shift = 63 - self.size.max(1).leading_zeros() as u8;
+        if size_shift < min_shift {
+            return None;
+        }
+        let top_order = max_shift.min(size_shift).saturating_sub(min_shift);
+        let n_top = self.size >> (min_shift + top_order);
+        Some((min_shift, top_order, n_top))
+    }
+}
+
+impl std::fmt::Debug for CacheOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheOptions")
+            .field("size", &self.size)
+            .field("min_block", &self.min_block)
+            .field("max_entry", &self.max_entry)
+            .field("splitter", &self.splitter.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("Cache size of {size} bytes is too small: give at least {min} bytes (--cache-size)")]
+    TooSmall { size: u64, min: u64 },
+    #[error("Cannot {op} {path}: check that the cache directory exists and is writable")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Cannot reserve {size} bytes for {path}: free disk space or give a smaller --cache-size")]
+    NoSpace { size: u64, path: PathBuf },
+    #[error("Cache {dir} is in use by another strata process: give each process its own --cache DIR")]
+    InUse { dir: PathBuf },
+}
+
+/// Monotonic counters and gauges, for `strata stats --json` and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheCounters {
+    /// Reads answered from the cache file or the staging area.
+    pub hits: u64,
+    pub hit_bytes: u64,
+    /// Reads that went to the backend (one per coalesced group).
+    pub misses: u64,
+    pub miss_bytes: u64,
+    /// Reads that waited for another reader's backend read of the same range.
+    pub coalesced: u64,
+    /// Reads of objects or sizes the cache does not hold (passed through).
+    pub bypass: u64,
+    pub bypass_bytes: u64,
+    /// Entries written to the cache file.
+    pub fills: u64,
+    pub fill_bytes: u64,
+    /// Fills skipped because the staging area was full.
+    pub fill_dropped: u64,
+    pub evictions: u64,
+    pub evicted_bytes: u64,
+    /// Entries whose bytes failed their hash check (dropped, re-read from the backend).
+    pub verify_failed: u64,
+    pub io_errors: u64,
+    /// Entries dropped because their object was deleted or overwritten.
+    pub invalidations: u64,
+    /// Entries recovered from the index at open.
+    pub recovered: u64,
+    /// Gauges: current entries, bytes of their blocks, bytes of their data, region size.
+    pub entries: u64,
+    pub used_bytes: u64,
+    pub data_bytes: u64,
+    pub capacity: u64,
+}
+
+impl CacheCounters {
+    /// All bytes read from the backend through this cache (misses and pass-throughs).
+    pub fn bytes_from_backend(&self) -> u64 {
+        self.miss_bytes + self.bypass_bytes
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    hits: AtomicU64,
+    hit_bytes: AtomicU64,
+    misses: AtomicU64,
+    miss_bytes: AtomicU64,
+    coalesced: AtomicU64,
+    bypass: AtomicU64,
+    bypass_bytes: AtomicU64,
+    fills: AtomicU64,
+    fill_bytes: AtomicU64,
+    fill_dropped: AtomicU64,
+    evictions: AtomicU64,
+    evicted_bytes: AtomicU64,
+    verify_failed: AtomicU64,
+    io_errors: AtomicU64,
+    invalidations: AtomicU64,
+    recovered: AtomicU64,
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// (object key, offset, length): one cacheable range.
+type RangeKey = (Arc<str>, u64, u64);
+
+#[derive(Clone)]
+struct Entry {
+    key: Arc<str>,
+    obj_off: u64,
+    len: u64,
+    order: u8,
+    hash: [u8; HASH_LEN],
+    tick: u64,
+}
+
+/// Bytes shared with the caller that produced them (a range of a read or of a put pack).
+#[derive(Clone)]
+struct Slice {
+    buf: Arc<Vec<u8>>,
+    off: usize,
+    len: usize,
+}
+
+impl Slice {
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+struct Log {
+    file: File,
+    path: PathBuf,
+    buf: Vec<u8>,
+    len: u64,
+    live: u64,
+}
+
+struct State {
+    buddy: Buddy,
+    by_block: BTreeMap<u64, Entry>,
+    by_range: BTreeMap<RangeKey, u64>,
+    lru: BTreeMap<u64, u64>,
+    tick: u64,
+    staged: BTreeMap<RangeKey, Slice>,
+    staged_bytes: u64,
+    log: Log,
+}
+
+/// How a leader's backend read ended, as its followers see it.
+enum Outcome {
+    Data(Arc<Vec<u8>>),
+    Failed(ErrorKind, String),
+    /// The range was filled meanwhile: look it up again.
+    Retry,
+}
+
+/// A backend read in progress that other readers of the same range wait for.
+#[derive(Default)]
+struct Flight {
+    done: Mutex<Option<Outcome>>,
+    cv: Condvar,
+}
+
+struct Shared {
+    inner: DynBackend,
+    opts: CacheOptions,
+    data: File,
+    dir: PathBuf,
+    geo: Geometry,
+    state: Mutex<State>,
+    idle: Condvar,
+    flights: Mutex<HashMap<RangeKey, Arc<Flight>>>,
+    stats: Stats,
+}
+
+/// The cache decorator. Cheap to share behind an `Arc<dyn Backend>`.
+pub struct CacheBackend {
+    sh: Arc<Shared>,
+    tx: Mutex<Option<mpsc::Sender<(RangeKey, Slice)>>>,
+    filler: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for CacheBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheBackend")
+            .field("inner", &self.sh.inner.name())
+            .field("dir", &self.sh.dir)
+            .field("capacity", &self.sh.geo.region_size)
+            .finish()
+    }
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CacheError + 'a {
+    move |source| CacheError::Io { op, path: path.to_path_buf(), source }
+}
+
+impl CacheBackend {
+    /// Open (or create) the cache in `dir` in front of `inner`. A cache file of another size
+    /// or format is recreated empty; an intact one is recovered with its entries.
+    pub fn open(inner: DynBackend, dir: &Path, opts: CacheOptions) -> Result<CacheBackend, CacheError> {
+        let (min_shift, top_order, n_top) = opts
+            .geometry()
+            .filter(|g| g.2 > 0)
+            .ok_or(CacheError::TooSmall { size: opts.size, min: opts.min_block as u64 })?;
+        std::fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+        let region_size = n_top << (min_shift + top_order);
+        let data_path = dir.join(DATA_FILE);
+        let data = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&data_path)
+            .map_err(io_err("open", &data_path))?;
+        lock_exclusive(&data).map_err(|e| match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => CacheError::InUse { dir: dir.to_path_buf() },
+            _ => CacheError::Io { op: "lock", path: data_path.clone(), source: e },
+        })?;
+        let mut head = vec![0u8; DATA_HEADER_LEN as usize];
+        let old = data.read_exact_at(&mut head, 0).ok().and_then(|_| format::parse_data_header(&head).ok());
+        let same = |g: &Geometry| g.region_size == region_size && g.min_shift == min_shift && g.top_order == top_order;
+        let file_len = data.metadata().map_err(io_err("stat", &data_path))?.len();
+        let geo = match old {
+            Some(g) if same(&g) && file_len == DATA_HEADER_LEN + region_size => g,
+            _ => {
+                let g = Geometry { instance: rand::random(), region_size, min_shift, top_order };
+                tracing::info!(target: TARGET, path = %data_path.display(), size = region_size, "creating the cache file");
+                data.set_len(0).map_err(io_err("truncate", &data_path))?;
+                reserve_space(&data, DATA_HEADER_LEN + region_size)
+                    .map_err(|_| CacheError::NoSpace { size: DATA_HEADER_LEN + region_size, path: data_path.clone() })?;
+                data.write_all_at(&format::encode_data_header(&g), 0).map_err(io_err("write", &data_path))?;
+                g
+            }
+        };
+
+        let index_path = dir.join(INDEX_FILE);
+        let mut raw = Vec::new();
+        match File::open(&index_path) {
+            Ok(mut f) => {
+                f.read_to_end(&mut raw).map_err(io_err("read", &index_path))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("open", &index_path)(e)),
+        }
+        let records = match format::parse_index_header(&raw) {
+            Ok(g) if g == geo => format::parse_records(&raw[INDEX_HEADER_LEN..]).0,
+            _ => Vec::new(),
+        };
+        let mut buddy = Buddy::new(min_shift as u32, top_order, n_top);
+        let (by_block, dropped) = replay(&buddy, &records);
+        let mut st = State {
+            buddy: buddy.clone(),
+            by_block: BTreeMap::new(),
+            by_range: BTreeMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            staged: BTreeMap::new(),
+            staged_bytes: 0,
+            // `file` is a placeholder until `rewrite_log` below opens the real index.
+            log: Log { file: data.try_clone().map_err(io_err("open", &index_path))?, path: index_path, buf: Vec::new(), len: 0, live: 0 },
+        };
+        let mut recovered = 0;
+        let mut ordered: Vec<(u64, Entry)> = by_block.into_iter().collect();
+        ordered.sort_by_key(|(_, e)| e.tick);
+        for (block, e) in ordered {
+            let rk: RangeKey = (e.key.clone(), e.obj_off, e.len);
+            if let Some(old) = st.by_range.get(&rk).copied() {
+                // Two blocks for one range: keep the newer.
+                let o = st.by_block.remove(&old).expect("indexed");
+                buddy.free(old, o.order);
+                st.lru.remove(&o.tick);
+            }
+            let ok = buddy.reserve(block, e.order);
+            debug_assert!(ok, "replay yields disjoint blocks");
+            st.tick = st.tick.max(e.tick + 1);
+            st.lru.insert(e.tick, block);
+            st.by_range.insert(rk, block);
+            st.by_block.insert(block, e);
+            recovered += 1;
+        }
+        st.buddy = buddy;
+        rewrite_log(&mut st, &geo).map_err(io_err("write", &dir.join(INDEX_FILE)))?;
+        tracing::info!(target: TARGET, dir = %dir.display(), entries = recovered, dropped, capacity = region_size, "cache opened");
+
+        let sh = Arc::new(Shared {
+            inner,
+            opts,
+            data,
+            dir: dir.to_path_buf(),
+            geo,
+            state: Mutex::new(st),
+            idle: Condvar::new(),
+            flights: Mutex::new(HashMap::new()),
+            stats: Stats::default(),
+        });
+        bump(&sh.stats.recovered, recovered);
+        let (tx, rx) = mpsc::channel();
+        let sh2 = sh.clone();
+        let filler = std::thread::Builder::new()
+            .name("strata-cache-fill".into())
+            .spawn(move || fill_loop(&sh2, rx))
+            .map_err(io_err("start the fill thread for", dir))?;
+        Ok(CacheBackend { sh, tx: Mutex::new(Some(tx)), filler: Mutex::new(Some(filler)) })
+    }
+
+    pub fn inner(&self) -> &DynBackend {
+        &self.sh.inner
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.sh.dir
+    }
+
+    pub fn counters(&self) -> CacheCounters {
+        let s = &self.sh.stats;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let st = self.sh.state.lock();
+        CacheCounters {
+            hits: l(&s.hits),
+            hit_bytes: l(&s.hit_bytes),
+            misses: l(&s.misses),
+            miss_bytes: l(&s.miss_bytes),
+            coalesced: l(&s.coalesced),
+            bypass: l(&s.bypass),
+            bypass_bytes: l(&s.bypass_bytes),
+            fills: l(&s.fills),
+            fill_bytes: l(&s.fill_bytes),
+            fill_dropped: l(&s.fill_dropped),
+            evictions: l(&s.evictions),
+            evicted_bytes: l(&s.evicted_bytes),
+            verify_failed: l(&s.verify_failed),
+            io_errors: l(&s.io_errors),
+            invalidations: l(&s.invalidations),
+            recovered: l(&s.recovered),
+            entries: st.by_block.len() as u64,
+            used_bytes: st.buddy.used(),
+            data_bytes: st.by_block.values().map(|e| e.len).sum(),
+            capacity: self.sh.geo.region_size,
+        }
+    }
+
+    /// Wait until every staged fill is on disk and recorded in the index log.
+    pub fn wait_idle(&self) {
+        let mut st = self.sh.state.lock();
+        while !st.staged.is_empty() {
+            self.sh.idle.wait(&mut st);
+        }
+        let _ = flush_log(&mut st);
+    }
+
+    /// Drop every entry (for cold-cache measurements).
+    pub fn clear(&self) {
+        self.wait_idle();
+        let mut st = self.sh.state.lock();
+        let blocks: Vec<u64> = st.by_block.keys().copied().collect();
+        for b in blocks {
+            remove_entry(&mut st, b);
+        }
+        let _ = flush_log(&mut st);
+    }
+
+    /// Read every entry back and drop those whose bytes fail their hash. Returns (good, bad).
+    pub fn verify_all(&self) -> (u64, u64) {
+        self.wait_idle();
+        let entries: Vec<(u64, Entry)> = self.sh.state.lock().by_block.iter().map(|(b, e)| (*b, e.clone())).collect();
+        let (mut good, mut bad) = (0, 0);
+        for (block, e) in entries {
+            if self.sh.read_block(block, &e).is_some() {
+                good += 1;
+            } else {
+                bad += 1;
+                self.sh.drop_if_same(block, &e.hash);
+            }
+        }
+        (good, bad)
+    }
+
+    /// Read the given ranges through the cache with `parallel` threads, so they are cached
+    /// (a golden image's recorded boot working set, for `strata disk warm`). Returns the bytes
+    /// that had to come from the backend.
+    pub fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
+        let before = self.counters().miss_bytes;
+        let next = AtomicU64::new(0);
+        let first_err: Mutex<Option<BackendError>> = Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..parallel.max(1) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some((k, off, len)) = ranges.get(i) else { break };
+                    if let Err(e) = self.get_range(k, *off, *len) {
+                        first_err.lock().get_or_insert(e);
+                        break;
+                    }
+                });
+            }
+        });
+        if let Some(e) = first_err.into_inner() {
+            return Err(e);
+        }
+        self.wait_idle();
+        Ok(self.counters().miss_bytes - before)
+    }
+
+    /// Stage bytes for the fill thread, within the staging budget.
+    fn stage(&self, rk: RangeKey, slice: Slice) {
+        let len = slice.len as u64;
+        {
+            let mut st = self.sh.state.lock();
+            if st.by_range.contains_key(&rk) || st.staged.contains_key(&rk) {
+                return;
+            }
+            if st.staged_bytes + len > self.sh.opts.max_staged {
+                bump(&self.sh.stats.fill_dropped, 1);
+                return;
+            }
+            st.staged_bytes += len;
+            st.staged.insert(rk.clone(), slice.clone());
+        }
+        let sent = self.tx.lock().as_ref().map(|tx| tx.send((rk.clone(), slice)).is_ok()).unwrap_or(false);
+        if !sent {
+            let mut st = self.sh.state.lock();
+            if st.staged.remove(&rk).is_some() {
+                st.staged_bytes -= len;
+            }
+            self.sh.idle.notify_all();
+        }
+    }
+
+    fn entry_fits(&self, len: u64) -> bool {
+        len > 0 && len <= 1u64 << (self.sh.geo.min_shift as u32 + self.sh.geo.top_order as u32)
+    }
+
+    /// Drop every entry and staged fill of `key` (its object was deleted or overwritten).
+    fn invalidate(&self, key: &str) {
+        let k: Arc<str> = Arc::from(key);
+        let lo = (k.clone(), 0u64, 0u64);
+        let hi = (k, u64::MAX, u64::MAX);
+        let mut st = self.sh.state.lock();
+        let blocks: Vec<u64> = st.by_range.range(lo.clone()..=hi.clone()).map(|(_, b)| *b).collect();
+        for b in &blocks {
+            remove_entry(&mut st, *b);
+        }
+        bump(&self.sh.stats.invalidations, blocks.len() as u64);
+        let staged: Vec<RangeKey> = st.staged.range(lo..=hi).map(|(k, _)| k.clone()).collect();
+        for rk in staged {
+            if let Some(s) = st.staged.remove(&rk) {
+                st.staged_bytes -= s.len as u64;
+            }
+        }
+        self.sh.idle.notify_all();
+    }
+}
+
+impl Drop for CacheBackend {
+    fn drop(&mut self) {
+        self.tx.lock().take();
+        if let Some(t) = self.filler.lock().take() {
+            let _ = t.join();
+        }
+        let mut st = self.sh.state.lock();
+        if let Err(e) = flush_log(&mut st) {
+            tracing::warn!(target: TARGET, error = %e, "cache index not flushed; entries will be lost");
+        }
+    }
+}
+
+impl Shared {
+    /// Read and verify one entry's bytes; None if unreadable or not matching its hash.
+    fn read_block(&self, block: u64, e: &Entry) -> Option<Vec<u8>> {
+        let mut buf = vec![0u8; e.len as usize];
+        if let Err(err) = self.data.read_exact_at(&mut buf, DATA_HEADER_LEN + block) {
+            bump(&self.stats.io_errors, 1);
+            tracing::warn!(target: TARGET, block, error = %err, "cache read failed");
+            return None;
+        }
+        if format::entry_hash(&buf) != e.hash {
+            bump(&self.stats.verify_failed, 1);
+            tracing::debug!(target: TARGET, block, key = %e.key, "cache entry failed its hash check");
+            return None;
+        }
+        Some(buf)
+    }
+
+    /// Remove the entry at `block` unless it was replaced meanwhile.
+    fn drop_if_same(&self, block: u64, hash: &[u8; HASH_LEN]) {
+        let mut st = self.state.lock();
+        if st.by_block.get(&block).is_some_and(|e| &e.hash == hash) {
+            remove_entry(&mut st, block);
+        }
+    }
+
+    /// Look the range up; on a hit, bump it in the LRU and return where it is.
+    fn lookup(&self, rk: &RangeKey) -> Lookup {
+        let mut st = self.state.lock();
+        if let Some(&block) = st.by_range.get(rk) {
+            let tick = st.tick;
+            st.tick += 1;
+            let e = st.by_block.get_mut(&block).expect("by_range and by_block agree");
+            let old = std::mem::replace(&mut e.tick, tick);
+            let e = e.clone();
+            st.lru.remove(&old);
+            st.lru.insert(tick, block);
+            return Lookup::Block(block, e);
+        }
+        if let Some(s) = st.staged.get(rk) {
+            return Lookup::Staged(s.bytes().to_vec());
+        }
+        Lookup::Miss
+    }
+}
+
+enum Lookup {
+    Block(u64, Entry),
+    Staged(Vec<u8>),
+    Miss,
+}
+
+/// Publishes a leader's outcome to its followers, also if the leader unwinds.
+struct Leader<'a> {
+    sh: &'a Shared,
+    rk: RangeKey,
+    flight: Arc<Flight>,
+    result: Option<Outcome>,
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        let r = self.result.take().unwrap_or_else(|| Outcome::Failed(ErrorKind::Other, "cache leader failed".into()));
+        *self.flight.done.lock() = Some(r);
+        self.flight.cv.notify_all();
+        self.sh.flights.lock().remove(&self.rk);
+    }
+}
+
+impl Backend for CacheBackend {
+    fn name(&self) -> String {
+        format!("cache({})", self.sh.inner.name())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.sh.inner.capabilities()
+    }
+
+    fn get(&self, key: &str) -> BResult<Vec<u8>> {
+        let v = self.sh.inner.get(key)?;
+        bump(&self.sh.stats.bypass, 1);
+        bump(&self.sh.stats.bypass_bytes, v.len() as u64);
+        Ok(v)
+    }
+
+    fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
+        let sh = &*self.sh;
+        if !(sh.opts.cacheable)(key) || !self.entry_fits(len) {
+            let v = sh.inner.get_range(key, offset, len)?;
+            bump(&sh.stats.bypass, 1);
+            bump(&sh.stats.bypass_bytes, len);
+            return Ok(v);
+        }
+        let rk: RangeKey = (Arc::from(key), offset, len);
+        loop {
+            match sh.lookup(&rk) {
+                Lookup::Block(block, e) => {
+                    if let Some(v) = sh.read_block(block, &e) {
+                        bump(&sh.stats.hits, 1);
+                        bump(&sh.stats.hit_bytes, len);
+                        return Ok(v);
+                    }
+                    sh.drop_if_same(block, &e.hash);
+                }
+                Lookup::Staged(v) => {
+                    bump(&sh.stats.hits, 1);
+                    bump(&sh.stats.hit_bytes, len);
+                    return Ok(v);
+                }
+                Lookup::Miss => {}
+            }
+            // Miss: lead the backend read or follow the one in flight.
+            let (flight, lead) = {
+                let mut fl = sh.flights.lock();
+                match fl.get(&rk) {
+                    Some(f) => (f.clone(), false),
+                    None => {
+                        let f = Arc::new(Flight::default());
+                        fl.insert(rk.clone(), f.clone());
+                        (f, true)
+                    }
+                }
+            };
+            if !lead {
+                let mut done = flight.done.lock();
+                while done.is_none() {
+                    flight.cv.wait(&mut done);
+                }
+                return match done.as_ref().expect("set") {
+                    Outcome::Data(v) => {
+                        bump(&sh.stats.coalesced, 1);
+                        Ok((**v).clone())
+                    }
+                    Outcome::Failed(kind, msg) => Err(BackendError::with_source(
+                        *kind,
+                        "get_range",
+                        key,
+                        std::io::Error::other(msg.clone()),
+                    )),
+                    Outcome::Retry => continue,
+                };
+            }
+            let mut leader = Leader { sh, rk: rk.clone(), flight, result: None };
+            // The range may have been filled between our lookup and taking the lead.
+            if let Lookup::Block(..) | Lookup::Staged(_) = sh.lookup(&rk) {
+                leader.result = Some(Outcome::Retry);
+                drop(leader);
+                continue;
+            }
+            return match sh.inner.get_range(key, offset, len) {
+                Ok(v) => {
+                    bump(&sh.stats.misses, 1);
+                    bump(&sh.stats.miss_bytes, len);
+                    let buf = Arc::new(v);
+                    // Stage before the flight ends, so no reader misses both.
+                    self.stage(rk.clone(), Slice { buf: buf.clone(), off: 0, len: len as usize });
+                    leader.result = Some(Outcome::Data(buf.clone()));
+                    drop(leader);
+                    Ok(Arc::try_unwrap(buf).unwrap_or_else(|b| (*b).clone()))
+                }
+                Err(e) => {
+                    leader.result = Some(Outcome::Failed(e.kind, e.to_string()));
+                    Err(e)
+                }
+            };
+        }
+    }
+
+    fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
+        let cacheable = (self.sh.opts.cacheable)(key);
+        if cacheable {
+            // Entries of the old object must not outlive it (packs are never overwritten, but
+            // the predicate is configurable).
+            self.invalidate(key);
+        }
+        self.sh.inner.put(key, data)?;
+        if let (true, Some(split)) = (cacheable, &self.sh.opts.splitter) {
+            let buf = Arc::new(data.to_vec());
+            let k: Arc<str> = Arc::from(key);
+            for (off, len) in split(key, data) {
+                let in_bounds = off.checked_add(len).is_some_and(|e| e <= data.len() as u64);
+                if in_bounds && self.entry_fits(len) {
+                    let s = Slice { buf: buf.clone(), off: off as usize, len: len as usize };
+                    self.stage((k.clone(), off, len), s);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {
+        self.sh.inner.put_if_absent(key, data)
+    }
+
+    fn list(&self, prefix: &str) -> BResult<Vec<ObjectInfo>> {
+        self.sh.inner.list(prefix)
+    }
+
+    fn delete(&self, key: &str) -> BResult<()> {
+        self.sh.inner.delete(key)?;
+        if (self.sh.opts.cacheable)(key) {
+            self.invalidate(key);
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> BResult<()> {
+        self.sh.inner.sync()
+    }
+
+    fn head(&self, key: &str) -> BResult<Option<u64>> {
+        self.sh.inner.head(key)
+    }
+}
+
+/// Replay index records into disjoint entries (later records win over overlapping earlier
+/// ones). Returns the entries by block and the number of records dropped as invalid.
+fn replay(buddy: &Buddy, records: &[Record]) -> (BTreeMap<u64, Entry>, u64) {
+    let mut by_block: BTreeMap<u64, Entry> = BTreeMap::new();
+    let mut dropped = 0;
+    for (i, r) in records.iter().enumerate() {
+        match r {
+            Record::Insert { block, order, len, hash, obj_off, key } => {
+                let valid = buddy.is_valid_block(*block, *order)
+                    && buddy.order_for(*len as u64) == Some(*order)
+                    && super::validate_key(key).is_ok();
+                if !valid {
+                    dropped += 1;
+                    continue;
+                }
+                let end = block + buddy.block_size(*order);
+                // Remove entries overlapping [block, end): walk back from the last one starting before `end`.
+                let overlapping: Vec<u64> = by_block
+                    .range(..end)
+                    .rev()
+                    .take_while(|(b, e)| *b + buddy.block_size(e.order) > *block)
+                    .map(|(b, _)| *b)
+                    .collect();
+                for b in overlapping {
+                    by_block.remove(&b);
+                }
+                by_block.insert(
+                    *block,
+                    Entry { key: Arc::from(key.as_str()), obj_off: *obj_off, len: *len as u64, order: *order, hash: *hash, tick: i as u64 },
+                );
+            }
+            Record::Remove { block } => {
+                by_block.remove(block);
+            }
+        }
+    }
+    (by_block, dropped)
+}
+
+/// Remove the entry at `block`: free it, forget it, log it.
+fn remove_entry(st: &mut State, block: u64) -> Option<Entry> {
+    let e = st.by_block.remove(&block)?;
+    st.by_range.remove(&(e.key.clone(), e.obj_off, e.len));
+    st.lru.remove(&e.tick);
+    st.buddy.free(block, e.order);
+    format::encode_record(&Record::Remove { block }, &mut st.log.buf);
+    st.log.live = st.log.live.saturating_sub(1);
+    Some(e)
+}
+
+/// Allocate a block of `order`, evicting least recently used entries as needed.
+fn alloc_evicting(st: &mut State, stats: &Stats, order: u8) -> Option<u64> {
+    loop {
+        if let Some(b) = st.buddy.alloc(order) {
+            return Some(b);
+        }
+        let (_, &victim) = st.lru.first_key_value()?;
+        let v_order = st.by_block.get(&victim)?.order;
+        let victims: Vec<u64> = if v_order >= order {
+            vec![victim]
+        } else {
+            let size = st.buddy.block_size(order);
+            let base = victim & !(size - 1);
+            st.by_block.range(base..base + size).map(|(b, _)| *b).collect()
+        };
+        for b in victims {
+            if let Some(e) = remove_entry(st, b) {
+                bump(&stats.evictions, 1);
+                bump(&stats.evicted_bytes, e.len);
+            }
+        }
+    }
+}
+
+fn fill_loop(sh: &Shared, rx: mpsc::Receiver<(RangeKey, Slice)>) {
+    loop {
+        let job = match rx.try_recv() {
+            Ok(j) => j,
+            Err(mpsc::TryRecvError::Empty) => {
+                // Queue drained: push the log out, maybe compact, then block for more.
+                {
+                    let mut st = sh.state.lock();
+                    let compact = st.log.len > 4 * (st.log.live * 64) + (4 << 20);
+                    let r = if compact { rewrite_log(&mut st, &sh.geo) } else { flush_log(&mut st) };
+                    if let Err(e) = r {
+                        tracing::warn!(target: TARGET, error = %e, "cache index write failed");
+                    }
+                    sh.idle.notify_all();
+                }
+                match rx.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                }
+            }
+            Err(mpsc::TryRecvError::Disconnected) => return,
+        };
+        fill_one(sh, job.0, job.1);
+    }
+}
+
+fn fill_one(sh: &Shared, rk: RangeKey, s: Slice) {
+    let len = s.len as u64;
+    let unstage = |st: &mut State| {
+        if st.staged.remove(&rk).is_some() {
+            st.staged_bytes -= len;
+        }
+        sh.idle.notify_all();
+    };
+    let block = {
+        let mut st = sh.state.lock();
+        if !st.staged.contains_key(&rk) {
+            return; // invalidated meanwhile
+        }
+        let Some(order) = st.buddy.order_for(len) else {
+            unstage(&mut st);
+            return;
+        };
+        if st.by_range.contains_key(&rk) {
+            unstage(&mut st);
+            return;
+        }
+        match alloc_evicting(&mut st, &sh.stats, order) {
+            Some(b) => (b, order),
+            None => {
+                unstage(&mut st);
+                return;
+            }
+        }
+    };
+    let data = s.bytes();
+    let hash = format::entry_hash(data);
+    let res = sh.data.write_all_at(data, DATA_HEADER_LEN + block.0);
+    let mut st = sh.state.lock();
+    if let Err(e) = res {
+        bump(&sh.stats.io_errors, 1);
+        tracing::warn!(target: TARGET, error = %e, "cache write failed");
+        st.buddy.free(block.0, block.1);
+        unstage(&mut st);
+        return;
+    }
+    if !st.staged.contains_key(&rk) {
+        st.buddy.free(block.0, block.1); // invalidated while we wrote
+        return;
+    }
+    let tick = st.tick;
+    st.tick += 1;
+    let (key, obj_off, _) = rk.clone();
+    format::encode_record(
+        &Record::Insert { block: block.0, order: block.1, len: len as u32, hash, obj_off, key: key.to_string() },
+        &mut st.log.buf,
+    );
+    st.log.live += 1;
+    st.by_block.insert(block.0, Entry { key, obj_off, len, order: block.1, hash, tick });
+    st.by_range.insert(rk.clone(), block.0);
+    st.lru.insert(tick, block.0);
+    bump(&sh.stats.fills, 1);
+    bump(&sh.stats.fill_bytes, len);
+    unstage(&mut st);
+}
+
+fn flush_log(st: &mut State) -> std::io::Result<()> {
+    if st.log.buf.is_empty() {
+        return Ok(());
+    }
+    let buf = std::mem::take(&mut st.log.buf);
+    st.log.file.write_all(&buf)?;
+    st.log.len += buf.len() as u64;
+    Ok(())
+}
+
+/// Write a fresh log holding only the live entries, and switch appends to it.
+fn rewrite_log(st: &mut State, geo: &Geometry) -> std::io::Result<()> {
+    let tmp = st.log.path.with_extension("index.tmp");
+    let mut out = format::encode_index_header(geo);
+    let mut live: Vec<(&u64, &Entry)> = st.by_block.iter().collect();
+    live.sort_by_key(|(_, e)| e.tick);
+    for (b, e) in &live {
+        let r = Record::Insert {
+            block: **b,
+            order: e.order,
+            len: e.len as u32,
+            hash: e.hash,
+            obj_off: e.obj_off,
+            key: e.key.to_string(),
+        };
+        format::encode_record(&r, &mut out);
+    }
+    std::fs::write(&tmp, &out)?;
+    std::fs::rename(&tmp, &st.log.path)?;
+    st.log.file = OpenOptions::new().append(true).open(&st.log.path)?;
+    st.log.buf.clear();
+    st.log.len = out.len() as u64;
+    st.log.live = live.len() as u64;
+    Ok(())
+}
+
+/// One process per cache directory: an exclusive `flock` on the data file, released when the
+/// file is closed (also when the process dies).
+fn lock_exclusive(f: &File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on an owned, open descriptor.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Give the file its full size with real blocks (fallocate), so the cache cannot hit ENOSPC
+/// later; falls back to a sparse file where fallocate is unsupported.
+fn reserve_space(f: &File, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on an owned, open descriptor.
+    let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
+    match r {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => f.set_len(len),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_follows_size_and_limits() {
+        let o = CacheOptions::new(1 << 30);
+        assert_eq!(o.geometry(), Some((12, 12, 64)), "1 GiB = 64 blocks of 16 MiB");
+        let o = CacheOptions::new((1 << 20) + 5);
+        assert_eq!(o.geometry(), Some((12, 8, 1)), "small caches use a smaller top order");
+        assert_eq!(CacheOptions::new(100).geometry(), None);
+        let o = CacheOptions { max_entry: 65536, ..CacheOptions::new(10 << 20) };
+        assert_eq!(o.geometry(), Some((12, 4, 160)));
+    }
+
+    #[test]
+    fn replay_keeps_the_latest_of_overlapping_records() {
+        let b = Buddy::new(12, 4, 1);
+        let ins = |block: u64, len: u32, key: &str| Record::Insert {
+            block,
+            order: b.order_for(len as u64).unwrap(),
+            len,
+            hash: [1; 16],
+            obj_off: 0,
+            key: key.into(),
+        };
+        let recs = vec![
+            ins(0, 4096, "packs/a"),
+            ins(4096, 4096, "packs/b"),
+            ins(8192, 8192, "packs/c"),
+            Record::Remove { block: 4096 },
+            ins(0, 16384, "packs/d"),     // overlaps a and c: both superseded
+            ins(16384, 100, "packs/e"),
+            ins(20480, 8192, "packs/bad"), // misaligned for order 1
+            ins(1 << 20, 10, "packs/far"), // outside the region
+            ins(32768, 10, "../x"),        // invalid key
+        ];
+        let (m, dropped) = replay(&b, &recs);
+        let keys: Vec<(u64, &str)> = m.iter().map(|(b, e)| (*b, &*e.key)).collect();
+        assert_eq!(keys, vec![(0, "packs/d"), (16384, "packs/e")]);
+        assert_eq!(dropped, 3);
+    }
+}

@@ -1,0 +1,463 @@
+//! Adaptive codec choice for memory saves, after the compressed save/restore paper
+//! (`shared/seeds/000_*`): compressing pays when
+//!
+//! ```text
+//! Speed_Transfer ≤ Speed_Comp × (1 − Rate)
+//! ```
+//!
+//! where Speed_Transfer is how fast the backend makes raw bytes durable, Speed_Comp how fast
+//! the pool compresses and Rate the compressed/raw ratio. Among the codecs that pass, the
+//! one with the smallest expected time per byte, `1/Speed_Comp + Rate/Speed_Transfer` (the
+//! paper's equation 3 divided by the file size), is used; when none passes, pages are stored
+//! raw, so a save is never slower than storing raw by the paper's model.
+//!
+//! All three inputs are measured, not configured:
+//! * Speed_Transfer by [`probe_backend`]: one timed `put` of incompressible bytes (the local
+//!   backend's `put` includes its `fdatasync`, like a pack write) before the stream starts;
+//! * Speed_Comp and Rate on the frames actually arriving: workers compress a sample of
+//!   frames (the first few, then one in [`SAMPLE_EVERY`]) with every candidate, timed with the
+//!   thread's CPU clock (so a worker preempted by QEMU does not look slow), and the pool's
+//!   speed is that per-core speed × the cores compression can really use: all cores minus one
+//!   when the source QEMU runs on this host, because its migration thread keeps one core busy
+//!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
+//!   usually gets raw pages and a 1 Gbps or object-store backend gets lz4 or zstd.
+//!
+//! The decision is re-evaluated after every sample over a sliding window, so a save that
+//! moves from code pages to random data switches codec per batch. [`decide`] is a pure
+//! function, unit-tested on the paper's Table 1 numbers.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+
+use parking_lot::Mutex;
+
+use super::manifest::{CodecEstimate, CodecReport};
+use crate::backend::{Backend, BackendError};
+use crate::codec::Codec;
+
+/// Codecs tried by `auto`, besides storing raw.
+pub const CANDIDATES: [Codec; 3] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)];
+/// Frames sampled unconditionally at the start of a save.
+pub const WARMUP_SAMPLES: u64 = 6;
+/// After the warm-up, one frame in this many is sampled.
+pub const SAMPLE_EVERY: u64 = 64;
+/// Samples per codec kept in the sliding window.
+pub const WINDOW: usize = 24;
+/// Bytes written by the backend probe.
+pub const PROBE_BYTES: usize = 16 << 20;
+
+thread_local! {
+    // One zstd context per level, so sampling levels 1 and 3 in turn does not rebuild them.
+    static SAMPLERS: RefCell<Vec<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What `--codec` asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodecPolicy {
+    /// Measure and choose per batch.
+    Auto,
+    /// Always this codec.
+    Fixed(Codec),
+}
+
+impl std::str::FromStr for CodecPolicy {
+    type Err = crate::codec::CodecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            Ok(CodecPolicy::Auto)
+        } else {
+            s.parse().map(CodecPolicy::Fixed)
+        }
+    }
+}
+
+impl std::fmt::Display for CodecPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CodecPolicy::Auto => f.write_str("auto"),
+            CodecPolicy::Fixed(c) => write!(f, "{c}"),
+        }
+    }
+}
+
+/// Accumulated measurements of one codec.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Measure {
+    pub raw: u64,
+    pub stored: u64,
+    pub nanos: u64,
+}
+
+impl Measure {
+    fn add(&mut self, o: &Measure) {
+        self.raw += o.raw;
+        self.stored += o.stored;
+        self.nanos += o.nanos;
+    }
+}
+
+/// The outcome of [`decide`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub codec: Codec,
+    pub why: String,
+    pub estimates: Vec<CodecEstimate>,
+}
+
+/// Apply the inequality. `backend_bps`: bytes/s the backend stores raw; `parallel`: workers
+/// compressing at once; `measures`: per candidate, raw/stored bytes and wall time of samples.
+pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) -> Decision {
+    let mb = |bps: f64| bps / 1e6;
+    let mut estimates = Vec::new();
+    let mut best: Option<(f64, Codec, f64, f64)> = None;
+    for (codec, m) in measures {
+        if m.raw == 0 || m.nanos == 0 {
+            continue;
+        }
+        let rate = (m.stored as f64 / m.raw as f64).min(1.0);
+        let comp = m.raw as f64 / (m.nanos as f64 / 1e9) * parallel.max(1.0);
+        let expected = comp * (1.0 - rate);
+        let pays = backend_bps <= expected;
+        estimates.push(CodecEstimate {
+            codec: codec.to_string(),
+            ratio: rate,
+            comp_mb_s: mb(comp),
+            expected_mb_s: mb(expected),
+            pays,
+        });
+        if pays {
+            let secs_per_byte = 1.0 / comp + rate / backend_bps;
+            if best.is_none_or(|(t, ..)| secs_per_byte < t) {
+                best = Some((secs_per_byte, *codec, comp, rate));
+            }
+        }
+    }
+    let raw_t = 1.0 / backend_bps;
+    match best {
+        Some((t, codec, comp, rate)) => Decision {
+            codec,
+            why: format!(
+                "backend {:.0} MB/s <= {codec} {:.0} MB/s x (1 - {:.2}) = {:.0} MB/s; expected {:.2} s/GB vs {:.2} s/GB raw",
+                mb(backend_bps),
+                mb(comp),
+                rate,
+                mb(comp * (1.0 - rate)),
+                t * 1e9,
+                raw_t * 1e9
+            ),
+            estimates,
+        },
+        None => {
+            let top = estimates
+                .iter()
+                .max_by(|a, b| a.expected_mb_s.total_cmp(&b.expected_mb_s))
+                .map(|e| format!("; best was {} at {:.0} MB/s", e.codec, e.expected_mb_s))
+                .unwrap_or_default();
+            Decision {
+                codec: Codec::None,
+                why: format!(
+                    "no codec beats the backend's {:.0} MB/s (Speed_Comp x (1 - Rate) too low{top}): storing raw",
+                    mb(backend_bps)
+                ),
+                estimates,
+            }
+        }
+    }
+}
+
+/// Time one `put` of `bytes` incompressible bytes (plus its durability) and delete it.
+/// Returns bytes per second.
+pub fn probe_backend(backend: &dyn Backend, bytes: usize) -> Result<f64, BackendError> {
+    let mut data = vec![0u8; bytes];
+    let mut x: u64 = rand::random::<u64>() | 1;
+    for w in data.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    let key = format!("tmp/strata-probe-{:016x}", rand::random::<u64>());
+    let t = Instant::now();
+    backend.put(&key, &data)?;
+    backend.sync()?;
+    let secs = t.elapsed().as_secs_f64().max(1e-6);
+    let _ = backend.delete(&key);
+    Ok(bytes as f64 / secs)
+}
+
+/// CPU time of the calling thread, in nanoseconds (wall clock if unavailable).
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc == 0 {
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    } else {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+}
+
+/// Cores compression can use while a QEMU on this host migrates (its migration thread keeps
+/// one busy): `cores - 1`, at least 1.
+pub fn usable_cores(source_is_local: bool) -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if source_is_local {
+        cores.saturating_sub(1).max(1)
+    } else {
+        cores
+    }
+}
+
+/// Compress `raw` with `codec` on this thread, timed by the thread's CPU clock. Output size
+/// is `raw.len()` when the codec does not pay (the store keeps such frames raw).
+pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
+    let t = thread_cpu_ns();
+    let stored = match codec {
+        Codec::Zstd(level) => SAMPLERS.with(|s| {
+            let mut s = s.borrow_mut();
+            let pos = match s.iter().position(|(l, _)| *l == level) {
+                Some(p) => p,
+                None => match zstd::bulk::Compressor::new(level) {
+                    Ok(c) => {
+                        s.push((level, c));
+                        s.len() - 1
+                    }
+                    Err(_) => return raw.len(),
+                },
+            };
+            s[pos].1.compress(raw).map(|z| z.len().min(raw.len())).unwrap_or(raw.len())
+        }),
+        other => other.compress(raw).map(|z| z.len()).unwrap_or(raw.len()),
+    };
+    Measure { raw: raw.len() as u64, stored: stored as u64, nanos: thread_cpu_ns().saturating_sub(t).max(1) }
+}
+
+struct Window {
+    samples: Vec<VecDeque<Measure>>,
+    decision: Option<Decision>,
+    switches: u64,
+}
+
+/// Shared by the pool's workers for one save.
+pub struct Chooser {
+    policy: CodecPolicy,
+    backend_bps: f64,
+    parallel: f64,
+    /// Index into `CANDIDATES`, or `usize::MAX` for raw.
+    current: AtomicUsize,
+    frames: AtomicU64,
+    samples: AtomicU64,
+    used: Mutex<Vec<(Codec, u64)>>,
+    window: Mutex<Window>,
+}
+
+fn slot(c: Codec) -> usize {
+    CANDIDATES.iter().position(|x| *x == c).unwrap_or(usize::MAX)
+}
+
+impl Chooser {
+    /// `backend_bps` from [`probe_backend`] (ignored for a fixed policy); `parallel`: cores
+    /// compression can use ([`usable_cores`]).
+    pub fn new(policy: CodecPolicy, backend_bps: f64, parallel: usize) -> Chooser {
+        let start = match policy {
+            // Until the first measurements arrive, the cheapest codec.
+            CodecPolicy::Auto => 0,
+            CodecPolicy::Fixed(c) => slot(c),
+        };
+        Chooser {
+            policy,
+            backend_bps: backend_bps.max(1.0),
+            parallel: parallel.max(1) as f64,
+            current: AtomicUsize::new(start),
+            frames: AtomicU64::new(0),
+            samples: AtomicU64::new(0),
+            used: Mutex::new(Vec::new()),
+            window: Mutex::new(Window {
+                samples: vec![VecDeque::new(); CANDIDATES.len()],
+                decision: None,
+                switches: 0,
+            }),
+        }
+    }
+
+    fn current_codec(&self) -> Codec {
+        match self.policy {
+            CodecPolicy::Fixed(c) => c,
+            CodecPolicy::Auto => CANDIDATES.get(self.current.load(Ordering::Relaxed)).copied().unwrap_or(Codec::None),
+        }
+    }
+
+    /// The codec for the next frame whose new (not yet stored) bytes are `fresh`. May
+    /// compress `fresh` with every candidate first to measure them.
+    pub fn codec_for(&self, fresh: &[u8]) -> Codec {
+        let codec = self.current_codec();
+        if self.policy == CodecPolicy::Auto && !fresh.is_empty() {
+            let n = self.frames.fetch_add(1, Ordering::Relaxed);
+            if n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0 {
+                self.sample(fresh);
+            }
+        }
+        let codec = if self.policy == CodecPolicy::Auto { self.current_codec() } else { codec };
+        let mut used = self.used.lock();
+        match used.iter_mut().find(|(c, _)| *c == codec) {
+            Some((_, n)) => *n += 1,
+            None => used.push((codec, 1)),
+        }
+        codec
+    }
+
+    fn sample(&self, fresh: &[u8]) {
+        let ms: Vec<Measure> = CANDIDATES.iter().map(|c| measure_once(*c, fresh)).collect();
+        self.samples.fetch_add(1, Ordering::Relaxed);
+        let mut w = self.window.lock();
+        for (q, m) in w.samples.iter_mut().zip(ms) {
+            q.push_back(m);
+            if q.len() > WINDOW {
+                q.pop_front();
+            }
+        }
+        let sums: Vec<(Codec, Measure)> = CANDIDATES
+            .iter()
+            .zip(&w.samples)
+            .map(|(c, q)| {
+                let mut s = Measure::default();
+                q.iter().for_each(|m| s.add(m));
+                (*c, s)
+            })
+            .collect();
+        let d = decide(self.backend_bps, self.parallel, &sums);
+        let new = slot(d.codec);
+        let old = self.current.swap(new, Ordering::Relaxed);
+        if old != new && w.decision.is_some() {
+            w.switches += 1;
+            tracing::debug!(target: "strata::memory", codec = %d.codec, why = %d.why, "codec switched");
+        }
+        w.decision = Some(d);
+    }
+
+    /// What was used and why, for the manifest and `--json`.
+    pub fn report(&self) -> CodecReport {
+        let frames: BTreeMap<String, u64> =
+            self.used.lock().iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        let w = self.window.lock();
+        let chosen = frames
+            .iter()
+            .max_by_key(|(_, v)| **v)
+            .map(|(k, _)| k.clone())
+            .unwrap_or_else(|| self.current_codec().to_string());
+        let (mut why, estimates) = match (&self.policy, &w.decision) {
+            (CodecPolicy::Fixed(c), _) => (format!("{c} forced with --codec"), vec![]),
+            (CodecPolicy::Auto, Some(d)) => (format!("last decision: {}", d.why), d.estimates.clone()),
+            (CodecPolicy::Auto, None) => ("no new data arrived to measure; nothing compressed".into(), vec![]),
+        };
+        if frames.len() > 1 {
+            let per: Vec<String> = frames.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            why += &format!(" (chosen per batch, {} switches; frames: {})", w.switches, per.join(", "));
+        }
+        CodecReport {
+            chosen,
+            why,
+            policy: self.policy.to_string(),
+            backend_mb_s: if self.policy == CodecPolicy::Auto { self.backend_bps / 1e6 } else { 0.0 },
+            frames,
+            samples: self.samples.load(Ordering::Relaxed),
+            switches: w.switches,
+            estimates,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(mb_s: f64, rate: f64) -> Measure {
+        // 1 MB compressed in 1/mb_s seconds to rate.
+        Measure { raw: 1_000_000, stored: (1_000_000.0 * rate) as u64, nanos: (1e9 / mb_s) as u64 }
+    }
+
+    #[test]
+    fn paper_table_2_numbers() {
+        // Table 1 of the paper: LZO 47.43% at 105.76 MB/s, deflate 33.49% at 13.22 MB/s.
+        let d = decide(12.5e6, 1.0, &[(Codec::Lz4, m(105.76, 0.4743)), (Codec::Zstd(3), m(13.22, 0.3349))]);
+        let lzo = &d.estimates[0];
+        assert!((lzo.expected_mb_s - 55.60).abs() < 0.1, "{lzo:?}");
+        assert!((d.estimates[1].expected_mb_s - 8.79).abs() < 0.05);
+        // 100 Mbps network (12.5 MB/s): LZO pays, deflate does not.
+        assert!(lzo.pays && !d.estimates[1].pays);
+        assert_eq!(d.codec, Codec::Lz4);
+        // 1 Gbps (125 MB/s): nothing pays at these speeds, so store raw.
+        let d = decide(125e6, 1.0, &[(Codec::Lz4, m(105.76, 0.4743))]);
+        assert_eq!(d.codec, Codec::None);
+        assert!(d.why.contains("storing raw"), "{}", d.why);
+        // Two workers double Speed_Comp: 2 x 105.76 x 0.5257 = 111 MB/s, still < 125.
+        assert_eq!(decide(125e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::None);
+        assert_eq!(decide(100e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::Lz4);
+    }
+
+    #[test]
+    fn picks_the_smallest_expected_time_among_passing_codecs() {
+        // Slow backend: the better ratio wins even at lower speed.
+        let ms = [(Codec::Lz4, m(1200.0, 0.45)), (Codec::Zstd(1), m(600.0, 0.33)), (Codec::Zstd(3), m(150.0, 0.30))];
+        assert_eq!(decide(50e6, 2.0, &ms).codec, Codec::Zstd(1));
+        // Fast backend: lz4.
+        assert_eq!(decide(500e6, 2.0, &ms).codec, Codec::Lz4);
+        // Incompressible data: rate 1, nothing pays.
+        let rnd = [(Codec::Lz4, m(3000.0, 1.0)), (Codec::Zstd(1), m(900.0, 1.0))];
+        assert_eq!(decide(10e6, 2.0, &rnd).codec, Codec::None);
+        // No measurements: raw.
+        assert_eq!(decide(10e6, 2.0, &[]).codec, Codec::None);
+    }
+
+    #[test]
+    fn chooser_measures_real_data_and_switches() {
+        let c = Chooser::new(CodecPolicy::Auto, 50e6, 2);
+        let text: Vec<u8> = (0..65536u32).map(|i| b"strata memory page "[(i % 19) as usize]).collect();
+        for _ in 0..WARMUP_SAMPLES {
+            c.codec_for(&text);
+        }
+        assert_ne!(c.current_codec(), Codec::None, "{:?}", c.report());
+        // Random data: after a window of samples the choice becomes raw.
+        let mut x = 1u64;
+        let rnd: Vec<u8> = (0..65536)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        for _ in 0..(WINDOW as u64 * SAMPLE_EVERY * 2) {
+            c.codec_for(&rnd);
+        }
+        assert_eq!(c.current_codec(), Codec::None);
+        let r = c.report();
+        assert!(r.switches >= 1);
+        assert!(r.samples >= WARMUP_SAMPLES);
+        assert_eq!(r.policy, "auto");
+        assert!(r.frames.contains_key("none"));
+    }
+
+    #[test]
+    fn fixed_policy_never_samples() {
+        let c = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(3)), 1.0, 2);
+        assert_eq!(c.codec_for(b"abc"), Codec::Zstd(3));
+        let r = c.report();
+        assert_eq!(r.samples, 0);
+        assert_eq!(r.frames.get("zstd:3"), Some(&1));
+        assert!(r.why.contains("forced"));
+        assert_eq!("auto".parse::<CodecPolicy>().unwrap(), CodecPolicy::Auto);
+        assert_eq!("zstd:2".parse::<CodecPolicy>().unwrap(), CodecPolicy::Fixed(Codec::Zstd(2)));
+        assert!("gzip".parse::<CodecPolicy>().is_err());
+    }
+
+    #[test]
+    fn probe_measures_something() {
+        let b = crate::backend::memory::MemoryBackend::new();
+        let bps = probe_backend(&b, 1 << 20).unwrap();
+        assert!(bps > 1e6);
+        assert!(b.list("tmp/").unwrap().is_empty(), "probe object left behind");
+    }
+}

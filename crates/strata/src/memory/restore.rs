@@ -1,0 +1,556 @@
+//! `vm restore`: check the target QEMU against the checkpoint, then generate a migration stream
+//! from the store straight into QEMU's `migrate-incoming` socket.
+//!
+//! Shape, and why:
+//! * **Refuse before streaming.** The target must be waiting (`-incoming defer`, status
+//!   `inmigrate`), with the checkpoint's machine type and ramblock list (names and used
+//!   lengths, from HMP `info ramblock`): a mismatch would make QEMU abort halfway and exit.
+//!   Every page's chunk is looked up in the index before the first byte is sent, so a missing
+//!   chunk is reported with its checkpoint, ramblock and page while QEMU is still untouched.
+//! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
+//!   them one `get` at a time would decompress each frame 16 times and open the pack once per
+//!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
+//!   frames into reads of a few MiB (sequential within a pack), and a pool of workers reads,
+//!   checks the frame CRC, decompresses once, and verifies every page against its BLAKE3 id.
+//! * **Verified before sent.** The single writer thread only ever writes pages that a worker
+//!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
+//!   page, so QEMU never receives bad memory (its load then fails and it exits).
+//! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
+//!   frames finish (a page id used at several addresses is written at each), zero pages as
+//!   ZERO records first, the tail last. The generator checks that every page was written.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::error::MemError;
+use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint};
+use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
+use crate::codec::Codec;
+use crate::disk::map::read_map;
+use crate::id::{ChunkId, PackId};
+use crate::progress::{Progress, Unit};
+use crate::qmp::{QmpClient, QmpError};
+use crate::store::format::crc;
+use crate::store::objects::Tree;
+use crate::store::{Store, StoreError};
+
+const TARGET: &str = "strata::memory";
+
+/// How to restore.
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// Reading/decompressing/verifying threads.
+    pub workers: usize,
+    /// `cont` the VM once loaded (like `virsh restore`; `--paused` turns it off).
+    pub resume: bool,
+    /// Largest single read from a pack.
+    pub read_bytes: u64,
+    /// How long QEMU may take to finish loading after the last byte.
+    pub load_timeout: Duration,
+    /// Where the incoming socket is created (default: the system temp dir).
+    pub socket_dir: Option<PathBuf>,
+}
+
+impl Default for RestoreOptions {
+    fn default() -> Self {
+        RestoreOptions {
+            workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
+            resume: true,
+            read_bytes: 4 << 20,
+            load_timeout: Duration::from_secs(120),
+            socket_dir: None,
+        }
+    }
+}
+
+/// Summary of one restore.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RestoreReport {
+    pub name: String,
+    /// Loading maps, tail and planning reads (before the first byte to QEMU).
+    pub plan_ms: f64,
+    /// First to last byte written to QEMU.
+    pub stream_ms: f64,
+    /// Until QEMU reported the load completed.
+    pub load_ms: f64,
+    /// Everything, including the target checks and `cont`.
+    pub total_ms: f64,
+    pub stream_bytes: u64,
+    pub pages: u64,
+    pub zero_pages: u64,
+    /// Distinct page chunks read and verified.
+    pub chunks_verified: u64,
+    /// Bytes read from packs.
+    pub bytes_read: u64,
+    pub reads: u64,
+    pub vm_status: String,
+}
+
+/// Read and check the checkpoint ref.
+pub fn load_checkpoint(store: &Store, name: &str) -> Result<Checkpoint, MemError> {
+    if !valid_name(name) {
+        return Err(MemError::BadName { name: name.into() });
+    }
+    let r = store
+        .get_ref(&ref_name(name))
+        .map_err(MemError::store("lookup", name))?
+        .ok_or_else(|| MemError::NotFound { name: name.into() })?;
+    Checkpoint::from_ref(&r).map_err(|source| MemError::Manifest { name: name.into(), source })
+}
+
+/// Compare the target QEMU with the checkpoint: machine type and ramblocks.
+pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemError> {
+    let m = &ckpt.manifest;
+    let path = qmp.path().to_path_buf();
+    let status = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
+    if status.status != "inmigrate" {
+        return Err(MemError::NotIncoming { path, status: status.status });
+    }
+    let mismatch = |why: String| MemError::Mismatch { name: m.name.clone(), why };
+    let machine = qmp.machine_type().map_err(MemError::qmp("qom-get machine type", &path))?;
+    let want = m.stream.machine_type.clone().unwrap_or_else(|| m.qemu.machine_type.clone());
+    if machine != want {
+        return Err(mismatch(format!("machine type is '{machine}', the checkpoint needs '{want}' (-machine)")));
+    }
+    let blocks = qmp.ram_blocks().map_err(MemError::qmp("info ramblock", &path))?;
+    let mut problems = Vec::new();
+    for b in &m.blocks {
+        match blocks.iter().find(|t| t.name == b.name) {
+            None => problems.push(format!("ramblock '{}' ({} KiB) is missing", b.name, b.used_len >> 10)),
+            Some(t) if t.used != b.used_len => problems.push(format!(
+                "ramblock '{}' is {} KiB, the checkpoint has {} KiB{}",
+                b.name,
+                t.used >> 10,
+                b.used_len >> 10,
+                if b.name.ends_with(".ram") { " (-m)" } else { "" }
+            )),
+            _ => {}
+        }
+    }
+    for t in &blocks {
+        if !m.blocks.iter().any(|b| b.name == t.name) {
+            problems.push(format!("the target has ramblock '{}' that the checkpoint lacks (a device not in the saved VM)", t.name));
+        }
+    }
+    if !problems.is_empty() {
+        return Err(mismatch(problems.join("; ")));
+    }
+    Ok(())
+}
+
+/// One compressed frame to read, with the pages (unique ids) it holds.
+#[derive(Debug, Clone)]
+struct FramePlan {
+    off: u64,
+    len: u32,
+    raw_len: u32,
+    codec: Codec,
+    crc: u32,
+    /// (offset in frame, unique-id index)
+    chunks: Vec<(u32, u32)>,
+}
+
+/// One read: a range of a pack covering several frames.
+#[derive(Debug, Clone)]
+struct Job {
+    pack: PackId,
+    start: u64,
+    end: u64,
+    frames: Vec<FramePlan>,
+}
+
+/// What a restore needs in memory: maps, tail, and the read plan.
+struct Plan {
+    /// Unique page ids.
+    uids: Vec<ChunkId>,
+    /// For each unique id, the pages using it: range into `refs`.
+    ref_ranges: Vec<(u32, u32)>,
+    /// (block, page) sorted by unique id.
+    refs: Vec<(u32, u32)>,
+    zeros: Vec<(u32, u32)>,
+    jobs: Vec<Job>,
+    tail: Vec<u8>,
+}
+
+fn page_of(ckpt: &Checkpoint, r: (u32, u32)) -> (String, u64) {
+    (ckpt.manifest.blocks[r.0 as usize].name.clone(), r.1 as u64 * PAGE_SIZE as u64)
+}
+
+fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
+    let name = &ckpt.manifest.name;
+    let dmg = |what: &str, source: StoreError| MemError::MetaDamaged { name: name.clone(), what: what.into(), source };
+    let raw = store.get(&ckpt.tail_root).map_err(|e| dmg("device-state tail tree", e))?;
+    let tree = Tree::decode(&raw).map_err(|source| dmg("device-state tail tree", StoreError::Format { key: format!("chunk {}", ckpt.tail_root), source }))?;
+    let (pieces, len) = parse_tail_tree(&tree).map_err(|source| MemError::Manifest { name: name.clone(), source })?;
+    let mut tail = Vec::with_capacity(len as usize);
+    for p in &pieces {
+        tail.extend_from_slice(&store.get(p).map_err(|e| dmg("device-state tail", e))?);
+    }
+    let ok = tail.len() as u64 == len
+        && len == ckpt.manifest.tail.len
+        && blake3::hash(&tail).to_hex().as_str() == ckpt.manifest.tail.blake3;
+    if !ok {
+        return Err(dmg(
+            "device-state tail",
+            StoreError::Corrupt { id: ckpt.tail_root, pack: PackId::default(), offset: 0, reason: "tail length or hash differs from the manifest".into() },
+        ));
+    }
+    Ok(tail)
+}
+
+fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
+    let m = &ckpt.manifest;
+    let name = &m.name;
+    let mut all: Vec<(ChunkId, u32, u32)> = Vec::new();
+    let mut zeros = Vec::new();
+    for (bi, (b, root)) in m.blocks.iter().zip(&ckpt.map_roots).enumerate() {
+        let ids = read_map(store, root).map_err(|source| MemError::MetaDamaged {
+            name: name.clone(),
+            what: format!("page map of ramblock '{}'", b.name),
+            source,
+        })?;
+        if ids.len() as u64 != b.pages() {
+            return Err(MemError::MetaDamaged {
+                name: name.clone(),
+                what: format!("page map of ramblock '{}'", b.name),
+                source: StoreError::Corrupt { id: *root, pack: PackId::default(), offset: 0, reason: format!("{} pages mapped, {} expected", ids.len(), b.pages()) },
+            });
+        }
+        for (p, id) in ids.into_iter().enumerate() {
+            if id.is_zero() {
+                zeros.push((bi as u32, p as u32));
+            } else {
+                all.push((id, bi as u32, p as u32));
+            }
+        }
+    }
+    all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let mut uids = Vec::new();
+    let mut ref_ranges = Vec::new();
+    let mut refs = Vec::with_capacity(all.len());
+    for (i, (id, b, p)) in all.iter().enumerate() {
+        if i == 0 || all[i - 1].0 != *id {
+            uids.push(*id);
+            ref_ranges.push((refs.len() as u32, refs.len() as u32));
+        }
+        refs.push((*b, *p));
+        ref_ranges.last_mut().expect("pushed").1 += 1;
+    }
+    drop(all);
+    // Locate every chunk; a missing one is reported now, before QEMU is touched.
+    let mut located: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(uids.len()); // pack, frame off, off in frame, uid
+    let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> = std::collections::HashMap::new();
+    for (u, id) in uids.iter().enumerate() {
+        let Some((pack, e)) = store.locate(id) else {
+            let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
+            return Err(MemError::PageDamaged { name: name.clone(), block, offset, id: *id, source: StoreError::ChunkMissing { id: *id } });
+        };
+        if e.raw_len as usize != PAGE_SIZE {
+            let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
+            return Err(MemError::PageDamaged {
+                name: name.clone(),
+                block,
+                offset,
+                id: *id,
+                source: StoreError::Corrupt { id: *id, pack, offset: e.frame_off, reason: format!("chunk is {} bytes, not a page", e.raw_len) },
+            });
+        }
+        frames_meta.insert((pack, e.frame_off), (e.frame_len, e.frame_raw_len, e.codec, e.frame_crc));
+        located.push((pack, e.frame_off, e.off_in_frame, u as u32));
+    }
+    located.sort_unstable();
+    let mut jobs: Vec<Job> = Vec::new();
+    for (pack, off, in_frame, u) in located {
+        let (len, raw_len, codec, fcrc) = frames_meta[&(pack, off)];
+        let same_frame = jobs.last().and_then(|j| j.frames.last()).is_some_and(|f| f.off == off)
+            && jobs.last().is_some_and(|j| j.pack == pack);
+        if same_frame {
+            jobs.last_mut().expect("job").frames.last_mut().expect("frame").chunks.push((in_frame, u));
+            continue;
+        }
+        let frame = FramePlan { off, len, raw_len, codec, crc: fcrc, chunks: vec![(in_frame, u)] };
+        let end = off + len as u64;
+        match jobs.last_mut() {
+            Some(j) if j.pack == pack && off >= j.end && off - j.end <= 256 << 10 && end - j.start <= read_bytes => {
+                j.end = end;
+                j.frames.push(frame);
+            }
+            _ => jobs.push(Job { pack, start: off, end, frames: vec![frame] }),
+        }
+    }
+    // A pack that vanished is reported now too (one HEAD per pack, not per page).
+    let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
+    for j in &jobs {
+        if !checked.insert(j.pack) {
+            continue;
+        }
+        let present = store.backend().head(&j.pack.pack_key()).map_err(|e| MemError::Store { op: "pack lookup", name: name.clone(), source: e.into() })?;
+        if present.is_none() {
+            let u = j.frames[0].chunks[0].1;
+            let id = uids[u as usize];
+            // GC may have just moved the chunks (then the index follows and reads fall back
+            // to it); otherwise the pack is lost.
+            if let Err(source) = store.get(&id) {
+                let (block, offset) = page_of(ckpt, refs[ref_ranges[u as usize].0 as usize]);
+                return Err(MemError::PageDamaged { name: name.clone(), block, offset, id, source });
+            }
+        }
+    }
+    let tail = load_tail(store, ckpt)?;
+    Ok(Plan { uids, ref_ranges, refs, zeros, jobs, tail })
+}
+
+/// A verified frame: its raw bytes and the pages (unique ids) to write from it.
+struct Decoded {
+    raw: Vec<u8>,
+    chunks: Vec<(u32, u32)>,
+    read: u64,
+}
+
+fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32, StoreError)> {
+    let first_uid = job.frames[0].chunks[0].1;
+    let bytes = match store.backend().get_range(&job.pack.pack_key(), job.start, job.end - job.start) {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return fallback(store, plan, job),
+        Err(e) => return Err((first_uid, StoreError::Backend(e))),
+    };
+    let mut out = Vec::with_capacity(job.frames.len());
+    for f in &job.frames {
+        let a = (f.off - job.start) as usize;
+        let stored = &bytes[a..a + f.len as usize];
+        let u0 = f.chunks[0].1;
+        let corrupt = |u: u32, reason: String| (u, StoreError::Corrupt { id: plan.uids[u as usize], pack: job.pack, offset: f.off, reason });
+        if crc(stored) != f.crc {
+            return Err(corrupt(u0, "frame checksum mismatch".into()));
+        }
+        let raw = f.codec.decompress(stored, f.raw_len as usize).map_err(|e| corrupt(u0, e.to_string()))?;
+        for &(o, u) in &f.chunks {
+            let page = raw.get(o as usize..o as usize + PAGE_SIZE).ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
+            if ChunkId::of(page) != plan.uids[u as usize] {
+                return Err(corrupt(u, "content does not match its hash".into()));
+            }
+        }
+        out.push(Decoded { raw, chunks: f.chunks.clone(), read: 0 });
+    }
+    if let Some(d) = out.first_mut() {
+        d.read = job.end - job.start;
+    }
+    Ok(out)
+}
+
+/// The pack went away (GC repacked it after the plan was made): read chunk by chunk through
+/// the index, which follows the move.
+fn fallback(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32, StoreError)> {
+    let mut out = Vec::new();
+    for f in &job.frames {
+        for &(_, u) in &f.chunks {
+            let data = store.get(&plan.uids[u as usize]).map_err(|e| (u, e))?;
+            out.push(Decoded { read: data.len() as u64, raw: data, chunks: vec![(0, u)] });
+        }
+    }
+    Ok(out)
+}
+
+/// A checkpoint ready to stream: maps and tail read and verified, every chunk located.
+pub struct Prepared<'a> {
+    store: &'a Store,
+    ckpt: &'a Checkpoint,
+    layout: super::stream::StreamLayout,
+    plan: Plan,
+    plan_ms: f64,
+}
+
+/// Everything that can fail before the first byte goes to QEMU: maps, tail, missing chunks
+/// or packs.
+pub fn prepare<'a>(store: &'a Store, ckpt: &'a Checkpoint, opts: &RestoreOptions) -> Result<Prepared<'a>, MemError> {
+    let t0 = Instant::now();
+    let name = &ckpt.manifest.name;
+    let layout = ckpt.manifest.layout().map_err(|source| MemError::Manifest { name: name.clone(), source })?;
+    let plan = make_plan(store, ckpt, opts.read_bytes)?;
+    Ok(Prepared { store, ckpt, layout, plan, plan_ms: t0.elapsed().as_secs_f64() * 1e3 })
+}
+
+/// Generate the checkpoint's migration stream into `out`, every page verified first.
+pub fn write_stream<W: Write>(
+    store: &Store,
+    ckpt: &Checkpoint,
+    out: W,
+    opts: &RestoreOptions,
+    progress: &dyn Progress,
+) -> Result<(W, RestoreReport), MemError> {
+    let p = prepare(store, ckpt, opts)?;
+    stream(p, out, opts, progress)
+}
+
+/// Write a prepared checkpoint's stream into `out`.
+pub fn stream<W: Write>(
+    p: Prepared<'_>,
+    out: W,
+    opts: &RestoreOptions,
+    progress: &dyn Progress,
+) -> Result<(W, RestoreReport), MemError> {
+    let Prepared { store, ckpt, layout, plan, plan_ms } = p;
+    let name = ckpt.manifest.name.clone();
+    let t1 = Instant::now();
+    let gen = |source| MemError::Generate { name: name.clone(), source };
+    let mut w = StreamWriter::new(out, &layout).map_err(gen)?;
+    progress.phase("restoring", Some(layout.total_ram()), Unit::Bytes);
+    for &(b, p) in &plan.zeros {
+        w.zero(BlockIdx(b), p as u64 * PAGE_SIZE as u64, 0).map_err(gen)?;
+    }
+    progress.advance(plan.zeros.len() as u64 * PAGE_SIZE as u64);
+    let workers = opts.workers.max(1);
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let (tx, rx) = mpsc::sync_channel::<Result<Vec<Decoded>, (u32, StoreError)>>(workers * 2);
+    let mut bytes_read = 0u64;
+    let result: Result<(), MemError> = std::thread::scope(|s| {
+        for i in 0..workers {
+            let (tx, plan, next, stop) = (tx.clone(), &plan, &next, &stop);
+            std::thread::Builder::new()
+                .name(format!("strata-restore-{i}"))
+                .spawn_scoped(s, move || loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    if j >= plan.jobs.len() || stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let r = decode_job(store, plan, &plan.jobs[j]);
+                    let failed = r.is_err();
+                    if tx.send(r).is_err() || failed {
+                        return;
+                    }
+                })
+                .expect("spawn restore worker");
+        }
+        drop(tx);
+        let mut outcome = Ok(());
+        for r in rx.iter() {
+            match r {
+                Ok(frames) => {
+                    for d in frames {
+                        bytes_read += d.read;
+                        let mut n = 0u64;
+                        for &(o, u) in &d.chunks {
+                            let page: &[u8; PAGE_SIZE] =
+                                d.raw[o as usize..o as usize + PAGE_SIZE].try_into().expect("page-sized slice");
+                            let (a, z) = plan.ref_ranges[u as usize];
+                            for &(b, p) in &plan.refs[a as usize..z as usize] {
+                                if let Err(e) = w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page) {
+                                    stop.store(true, Ordering::Relaxed);
+                                    return Err(gen(e));
+                                }
+                                n += 1;
+                            }
+                        }
+                        progress.advance(n * PAGE_SIZE as u64);
+                    }
+                }
+                Err((u, source)) => {
+                    stop.store(true, Ordering::Relaxed);
+                    let (a, _) = plan.ref_ranges[u as usize];
+                    let (block, offset) = page_of(ckpt, plan.refs[a as usize]);
+                    outcome = Err(MemError::PageDamaged { name: name.clone(), block, offset, id: plan.uids[u as usize], source });
+                    break;
+                }
+            }
+        }
+        outcome
+    });
+    result?;
+    w.tail(&plan.tail).map_err(gen)?;
+    let (out, st): (W, GenerateStats) = w.finish().map_err(gen)?;
+    progress.finish();
+    let report = RestoreReport {
+        name: name.clone(),
+        plan_ms,
+        stream_ms: t1.elapsed().as_secs_f64() * 1e3,
+        stream_bytes: st.bytes,
+        pages: st.page_records + st.zero_records,
+        zero_pages: st.zero_records,
+        chunks_verified: plan.uids.len() as u64,
+        bytes_read,
+        reads: plan.jobs.len() as u64,
+        ..Default::default()
+    };
+    tracing::debug!(target: TARGET, name, ?report, "stream generated");
+    Ok((out, report))
+}
+
+/// Restore checkpoint `name` into the QEMU behind `qmp` (started with `-incoming defer`).
+pub fn restore(
+    store: &Store,
+    name: &str,
+    qmp: &mut QmpClient,
+    opts: &RestoreOptions,
+    progress: &dyn Progress,
+) -> Result<RestoreReport, MemError> {
+    let t0 = Instant::now();
+    let ckpt = load_checkpoint(store, name)?;
+    check_target(&ckpt, qmp)?;
+    let prepared = prepare(store, &ckpt, opts)?;
+    let path = qmp.path().to_path_buf();
+    let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let sock = dir.join(format!("strata-in-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
+    qmp.migrate_incoming(&format!("unix:{}", sock.display())).map_err(MemError::qmp("migrate-incoming", &path))?;
+    let _cleanup = Remove(sock.clone());
+    let mut conn = None;
+    let mut last = None;
+    for _ in 0..500 {
+        match UnixStream::connect(&sock) {
+            Ok(s) => {
+                conn = Some(s);
+                break;
+            }
+            Err(e) => {
+                last = Some(e);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    let Some(conn) = conn else {
+        return Err(MemError::Io { op: "connect to QEMU's incoming socket", path: sock, source: last.expect("an error") });
+    };
+    let (conn, mut report) = stream(prepared, conn, opts, progress)?;
+    let _ = conn.shutdown(std::net::Shutdown::Write);
+    drop(conn);
+    let deadline = Instant::now() + opts.load_timeout;
+    loop {
+        match qmp.query_migrate() {
+            Ok(i) if i.status == "completed" => break,
+            Ok(i) if i.status == "failed" || i.status == "cancelled" => {
+                return Err(MemError::LoadFailed { name: name.into(), status: i.status, desc: i.error_desc.unwrap_or_else(|| "see QEMU's stderr".into()) })
+            }
+            Ok(i) if Instant::now() > deadline => {
+                return Err(MemError::LoadFailed { name: name.into(), status: i.status, desc: format!("not loaded after {:?}", opts.load_timeout) })
+            }
+            Ok(_) => std::thread::sleep(Duration::from_millis(5)),
+            Err(QmpError::Closed { .. }) => {
+                return Err(MemError::LoadFailed { name: name.into(), status: "exited".into(), desc: "QEMU exited while loading; its stderr has the reason".into() })
+            }
+            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
+        }
+    }
+    report.load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if opts.resume {
+        let s = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
+        if !s.running {
+            qmp.cont().map_err(MemError::qmp("cont", &path))?;
+        }
+    }
+    report.vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+    report.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(target: TARGET, name, total_ms = report.total_ms, "checkpoint restored");
+    Ok(report)
+}
+
+struct Remove(PathBuf);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

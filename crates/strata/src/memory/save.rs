@@ -1,0 +1,604 @@
+//! `vm save` and `vm checkpoint`: drive a running QEMU over QMP to migrate into a unix socket
+//! strata listens on, store what arrives, and commit the checkpoint ref last.
+//!
+//! The sequence, and why each step is there:
+//! 1. Refuse early, before the guest is touched: a bad or taken name, a migration already
+//!    running, or capabilities strata cannot store (xbzrle, compress, postcopy, block, ...:
+//!    `qmp::caps` names each with the fix).
+//! 2. Measure the backend (`codec_choice::probe_backend`) so the codec choice has its
+//!    Speed_Transfer, and remember QEMU's `max-bandwidth` and `background-snapshot` settings
+//!    to put them back afterwards: strata raises the bandwidth (QEMU 7.2 throttles to
+//!    128 MiB/s by default) and sets the capability the mode needs.
+//! 3. Listen on a fresh unix socket, `migrate unix:PATH`, and run the receive pipeline
+//!    (`ingest`) on a thread while this thread polls `query-migrate`. Whichever side fails
+//!    first stops the other: a failed/cancelled migration or a dead QEMU shuts the socket
+//!    down; a pipeline failure (store full, refused stream) cancels the migration.
+//! 4. Modes: `Save` stops the VM first and leaves it paused (like `virsh save`);
+//!    `BackgroundSnapshot` lets QEMU pause for milliseconds at the start and keeps running;
+//!    `Precopy` migrates live, then `cont`s the source (paused at switchover).
+//! 5. Only after the stream ended correctly and every page is in the store: page maps, tail,
+//!    manifest, then `commit_ref` (flush, then the ref). Any failure before that leaves no
+//!    ref; what was put is garbage for GC. If a save fails, a VM that was running is resumed.
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+
+use super::codec_choice::{probe_backend, usable_cores, Chooser, CodecPolicy, PROBE_BYTES};
+use super::error::MemError;
+use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
+use super::manifest::{
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, Manifest, Mode, QemuInfo,
+    SaveStats, StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
+};
+use crate::codec::Codec;
+use crate::disk::map::write_map;
+use crate::id::ChunkId;
+use crate::progress::{Progress, Unit};
+use crate::qmp::{CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent};
+use crate::store::pack::ChunkKind;
+use crate::store::{Session, Store};
+
+const TARGET: &str = "strata::memory";
+
+/// How to save.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    pub mode: Mode,
+    pub codec: CodecPolicy,
+    pub ingest: IngestOptions,
+    /// `max-bandwidth` while saving, bytes/s.
+    pub max_bandwidth: u64,
+    /// How long QEMU may take to connect to the socket.
+    pub connect_timeout: Duration,
+    /// Where the migration socket is created (default: the system temp dir).
+    pub socket_dir: Option<PathBuf>,
+    /// Replace an existing checkpoint of the same name.
+    pub replace: bool,
+}
+
+impl SaveOptions {
+    pub fn new(mode: Mode) -> SaveOptions {
+        SaveOptions {
+            mode,
+            codec: CodecPolicy::Auto,
+            ingest: IngestOptions::default(),
+            max_bandwidth: 64 << 30,
+            connect_timeout: Duration::from_secs(30),
+            socket_dir: None,
+            replace: false,
+        }
+    }
+}
+
+/// Summary of one save, for `--json` and benchmarks.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SaveReport {
+    pub name: String,
+    pub mode: Mode,
+    /// QEMU's run state afterwards (`paused`/`postmigrate` for save, `running` for checkpoints).
+    pub vm_status: String,
+    /// QEMU's downtime figure (ms); for `save` the time the VM was stopped while saving.
+    pub downtime_ms: f64,
+    /// Pause seen in QMP events, STOP to RESUME (ms), for the live modes.
+    pub pause_ms: Option<f64>,
+    /// First QMP command to durable ref.
+    pub total_ms: f64,
+    /// `migrate` to QEMU's `completed`.
+    pub migrate_ms: f64,
+    /// Maps, tail, flush and ref after the stream ended.
+    pub commit_ms: f64,
+    pub logical_bytes: u64,
+    pub stream_bytes: u64,
+    pub new_bytes: u64,
+    pub stored_bytes: u64,
+    /// Bytes of non-zero pages / raw bytes new to the store.
+    pub dedup_ratio: f64,
+    /// Raw new bytes / stored bytes.
+    pub compression_ratio: f64,
+    /// Guest RAM / stored bytes.
+    pub reduction: f64,
+    pub pages_sent: u64,
+    pub pages_stored: u64,
+    pub pages_deduped: u64,
+    pub zero_pages: u64,
+    pub unique_pages: u64,
+    pub codec: CodecReport,
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn ev_time(e: &QmpEvent) -> f64 {
+    e.seconds as f64 + e.microseconds as f64 / 1e6
+}
+
+/// Pause between the first STOP and the following RESUME, in ms.
+fn pause_from_events(events: &[QmpEvent]) -> Option<f64> {
+    let stop = events.iter().position(|e| e.name == "STOP")?;
+    let resume = events[stop..].iter().find(|e| e.name == "RESUME")?;
+    Some((ev_time(resume) - ev_time(&events[stop])) * 1e3)
+}
+
+/// Where the receiving thread keeps its end of the socket, so the QMP side can shut it down.
+struct Conn {
+    stream: Mutex<Option<UnixStream>>,
+    cancel: AtomicBool,
+    /// Stream bytes received so far.
+    bytes: AtomicU64,
+}
+
+impl Conn {
+    fn shutdown(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+        if let Some(s) = self.stream.lock().as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+enum RxError {
+    NoConnection,
+    Accept(std::io::Error),
+    Ingest(IngestError, u64),
+}
+
+fn accept(listener: &UnixListener, conn: &Conn, timeout: Duration) -> Result<UnixStream, RxError> {
+    listener.set_nonblocking(true).map_err(RxError::Accept)?;
+    let t0 = Instant::now();
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(RxError::Accept)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if conn.cancel.load(Ordering::SeqCst) || t0.elapsed() > timeout {
+                    return Err(RxError::NoConnection);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(RxError::Accept(e)),
+        }
+    }
+}
+
+/// Counts bytes read so a cut stream can say how far it got.
+struct Counting<'a> {
+    s: &'a UnixStream,
+    n: &'a AtomicU64,
+}
+
+impl std::io::Read for Counting<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = std::io::Read::read(&mut self.s, buf)?;
+        self.n.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+fn receive(
+    listener: UnixListener,
+    conn: &Conn,
+    timeout: Duration,
+    session: &Session,
+    chooser: &Chooser,
+    opts: &IngestOptions,
+    progress: &dyn Progress,
+) -> Result<Ingested, RxError> {
+    let s = accept(&listener, conn, timeout)?;
+    drop(listener);
+    if let Ok(c) = s.try_clone() {
+        *conn.stream.lock() = Some(c);
+    }
+    if conn.cancel.load(Ordering::SeqCst) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    let mut src = Counting { s: &s, n: &conn.bytes };
+    ingest(&mut src, session, chooser, opts, progress).map_err(|e| RxError::Ingest(e, conn.bytes.load(Ordering::Relaxed)))
+}
+
+/// Settings changed for the save, put back afterwards.
+struct Restorer {
+    max_bandwidth: Option<u64>,
+    background_snapshot: Option<bool>,
+}
+
+impl Restorer {
+    fn put_back(&self, qmp: &mut QmpClient) {
+        if let Some(bw) = self.max_bandwidth {
+            let _ = qmp.migrate_set_parameters(&MigrateParameters { max_bandwidth: Some(bw), ..Default::default() });
+        }
+        if let Some(state) = self.background_snapshot {
+            let _ = qmp.migrate_set_capabilities(&[("background-snapshot", state)]);
+        }
+    }
+}
+
+const ACTIVE: [&str; 9] = [
+    "setup",
+    "active",
+    "pre-switchover",
+    "device",
+    "postcopy-active",
+    "postcopy-paused",
+    "postcopy-recover",
+    "cancelling",
+    "wait-unplug",
+];
+
+/// Save the VM behind `qmp` as checkpoint `name` in `store`.
+pub fn save(
+    store: &Store,
+    qmp: &mut QmpClient,
+    name: &str,
+    opts: &SaveOptions,
+    progress: &dyn Progress,
+) -> Result<SaveReport, MemError> {
+    let t0 = Instant::now();
+    if !valid_name(name) {
+        return Err(MemError::BadName { name: name.into() });
+    }
+    let rname = ref_name(name);
+    let exists = store.get_ref(&rname).map_err(MemError::store("lookup", name))?.is_some();
+    if exists && !opts.replace {
+        return Err(MemError::Exists { name: name.into() });
+    }
+    let path = qmp.path().to_path_buf();
+    let q = |op| MemError::qmp(op, &path);
+
+    // 1. The source, and what it would send.
+    let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
+    if ACTIVE.contains(&mig.status.as_str()) {
+        return Err(MemError::Busy { path, status: mig.status });
+    }
+    qmp.ensure_storable_capabilities(&CapabilityPolicy::default()).map_err(q("capability check"))?;
+    let status = qmp.query_status().map_err(q("query-status"))?;
+    let machine = qmp.machine_type().map_err(q("query-machines"))?;
+    let version = qmp.version().clone();
+    let local = qmp.peer_pid().is_ok();
+    let cmdline = qmp.peer_cmdline().unwrap_or_else(|e| {
+        tracing::warn!(target: TARGET, error = %e, "QEMU's command line is unknown; `vm restore --launch` will not work for this checkpoint");
+        Vec::new()
+    });
+
+    // 2. Codec inputs and QEMU settings.
+    let workers = opts.ingest.workers.max(1);
+    let backend_bps = match opts.codec {
+        CodecPolicy::Auto => {
+            let bps = probe_backend(&**store.backend(), PROBE_BYTES).map_err(|e| MemError::Store {
+                op: "backend probe",
+                name: name.into(),
+                source: e.into(),
+            })?;
+            progress.note(&format!("backend writes {:.0} MB/s (put + sync of {} MiB)", bps / 1e6, PROBE_BYTES >> 20));
+            bps
+        }
+        CodecPolicy::Fixed(_) => 0.0,
+    };
+    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers));
+    let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
+    let caps = qmp.query_migrate_capabilities().map_err(q("query-migrate-capabilities"))?;
+    let restorer = Restorer {
+        max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
+        background_snapshot: caps.iter().find(|c| c.capability == "background-snapshot").map(|c| c.state),
+    };
+    let want_bg = opts.mode == Mode::BackgroundSnapshot;
+    if restorer.background_snapshot.is_none() && want_bg {
+        return Err(MemError::SourceFailed {
+            name: name.into(),
+            status: "setup".into(),
+            desc: format!("QEMU {version} has no background-snapshot capability; use --precopy"),
+        });
+    }
+    let result = (|| {
+        qmp.migrate_set_parameters(&MigrateParameters { max_bandwidth: Some(opts.max_bandwidth), ..Default::default() })
+            .map_err(q("migrate-set-parameters"))?;
+        if restorer.background_snapshot.is_some() {
+            qmp.migrate_set_capabilities(&[("background-snapshot", want_bg)]).map_err(q("migrate-set-capabilities"))?;
+        }
+        run(store, qmp, name, opts, &chooser, status.running, progress, t0)
+    })();
+    restorer.put_back(qmp);
+    let (ingested, timing) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if status.running {
+                // A failed save must not leave a running desktop paused.
+                if let Ok(s) = qmp.query_status() {
+                    if !s.running && s.status != "shutdown" {
+                        let _ = qmp.cont();
+                    }
+                }
+            }
+            return Err(e);
+        }
+    };
+    let vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+
+    // 5. Maps, tail, manifest, ref.
+    let t_commit = Instant::now();
+    progress.phase("committing", None, Unit::Items);
+    let ses = &timing.session;
+    let layout = &ingested.info.layout;
+    if let Some((bi, &(missing, first))) = ingested.missing.iter().enumerate().find(|(_, m)| m.0 > 0) {
+        return Err(MemError::Incomplete {
+            name: name.into(),
+            block: layout.blocks[bi].name.clone(),
+            offset: first * 4096,
+            missing,
+        });
+    }
+    let mut map_roots = Vec::with_capacity(ingested.maps.len());
+    let mut blocks = Vec::with_capacity(ingested.maps.len());
+    let mut all_unique = std::collections::HashSet::new();
+    let (mut zero_pages, mut data_pages) = (0u64, 0u64);
+    for (b, ids) in layout.blocks.iter().zip(&ingested.maps) {
+        map_roots.push(write_map(ses, ids).map_err(MemError::store("page map write", name))?);
+        let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
+        let z = ids.len() as u64 - uniq.len() as u64;
+        zero_pages += z;
+        data_pages += uniq.len() as u64;
+        all_unique.extend(uniq.iter().copied());
+        uniq.sort_unstable();
+        uniq.dedup();
+        blocks.push(BlockMeta { name: b.name.clone(), used_len: b.used_len, zero_pages: z, unique_pages: uniq.len() as u64 });
+    }
+    let tail = &ingested.info.tail;
+    let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
+    for piece in tail.chunks(TAIL_CHUNK) {
+        pieces.push(ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3)).map_err(MemError::store("tail write", name))?);
+    }
+    let tail_root = ses
+        .put_tree(&tail_tree(pieces, tail.len() as u64))
+        .map_err(MemError::store("tail write", name))?;
+    let st = store.stats();
+    let new_bytes = st.raw_bytes_new.load(Ordering::Relaxed) - timing.raw_before;
+    let stored_bytes = st.stored_bytes_new.load(Ordering::Relaxed) - timing.stored_before;
+    let c = &ingested.counters;
+    let data_records = c.page_records - c.zero_content;
+    let logical = layout.total_ram();
+    let stats = SaveStats {
+        logical_bytes: logical,
+        pages_sent: c.page_records + c.zero_records,
+        zero_pages,
+        data_pages,
+        unique_pages: all_unique.len() as u64,
+        pages_stored: c.new_chunks,
+        pages_deduped: data_records.saturating_sub(c.new_chunks),
+        new_bytes,
+        stored_bytes,
+        downtime_ms: timing.downtime_ms,
+        total_ms: 0.0,
+    };
+    let mut manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        name: name.into(),
+        created_unix: now_unix(),
+        mode: opts.mode,
+        qemu: QemuInfo { version: version.to_string(), package: version.package.clone(), machine_type: machine, cmdline },
+        stream: StreamMeta {
+            file_version: layout.version,
+            machine_type: layout.machine_type.clone(),
+            config_subsections: hex::encode(&layout.config_subsections),
+            ram_section: layout.ram_section.clone(),
+            bytes: ingested.info.stats.bytes,
+            background_snapshot: ingested.info.background_snapshot,
+            vmdesc_devices: ingested.info.vmdesc_devices as u64,
+        },
+        blocks,
+        tail: TailMeta { len: tail.len() as u64, blake3: blake3::hash(tail).to_hex().to_string() },
+        codec: chooser.report(),
+        stats,
+    };
+    manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let ckpt = Checkpoint { manifest, tail_root, map_roots, generation: 0 };
+    if !opts.replace && store.get_ref(&rname).map_err(MemError::store("lookup", name))?.is_some() {
+        return Err(MemError::Exists { name: name.into() });
+    }
+    ses.commit_ref(&rname, ckpt.to_ref()).map_err(MemError::store("commit", name))?;
+    progress.finish();
+    let total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let m = &ckpt.manifest;
+    let report = SaveReport {
+        name: name.into(),
+        mode: opts.mode,
+        vm_status,
+        downtime_ms: timing.downtime_ms,
+        pause_ms: timing.pause_ms,
+        total_ms,
+        migrate_ms: timing.migrate_ms,
+        commit_ms: t_commit.elapsed().as_secs_f64() * 1e3,
+        logical_bytes: logical,
+        stream_bytes: m.stream.bytes,
+        new_bytes,
+        stored_bytes,
+        dedup_ratio: (data_pages * 4096) as f64 / new_bytes.max(1) as f64,
+        compression_ratio: new_bytes as f64 / stored_bytes.max(1) as f64,
+        reduction: logical as f64 / stored_bytes.max(1) as f64,
+        pages_sent: m.stats.pages_sent,
+        pages_stored: m.stats.pages_stored,
+        pages_deduped: m.stats.pages_deduped,
+        zero_pages,
+        unique_pages: m.stats.unique_pages,
+        codec: m.codec.clone(),
+    };
+    tracing::info!(target: TARGET, name, mode = opts.mode.as_str(), total_ms, stored_bytes, "checkpoint committed");
+    Ok(report)
+}
+
+struct Timing {
+    session: Session,
+    raw_before: u64,
+    stored_before: u64,
+    downtime_ms: f64,
+    pause_ms: Option<f64>,
+    migrate_ms: f64,
+}
+
+/// Steps 3 and 4: migrate into the socket while the pipeline stores what arrives.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    store: &Store,
+    qmp: &mut QmpClient,
+    name: &str,
+    opts: &SaveOptions,
+    chooser: &Chooser,
+    was_running: bool,
+    progress: &dyn Progress,
+    t0: Instant,
+) -> Result<(Ingested, Timing), MemError> {
+    let path = qmp.path().to_path_buf();
+    let q = |op| MemError::qmp(op, &path);
+    let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let sock = dir.join(format!("strata-mig-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
+    let listener = UnixListener::bind(&sock).map_err(|source| MemError::Io { op: "listen", path: sock.clone(), source })?;
+    let _cleanup = RemoveOnDrop(&sock);
+    let session = store.session();
+    let st = store.stats();
+    let raw_before = st.raw_bytes_new.load(Ordering::Relaxed);
+    let stored_before = st.stored_bytes_new.load(Ordering::Relaxed);
+    let conn = Conn { stream: Mutex::new(None), cancel: AtomicBool::new(false), bytes: AtomicU64::new(0) };
+    qmp.take_events();
+
+    let mut t_stop = None;
+    if opts.mode == Mode::Save && was_running {
+        qmp.stop().map_err(q("stop"))?;
+        t_stop = Some(Instant::now());
+    }
+    let t_migrate = Instant::now();
+    let outcome = std::thread::scope(|s| {
+        let rx = std::thread::Builder::new()
+            .name("strata-mem-parse".into())
+            .spawn_scoped(s, || receive(listener, &conn, opts.connect_timeout, &session, chooser, &opts.ingest, progress))
+            .expect("spawn parse thread");
+        let src = wait_source(qmp, &conn, &sock, &rx, name);
+        if src.is_err() {
+            conn.shutdown();
+        }
+        let rx = rx.join();
+        (src, rx)
+    });
+    let migrate_ms = t_migrate.elapsed().as_secs_f64() * 1e3;
+    let (src, rx) = outcome;
+    let rx = rx.map_err(|_| MemError::Panic { what: "parse" })?;
+    let info = match (src, rx) {
+        (Ok(info), Ok(ing)) => (info, ing),
+        (Err(e), _) => return Err(e),
+        (Ok(_), Err(RxError::NoConnection)) => {
+            return Err(MemError::NoConnection { path: sock.clone(), secs: opts.connect_timeout.as_secs() })
+        }
+        (Ok(_), Err(RxError::Accept(source))) => return Err(MemError::Io { op: "accept", path: sock.clone(), source }),
+        (Ok(_), Err(RxError::Ingest(e, bytes))) => return Err(ingest_error(e, name, bytes)),
+    };
+    let (mig, ingested) = info;
+    if opts.mode == Mode::Precopy && was_running {
+        qmp.cont().map_err(q("cont"))?;
+    }
+    // Collect STOP/RESUME events that arrived with the last replies.
+    let _ = qmp.poll_events(Duration::from_millis(0));
+    let events = qmp.take_events();
+    let pause_ms = if opts.mode == Mode::Save { None } else { pause_from_events(&events) };
+    let downtime_ms = match (opts.mode, t_stop) {
+        (Mode::Save, Some(t)) => t.elapsed().as_secs_f64() * 1e3,
+        (Mode::Save, None) => 0.0,
+        _ => mig.and_then(|m| m.downtime_ms).map(|d| d as f64).or(pause_ms).unwrap_or(0.0),
+    };
+    tracing::debug!(target: TARGET, name, downtime_ms, ?pause_ms, since_start_ms = t0.elapsed().as_millis() as u64, "stream received");
+    Ok((ingested, Timing { session, raw_before, stored_before, downtime_ms, pause_ms, migrate_ms }))
+}
+
+fn ingest_error(e: IngestError, name: &str, bytes: u64) -> MemError {
+    match e {
+        IngestError::Store(source) => MemError::Store { op: "page write", name: name.into(), source },
+        IngestError::Stream(source @ super::stream::StreamError::Truncated { .. }) if bytes > 0 => {
+            // A cut stream: most likely QEMU died; the parse error carries the offset.
+            MemError::Stream { name: name.into(), source }
+        }
+        IngestError::Stream(source) => MemError::Stream { name: name.into(), source },
+        IngestError::Read { source, .. } => MemError::Io { op: "read of the migration stream", path: PathBuf::from(name), source },
+        IngestError::Panic => MemError::Panic { what: "pipeline" },
+    }
+}
+
+struct RemoveOnDrop<'a>(&'a Path);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
+/// Start the migration and poll QEMU until it completes, fails, or the pipeline fails.
+fn wait_source<T>(
+    qmp: &mut QmpClient,
+    conn: &Conn,
+    sock: &Path,
+    rx: &std::thread::ScopedJoinHandle<'_, Result<T, RxError>>,
+    name: &str,
+) -> Result<Option<crate::qmp::MigrationInfo>, MemError> {
+    let path = qmp.path().to_path_buf();
+    let died = |_| MemError::SourceDied { name: name.into(), bytes: conn.bytes.load(Ordering::Relaxed) };
+    if let Err(e) = qmp.migrate(&format!("unix:{}", sock.display())) {
+        return Err(match e {
+            QmpError::Closed { .. } => died(0),
+            source => MemError::Qmp { op: "migrate", path, source },
+        });
+    }
+    loop {
+        match qmp.query_migrate() {
+            Ok(info) => match info.status.as_str() {
+                "completed" => return Ok(Some(info)),
+                "failed" | "cancelled" => {
+                    return Err(MemError::SourceFailed {
+                        name: name.into(),
+                        status: info.status.clone(),
+                        desc: info.error_desc.clone().unwrap_or_else(|| "QEMU gave no reason".into()),
+                    })
+                }
+                _ => {}
+            },
+            Err(QmpError::Closed { .. }) => return Err(died(0)),
+            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
+        }
+        if rx.is_finished() {
+            // The pipeline ended before QEMU said "completed": either it failed (cancel the
+            // migration so QEMU resumes/unblocks) or the stream ended and QEMU is about to
+            // report completion.
+            for _ in 0..100 {
+                match qmp.query_migrate() {
+                    Ok(i) if i.status == "completed" => return Ok(Some(i)),
+                    Ok(i) if i.status == "failed" || i.status == "cancelled" => break,
+                    Err(QmpError::Closed { .. }) => return Err(died(0)),
+                    _ => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+            let _ = qmp.migrate_cancel();
+            conn.shutdown();
+            // The receiver's outcome decides: its error is the real cause, and a stream that
+            // ended correctly is complete whatever QEMU reports late.
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_is_stop_to_resume() {
+        let ev = |n: &str, s: i64, us: i64| QmpEvent { name: n.into(), data: Value::Null, seconds: s, microseconds: us };
+        let evs = vec![ev("MIGRATION", 9, 0), ev("STOP", 10, 500_000), ev("RESUME", 10, 502_500), ev("STOP", 11, 0)];
+        assert!((pause_from_events(&evs).unwrap() - 2.5).abs() < 1e-6);
+        assert_eq!(pause_from_events(&evs[..2]), None);
+    }
+}
