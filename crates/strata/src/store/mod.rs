@@ -638,7 +638,7 @@ impl Session {
     /// data; chunks already present are skipped). Returns how many were new.
     pub fn put_frame(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
         debug_assert!(items.iter().all(|(id, d)| ChunkId::of(d) == *id));
-        let _g = self.store.inner.gc_lock.read_recursive();
+        let _g = self.store.inner.gc_lock.read();
         self.store.inner.sh.check_poison()?;
         self.pins.lock().extend(items.iter().map(|(id, _)| *id));
         self.store.put_frame_inner(items, kind, codec)
@@ -651,7 +651,7 @@ impl Session {
 
     /// Keep an existing chunk (e.g. the root of a clone source) alive for this session.
     pub fn pin(&self, id: ChunkId) -> Result<()> {
-        let _g = self.store.inner.gc_lock.read_recursive();
+        let _g = self.store.inner.gc_lock.read();
         if !id.is_zero() && !self.store.contains(&id) {
             return Err(StoreError::ChunkMissing { id });
         }
@@ -665,7 +665,7 @@ impl Session {
             return Err(StoreError::BadRefName { name: name.into() });
         }
         let inner = &self.store.inner;
-        let _g = inner.gc_lock.read_recursive();
+        let _g = inner.gc_lock.read();
         for root in &r.roots {
             if !root.is_zero() && !self.store.contains(root) {
                 return Err(StoreError::MissingRoot { name: name.into(), id: *root });
