@@ -39,18 +39,24 @@
 //!   Entries are verified lazily, on their first (and every) use. One process owns a cache
 //!   directory at a time (`flock` on the data file).
 //!
-//! Layout of both files: `cache/format.rs` and `docs/format-cache.md`.
+//! Files: this one holds the options, counters and the read/write paths; `cache/index.rs` the
+//! in-memory index, eviction and the index log; `cache/fill.rs` the fill thread;
+//! `cache/buddy.rs` the allocator; `cache/format.rs` the on-disk layout (`docs/format-cache.md`).
 
 pub mod buddy;
+mod fill;
 pub mod format;
+mod index;
 
 use super::{BResult, Backend, BackendError, Capabilities, DynBackend, ErrorKind, ObjectInfo};
 use buddy::Buddy;
-use format::{Geometry, Record, DATA_HEADER_LEN, HASH_LEN, INDEX_HEADER_LEN};
+use fill::fill_loop;
+use format::{Geometry, DATA_HEADER_LEN, HASH_LEN, INDEX_HEADER_LEN};
+use index::{flush_log, remove_entry, replay, rewrite_log, Entry, Log, RangeKey, Slice, State};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -204,52 +210,6 @@ struct Stats {
 
 fn bump(a: &AtomicU64, n: u64) {
     a.fetch_add(n, Ordering::Relaxed);
-}
-
-/// (object key, offset, length): one cacheable range.
-type RangeKey = (Arc<str>, u64, u64);
-
-#[derive(Clone)]
-struct Entry {
-    key: Arc<str>,
-    obj_off: u64,
-    len: u64,
-    order: u8,
-    hash: [u8; HASH_LEN],
-    tick: u64,
-}
-
-/// Bytes shared with the caller that produced them (a range of a read or of a put pack).
-#[derive(Clone)]
-struct Slice {
-    buf: Arc<Vec<u8>>,
-    off: usize,
-    len: usize,
-}
-
-impl Slice {
-    fn bytes(&self) -> &[u8] {
-        &self.buf[self.off..self.off + self.len]
-    }
-}
-
-struct Log {
-    file: File,
-    path: PathBuf,
-    buf: Vec<u8>,
-    len: u64,
-    live: u64,
-}
-
-struct State {
-    buddy: Buddy,
-    by_block: BTreeMap<u64, Entry>,
-    by_range: BTreeMap<RangeKey, u64>,
-    lru: BTreeMap<u64, u64>,
-    tick: u64,
-    staged: BTreeMap<RangeKey, Slice>,
-    staged_bytes: u64,
-    log: Log,
 }
 
 /// How a leader's backend read ended, as its followers see it.
@@ -784,202 +744,6 @@ impl Backend for CacheBackend {
     }
 }
 
-/// Replay index records into disjoint entries (later records win over overlapping earlier
-/// ones). Returns the entries by block and the number of records dropped as invalid.
-fn replay(buddy: &Buddy, records: &[Record]) -> (BTreeMap<u64, Entry>, u64) {
-    let mut by_block: BTreeMap<u64, Entry> = BTreeMap::new();
-    let mut dropped = 0;
-    for (i, r) in records.iter().enumerate() {
-        match r {
-            Record::Insert { block, order, len, hash, obj_off, key } => {
-                let valid = buddy.is_valid_block(*block, *order)
-                    && buddy.order_for(*len as u64) == Some(*order)
-                    && super::validate_key(key).is_ok();
-                if !valid {
-                    dropped += 1;
-                    continue;
-                }
-                let end = block + buddy.block_size(*order);
-                // Remove entries overlapping [block, end): walk back from the last one starting before `end`.
-                let overlapping: Vec<u64> = by_block
-                    .range(..end)
-                    .rev()
-                    .take_while(|(b, e)| *b + buddy.block_size(e.order) > *block)
-                    .map(|(b, _)| *b)
-                    .collect();
-                for b in overlapping {
-                    by_block.remove(&b);
-                }
-                by_block.insert(
-                    *block,
-                    Entry { key: Arc::from(key.as_str()), obj_off: *obj_off, len: *len as u64, order: *order, hash: *hash, tick: i as u64 },
-                );
-            }
-            Record::Remove { block } => {
-                by_block.remove(block);
-            }
-        }
-    }
-    (by_block, dropped)
-}
-
-/// Remove the entry at `block`: free it, forget it, log it.
-fn remove_entry(st: &mut State, block: u64) -> Option<Entry> {
-    let e = st.by_block.remove(&block)?;
-    st.by_range.remove(&(e.key.clone(), e.obj_off, e.len));
-    st.lru.remove(&e.tick);
-    st.buddy.free(block, e.order);
-    format::encode_record(&Record::Remove { block }, &mut st.log.buf);
-    st.log.live = st.log.live.saturating_sub(1);
-    Some(e)
-}
-
-/// Allocate a block of `order`, evicting least recently used entries as needed.
-fn alloc_evicting(st: &mut State, stats: &Stats, order: u8) -> Option<u64> {
-    loop {
-        if let Some(b) = st.buddy.alloc(order) {
-            return Some(b);
-        }
-        let (_, &victim) = st.lru.first_key_value()?;
-        let v_order = st.by_block.get(&victim)?.order;
-        let victims: Vec<u64> = if v_order >= order {
-            vec![victim]
-        } else {
-            let size = st.buddy.block_size(order);
-            let base = victim & !(size - 1);
-            st.by_block.range(base..base + size).map(|(b, _)| *b).collect()
-        };
-        for b in victims {
-            if let Some(e) = remove_entry(st, b) {
-                bump(&stats.evictions, 1);
-                bump(&stats.evicted_bytes, e.len);
-            }
-        }
-    }
-}
-
-fn fill_loop(sh: &Shared, rx: mpsc::Receiver<(RangeKey, Slice)>) {
-    loop {
-        let job = match rx.try_recv() {
-            Ok(j) => j,
-            Err(mpsc::TryRecvError::Empty) => {
-                // Queue drained: push the log out, maybe compact, then block for more.
-                {
-                    let mut st = sh.state.lock();
-                    let compact = st.log.len > 4 * (st.log.live * 64) + (4 << 20);
-                    let r = if compact { rewrite_log(&mut st, &sh.geo) } else { flush_log(&mut st) };
-                    if let Err(e) = r {
-                        tracing::warn!(target: TARGET, error = %e, "cache index write failed");
-                    }
-                    sh.idle.notify_all();
-                }
-                match rx.recv() {
-                    Ok(j) => j,
-                    Err(_) => return,
-                }
-            }
-            Err(mpsc::TryRecvError::Disconnected) => return,
-        };
-        fill_one(sh, job.0, job.1);
-    }
-}
-
-fn fill_one(sh: &Shared, rk: RangeKey, s: Slice) {
-    let len = s.len as u64;
-    let unstage = |st: &mut State| {
-        if st.staged.remove(&rk).is_some() {
-            st.staged_bytes -= len;
-        }
-        sh.idle.notify_all();
-    };
-    let block = {
-        let mut st = sh.state.lock();
-        if !st.staged.contains_key(&rk) {
-            return; // invalidated meanwhile
-        }
-        let Some(order) = st.buddy.order_for(len) else {
-            unstage(&mut st);
-            return;
-        };
-        if st.by_range.contains_key(&rk) {
-            unstage(&mut st);
-            return;
-        }
-        match alloc_evicting(&mut st, &sh.stats, order) {
-            Some(b) => (b, order),
-            None => {
-                unstage(&mut st);
-                return;
-            }
-        }
-    };
-    let data = s.bytes();
-    let hash = format::entry_hash(data);
-    let res = sh.data.write_all_at(data, DATA_HEADER_LEN + block.0);
-    let mut st = sh.state.lock();
-    if let Err(e) = res {
-        bump(&sh.stats.io_errors, 1);
-        tracing::warn!(target: TARGET, error = %e, "cache write failed");
-        st.buddy.free(block.0, block.1);
-        unstage(&mut st);
-        return;
-    }
-    if !st.staged.contains_key(&rk) {
-        st.buddy.free(block.0, block.1); // invalidated while we wrote
-        return;
-    }
-    let tick = st.tick;
-    st.tick += 1;
-    let (key, obj_off, _) = rk.clone();
-    format::encode_record(
-        &Record::Insert { block: block.0, order: block.1, len: len as u32, hash, obj_off, key: key.to_string() },
-        &mut st.log.buf,
-    );
-    st.log.live += 1;
-    st.by_block.insert(block.0, Entry { key, obj_off, len, order: block.1, hash, tick });
-    st.by_range.insert(rk.clone(), block.0);
-    st.lru.insert(tick, block.0);
-    bump(&sh.stats.fills, 1);
-    bump(&sh.stats.fill_bytes, len);
-    unstage(&mut st);
-}
-
-fn flush_log(st: &mut State) -> std::io::Result<()> {
-    if st.log.buf.is_empty() {
-        return Ok(());
-    }
-    let buf = std::mem::take(&mut st.log.buf);
-    st.log.file.write_all(&buf)?;
-    st.log.len += buf.len() as u64;
-    Ok(())
-}
-
-/// Write a fresh log holding only the live entries, and switch appends to it.
-fn rewrite_log(st: &mut State, geo: &Geometry) -> std::io::Result<()> {
-    let tmp = st.log.path.with_extension("index.tmp");
-    let mut out = format::encode_index_header(geo);
-    let mut live: Vec<(&u64, &Entry)> = st.by_block.iter().collect();
-    live.sort_by_key(|(_, e)| e.tick);
-    for (b, e) in &live {
-        let r = Record::Insert {
-            block: **b,
-            order: e.order,
-            len: e.len as u32,
-            hash: e.hash,
-            obj_off: e.obj_off,
-            key: e.key.to_string(),
-        };
-        format::encode_record(&r, &mut out);
-    }
-    std::fs::write(&tmp, &out)?;
-    std::fs::rename(&tmp, &st.log.path)?;
-    st.log.file = OpenOptions::new().append(true).open(&st.log.path)?;
-    st.log.buf.clear();
-    st.log.len = out.len() as u64;
-    st.log.live = live.len() as u64;
-    Ok(())
-}
-
 /// One process per cache directory: an exclusive `flock` on the data file, released when the
 /// file is closed (also when the process dies).
 fn lock_exclusive(f: &File) -> std::io::Result<()> {
@@ -1005,6 +769,7 @@ fn reserve_space(f: &File, len: u64) -> std::io::Result<()> {
     }
 }
 
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1018,33 +783,5 @@ mod tests {
         assert_eq!(CacheOptions::new(100).geometry(), None);
         let o = CacheOptions { max_entry: 65536, ..CacheOptions::new(10 << 20) };
         assert_eq!(o.geometry(), Some((12, 4, 160)));
-    }
-
-    #[test]
-    fn replay_keeps_the_latest_of_overlapping_records() {
-        let b = Buddy::new(12, 4, 1);
-        let ins = |block: u64, len: u32, key: &str| Record::Insert {
-            block,
-            order: b.order_for(len as u64).unwrap(),
-            len,
-            hash: [1; 16],
-            obj_off: 0,
-            key: key.into(),
-        };
-        let recs = vec![
-            ins(0, 4096, "packs/a"),
-            ins(4096, 4096, "packs/b"),
-            ins(8192, 8192, "packs/c"),
-            Record::Remove { block: 4096 },
-            ins(0, 16384, "packs/d"),     // overlaps a and c: both superseded
-            ins(16384, 100, "packs/e"),
-            ins(20480, 8192, "packs/bad"), // misaligned for order 1
-            ins(1 << 20, 10, "packs/far"), // outside the region
-            ins(32768, 10, "../x"),        // invalid key
-        ];
-        let (m, dropped) = replay(&b, &recs);
-        let keys: Vec<(u64, &str)> = m.iter().map(|(b, e)| (*b, &*e.key)).collect();
-        assert_eq!(keys, vec![(0, "packs/d"), (16384, "packs/e")]);
-        assert_eq!(dropped, 3);
     }
 }

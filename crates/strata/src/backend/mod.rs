@@ -14,10 +14,16 @@
 //!
 //! Decorators (fault injection, and later cache, retry and metrics) wrap any `Backend`.
 
+pub mod cache;
 pub mod conformance;
 pub mod fault;
 pub mod local;
 pub mod memory;
+pub mod open;
+pub mod redis;
+pub mod retry;
+pub mod s3;
+pub mod servers;
 
 use std::fmt;
 use std::sync::Arc;
