@@ -26,6 +26,9 @@ find "$seed/s/packs" -type f | head -4 | while read -r f; do cp "$f" fuzz/corpus
 cp "$seed"/s/index/* fuzz/corpus/store_index/ 2>/dev/null || true
 i=0; for f in "$seed"/s/refs/disk/*; do { printf '\x00'; cat "$f"; } > "fuzz/corpus/store_objects/ref$i"; i=$((i+1)); done
 { printf '\x02'; cat "$seed/s/config"; } > fuzz/corpus/store_objects/config
+"$bin" --store "$seed/s" disk compact seed2 >/dev/null
+mkdir -p fuzz/corpus/disk_log
+find "$seed/s/.meta/disks" -name 'log.*' -exec cp {} fuzz/corpus/disk_log/ \;
 
 # Any extra targets (NBD, QEMU stream) are picked up automatically.
 for t in $("${fuzz[@]}" list); do

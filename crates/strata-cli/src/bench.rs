@@ -37,6 +37,9 @@ pub enum BenchCmd {
         /// Write+flush pairs per case.
         #[arg(long, default_value_t = 200)]
         ops: usize,
+        /// Skip the in-guest dd test (needs the guest fixtures).
+        #[arg(long)]
+        no_guest: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -75,7 +78,7 @@ pub fn run(cmd: &BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Store { size, threads, out, scratch } => bench_store(parse_size(size)?, *threads, out, scratch.as_deref()),
         BenchCmd::Io { runtime, out, scratch } => crate::bench_io::bench_io(*runtime, out, scratch.as_deref()),
-        BenchCmd::Sync { ops, out, scratch } => crate::bench_sync::bench_sync(*ops, out, scratch.as_deref()),
+        BenchCmd::Sync { ops, no_guest, out, scratch } => crate::bench_sync::bench_sync(*ops, !no_guest, out, scratch.as_deref()),
         BenchCmd::Clone { size, data, copies, out, scratch } => {
             let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
             crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())

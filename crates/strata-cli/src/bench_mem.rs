@@ -61,10 +61,13 @@ pub enum MemBenchCmd {
         /// pc or q35.
         #[arg(long, default_value = "pc")]
         machine: String,
-        /// Also boot this many guests of the first size from the same image and save them all
-        /// into one store (dedup across VMs); 0 skips.
+        /// Also boot this many guests from the same image and save them all into one store
+        /// (dedup across VMs); 0 skips.
         #[arg(long, default_value_t = 5)]
         vms: u32,
+        /// RAM of each of those guests, MiB.
+        #[arg(long, default_value_t = 512)]
+        vms_mem: u32,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -88,8 +91,8 @@ pub enum MemBenchCmd {
 pub fn run(cmd: &MemBenchCmd) -> Result<()> {
     match cmd {
         MemBenchCmd::Codecs { mem, sample, out, scratch } => bench_codecs(*mem, *sample, out, scratch.as_deref()),
-        MemBenchCmd::SaveRestore { sizes, machine, vms, out, scratch } => {
-            bench_save_restore(sizes, machine, *vms, out, scratch.as_deref())
+        MemBenchCmd::SaveRestore { sizes, machine, vms, vms_mem, out, scratch } => {
+            bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref())
         }
         MemBenchCmd::Live { mem, rates, out, scratch } => bench_live(*mem, rates, out, scratch.as_deref()),
     }
@@ -140,34 +143,31 @@ fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
 
 /// Load the desktop workload: golden files (at most one pass of the tree), then anonymous
 /// memory, so that most of RAM is touched.
-fn load_workload(g: &mut Guest, mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
-    let budget = ((mem as f64 * 0.85) as u32).saturating_sub(56).max(16);
-    let text_mib = (budget / 2).min(text_cap).max(8);
+/// The guest's free memory in MiB, as memwork reports it when refusing an oversized `fill`
+/// ("... N MiB available; ...").
+fn available_mib(g: &mut Guest) -> Result<u32> {
+    match g.command("fill 65536 0 0 1", Duration::from_secs(60)) {
+        Ok(_) => bail!("memwork accepted a 64 GiB fill"),
+        Err(e) => {
+            let msg = e.to_string();
+            msg.split(" MiB available")
+                .next()
+                .and_then(|h| h.rsplit(' ').next())
+                .and_then(|n| n.parse::<u32>().ok())
+                .with_context(|| format!("cannot read the free memory from: {msg}"))
+        }
+    }
+}
+
+fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
+    // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
+    let usable = available_mib(g)?.saturating_sub(40).max(8);
+    let text_mib = (usable / 2).min(text_cap).max(4);
     let t = Duration::from_secs(600);
     g.command(&format!("text {text_mib}"), t).context("text workload")?;
     let (zero_pct, repeat_pct) = (10, 50);
-    let mut fill_mib = budget - text_mib;
-    loop {
-        match g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t) {
-            Ok(_) => break,
-            Err(e) if fill_mib > 16 => {
-                // memwork says how much it can take: "... N MiB available; ..."
-                let msg = e.to_string();
-                let avail = msg
-                    .split(" MiB available")
-                    .next()
-                    .and_then(|h| h.rsplit(' ').next())
-                    .and_then(|n| n.parse::<u32>().ok());
-                let next = match avail {
-                    Some(a) if a > 48 && a - 40 < fill_mib => a - 40,
-                    _ => fill_mib * 4 / 5,
-                };
-                eprintln!("  fill {fill_mib} refused; trying {next}");
-                fill_mib = next;
-            }
-            Err(e) => return Err(e).context("fill workload"),
-        }
-    }
+    let fill_mib = available_mib(g)?.saturating_sub(40).max(4);
+    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t).context("fill workload")?;
     let sum = g.command("sum", t).context("sum")?;
     Ok(Workload { text_mib, fill_mib, zero_pct, repeat_pct, seed, sum })
 }
@@ -578,7 +578,7 @@ fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }
 
-fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
+fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
@@ -669,7 +669,7 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, out: &Path, scratch: 
     // N guests booted from the same image, saved into one store.
     let mut multi = serde_json::Value::Null;
     if vms > 0 {
-        let mem = sizes.first().copied().unwrap_or(256);
+        let mem = vms_mem;
         let dir = tmp.path().join("multi");
         std::fs::create_dir_all(&dir)?;
         let store = Store::init_local(&dir.join("store"), InitOptions::default())?;
@@ -677,10 +677,10 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, out: &Path, scratch: 
         for i in 0..vms {
             let mut g = boot(&fx, mem, m, &format!("multi{i}"))?;
             // Same image and binaries; each user's anonymous data differs (own seed).
-            let budget = ((mem as f64 * 0.85) as u32).saturating_sub(56).max(16);
+            let usable = available_mib(&mut g)?.saturating_sub(40).max(8);
             let t = Duration::from_secs(600);
-            g.command(&format!("text {}", (budget / 2).min(240)), t)?;
-            g.command(&format!("fill {} 10 50 {}", (budget / 8).max(4), 100 + i), t)?;
+            g.command(&format!("text {}", (usable / 2).min(240)), t)?;
+            g.command(&format!("fill {} 10 50 {}", (usable / 8).max(4), 100 + i), t)?;
             let mut q = qmp_of(&g)?;
             let r = save(&store, &mut q, &format!("vm{i}"), &SaveOptions::new(Mode::Save), &NoProgress)?;
             eprintln!("  vm{i}: stored {} MB ({} pages new, {} deduplicated)", r.stored_bytes / 1_000_000, r.pages_stored, r.pages_deduped);
@@ -691,7 +691,7 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, out: &Path, scratch: 
         multi = serde_json::json!({
             "guests": vms, "mem_mib": mem, "stored_bytes_each": per, "stored_bytes_total": total,
             "total_vs_one": total as f64 / per[0] as f64,
-            "workload": "same kernel, initramfs and golden disk; text of the golden files (same for all) + fill of budget/8 MiB with a per-guest seed",
+            "workload": "same kernel, initramfs and golden disk; text of half the free memory (at most 240 MiB) of the golden files, the same for all, + fill of 1/8 of the free memory with a per-guest seed",
         });
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -705,7 +705,7 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, out: &Path, scratch: 
     }
     let json = serde_json::json!({
         "benchmark": "save-restore",
-        "command": format!("strata bench save-restore --sizes {} --machine {mach} --vms {vms}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
+        "command": format!("strata bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
         "paper": "000 Figs 2 and 3",
         "how": "one guest per size; each QEMU baseline: stop, migrate to the URI, wait, then `sync` (save time includes it), cont; strata: `vm save` into a fresh local store (durable packs, index and ref). Restores: a fresh QEMU with the same arguments and -incoming defer -S; time from migrate-incoming to completed (strata: the whole `vm restore`, including target checks and verification of every page); strata's restored guest is resumed and its memwork `sum` compared",
         "workloads": workloads,

@@ -77,7 +77,7 @@ fn qemu_io(uri: &str, cmds: &[String]) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-pub fn bench_sync(n: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) -> Result<()> {
     for t in ["qemu-io", "qemu-nbd", "qemu-img", "strace", "nbdinfo"] {
         ensure_tool(t)?;
     }
@@ -184,6 +184,7 @@ pub fn bench_sync(n: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
     let best = |s: &str| tput.iter().filter(|t| t.system == s).map(|t| t.mib_s).fold(0.0, f64::max);
     let (st, raw, q) = (best("strata"), best("raw"), best("qcow2"));
     eprintln!("  append+flush best of 2: strata/raw = {:.2}, strata/qcow2 = {:.2}", st / raw, st / q);
+    let guest = if guest_dd { in_guest_dd(dir)? } else { Vec::new() };
 
     std::fs::create_dir_all(out)?;
     let mut csv = String::from("case,system,flushes,host_syncs,syncs_per_flush,strata_counter\n");
@@ -201,6 +202,10 @@ pub fn bench_sync(n: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
         "method": "qemu-io over NBD (nbd+unix); host sync calls counted with strace -f on the server between warm-up and end of workload",
         "rows": rows,
         "append_flush_64k": {"runs": tput, "best_mib_s": {"strata": st, "raw": raw, "qcow2": q}, "strata_over_raw": st / raw, "strata_over_qcow2": st / q},
+        "in_guest_dd": {
+            "method": "TCG guest (golden disk on a local qcow2 overlay) with a second virtio disk served over NBD; GNU dd if=/dev/zero of=/dev/vdb bs=64k count=4096 oflag=dsync: first pass = append (fresh blocks), second pass = overwrite",
+            "rows": guest,
+        },
     });
     std::fs::write(out.join("bench-sync.json"), serde_json::to_string_pretty(&meta)?)?;
     let systems = ["strata", "qcow2", "qcow2-lazy", "raw"];
@@ -215,4 +220,66 @@ pub fn bench_sync(n: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
     std::fs::write(out.join("bench-sync.svg"), svg)?;
     eprintln!("wrote {}/bench-sync.{{csv,json,svg}}", out.display());
     Ok(())
+}
+
+#[derive(serde::Serialize, Clone)]
+struct GuestRow {
+    system: String,
+    pass: String,
+    seconds: f64,
+    mb_s: f64,
+}
+
+/// 64 KiB O_DSYNC writes from inside a TCG guest onto a disk served over NBD (paper 001's dd
+/// test): 256 MiB appended, then the same 256 MiB overwritten.
+fn in_guest_dd(dir: &Path) -> Result<Vec<GuestRow>> {
+    use std::time::Duration;
+    use strata::fixtures::{create_overlay, Fixtures, GuestMode};
+    let fx = Fixtures::ensure().context("guest fixtures (run scripts/setup.sh)")?;
+    let mut rows = Vec::new();
+    for system in ["strata", "raw", "qcow2"] {
+        let data_size = 512u64 << 20;
+        let mut server = match system {
+            "strata" => Server::strata_disk(dir, "dd", data_size, false)?,
+            "raw" => {
+                let f = dir.join("dd.raw");
+                std::fs::File::create(&f)?.set_len(data_size)?;
+                Server::qemu_nbd(dir, &f, "raw")?
+            }
+            _ => {
+                let f = dir.join("dd.qcow2");
+                anyhow::ensure!(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&f).arg(data_size.to_string()).status()?.success());
+                Server::qemu_nbd(dir, &f, "qcow2")?
+            }
+        };
+        let overlay = dir.join(format!("root-{system}.qcow2"));
+        let _ = std::fs::remove_file(&overlay);
+        create_overlay(&fx.golden(), "raw", &overlay)?;
+        let uri = server.uri();
+        let (sock, export) = {
+            let q = uri.split_once("?socket=").context("uri")?;
+            (q.1.to_string(), q.0.trim_start_matches("nbd+unix:///").to_string())
+        };
+        let mut g = fx
+            .guest()
+            .mode(GuestMode::Root)
+            .memory_mib(512)
+            .drive_file(&overlay, "qcow2")
+            .drive(&format!("file=nbd:unix:{sock}:exportname={export},if=virtio,format=raw,cache=none"))
+            .name(&format!("dd-{system}"))
+            .launch()
+            .context("boot the dd guest")?;
+        for pass in ["append", "overwrite"] {
+            let t = Instant::now();
+            let out = g.command("sh /usr/bin/dd if=/dev/zero of=/dev/vdb bs=64k count=4096 oflag=dsync 2>&1", Duration::from_secs(1800))?;
+            let secs = t.elapsed().as_secs_f64();
+            anyhow::ensure!(out.contains("268435456 bytes"), "dd in the guest failed: {out}");
+            let mb_s = 268.435456 / secs;
+            eprintln!("  in-guest dd 64k oflag=dsync 256 MiB {pass:<9} {system:<7} {secs:>6.1} s {mb_s:>6.1} MB/s");
+            rows.push(GuestRow { system: system.into(), pass: pass.into(), seconds: secs, mb_s });
+        }
+        g.kill()?;
+        server.stop()?;
+    }
+    Ok(rows)
 }

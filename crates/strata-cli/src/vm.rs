@@ -275,9 +275,6 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
                 let l = restore_launch(&store, name, &lo, &bar)?;
                 drop(bar);
                 let mut q = connect(&l.qmp_path)?;
-                if *paused {
-                    q.stop().context("Cannot pause the launched QEMU")?;
-                }
                 let status = q.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
                 let v = serde_json::json!({
                     "restore": l.report, "pid": l.child.id(), "qmp": l.qmp_path, "log": l.log_path,

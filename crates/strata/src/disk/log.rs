@@ -145,30 +145,18 @@ impl LogWriter {
         let mut pos = LOG_HEADER_LEN;
         let mut seq = 1u64;
         let mut hdr = [0u8; REC_HEADER_LEN as usize];
+        // (The in-memory twin of this loop is `scan`, which the fuzzer exercises.)
         let mut buf = Vec::new();
         while pos + REC_HEADER_LEN <= size {
             file.read_exact_at(&mut hdr, pos).map_err(|e| io("read", e))?;
-            let u64at = |o: usize| u64::from_le_bytes(hdr[o..o + 8].try_into().unwrap());
-            let magic = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
-            let kind = match hdr[4] {
-                1 => RecKind::Write,
-                2 => RecKind::Zero,
-                3 => RecKind::Trim,
-                _ => break,
-            };
-            let (rseq, offset, len) = (u64at(8), u64at(16), u64at(24));
-            if magic != REC_MAGIC || rseq != seq || len > (1 << 62) || offset.checked_add(len).is_none() {
-                break;
-            }
+            let Some((kind, offset, len)) = check_header(&hdr, seq) else { break };
             let dlen = if kind == RecKind::Write { len } else { 0 };
-            if dlen > MAX_RECORD || pos + REC_HEADER_LEN + dlen > size {
+            if pos + REC_HEADER_LEN + dlen > size {
                 break;
             }
             buf.resize(dlen as usize, 0);
             file.read_exact_at(&mut buf, pos + REC_HEADER_LEN).map_err(|e| io("read", e))?;
-            let want = u32::from_le_bytes(hdr[40..44].try_into().unwrap());
-            let got = crc32c::crc32c_append(crc32c::crc32c(&hdr[..40]), &buf);
-            if want != got {
+            if !crc_ok(&hdr, &buf) {
                 break;
             }
             recs.push(Record { kind, seq, offset, len, data_pos: pos + REC_HEADER_LEN });
@@ -202,6 +190,54 @@ impl LogWriter {
     pub fn file_handle(&self) -> Result<File, LogError> {
         self.file.try_clone().map_err(|e| LogError::Io { op: "reopen", path: self.path.clone(), source: e })
     }
+}
+
+/// Validate a record header that should carry sequence number `seq`: (kind, offset, len).
+fn check_header(hdr: &[u8; REC_HEADER_LEN as usize], seq: u64) -> Option<(RecKind, u64, u64)> {
+    let u64at = |o: usize| u64::from_le_bytes(hdr[o..o + 8].try_into().unwrap());
+    let magic = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
+    let kind = match hdr[4] {
+        1 => RecKind::Write,
+        2 => RecKind::Zero,
+        3 => RecKind::Trim,
+        _ => return None,
+    };
+    let (rseq, offset, len) = (u64at(8), u64at(16), u64at(24));
+    if magic != REC_MAGIC || rseq != seq || len > (1 << 62) || offset.checked_add(len).is_none() {
+        return None;
+    }
+    if kind == RecKind::Write && len > MAX_RECORD {
+        return None;
+    }
+    Some((kind, offset, len))
+}
+
+fn crc_ok(hdr: &[u8; REC_HEADER_LEN as usize], data: &[u8]) -> bool {
+    let want = u32::from_le_bytes(hdr[40..44].try_into().unwrap());
+    crc32c::crc32c_append(crc32c::crc32c(&hdr[..40]), data) == want
+}
+
+/// Parse a whole log held in memory (header, then records) the way recovery does: returns
+/// the header, the valid records and the length of the valid prefix. Pure; fuzzed.
+pub fn scan(b: &[u8]) -> Result<(LogHeader, Vec<Record>, u64), String> {
+    let header = LogHeader::decode(b.get(..LOG_HEADER_LEN as usize).ok_or("truncated header")?)?;
+    let mut recs = Vec::new();
+    let mut pos = LOG_HEADER_LEN;
+    let mut seq = 1;
+    while let Some(h) = b.get(pos as usize..(pos + REC_HEADER_LEN) as usize) {
+        let hdr: &[u8; REC_HEADER_LEN as usize] = h.try_into().unwrap();
+        let Some((kind, offset, len)) = check_header(hdr, seq) else { break };
+        let dlen = if kind == RecKind::Write { len } else { 0 };
+        let start = pos + REC_HEADER_LEN;
+        let Some(data) = b.get(start as usize..(start + dlen) as usize) else { break };
+        if !crc_ok(hdr, data) {
+            break;
+        }
+        recs.push(Record { kind, seq, offset, len, data_pos: start });
+        pos = start + dlen;
+        seq += 1;
+    }
+    Ok((header, recs, pos))
 }
 
 /// Read `buf.len()` bytes at `pos` of a log file.
@@ -246,6 +282,8 @@ mod tests {
         drop(w);
         let (w, recs) = LogWriter::recover(&p).unwrap();
         assert_eq!(recs.len(), 3);
+        let (h, srecs, valid) = scan(&std::fs::read(&p).unwrap()).unwrap();
+        assert_eq!((h, srecs, valid), (hdr(), recs.clone(), w.pos), "scan agrees with recovery");
         assert_eq!(w.next_seq, 4);
         drop(w);
         // Tear the last record: recovery keeps two and truncates.
