@@ -251,6 +251,11 @@ impl Server {
 
     /// Stop the server; for strata, return its own fdatasync counter for the disk.
     pub fn stop(&mut self) -> Result<Option<u64>> {
+        Ok(self.stop_stats()?.and_then(|d| d["fdatasyncs"].as_u64()))
+    }
+
+    /// Stop the server; for strata, return the disk's I/O counters (after its final compaction).
+    pub fn stop_stats(&mut self) -> Result<Option<serde_json::Value>> {
         // Signal the traced server itself (strace's child), so it shuts down cleanly and
         // prints its counters; strace exits when it does.
         let tracer = self.child.id();
@@ -275,7 +280,7 @@ impl Server {
         }
         let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
         let stats = err.lines().find_map(|l| l.strip_prefix("strata serve: stats ")).and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok());
-        Ok(stats.and_then(|v| v.as_object().and_then(|o| o.values().next().cloned())).and_then(|d| d["fdatasyncs"].as_u64()))
+        Ok(stats.and_then(|v| v.as_object().and_then(|o| o.values().next().cloned())))
     }
 }
 

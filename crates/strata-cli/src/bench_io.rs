@@ -58,6 +58,7 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
     let size = 4u64 << 30;
     let region = "1G";
     let mut rows = Vec::new();
+    let mut wa = None;
     for system in ["strata", "raw", "qcow2"] {
         let mk = |round: u32| -> Result<Server> {
             match system {
@@ -90,7 +91,14 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
             eprintln!("  {system:<7} {test:<13} {iops:>9.0} IOPS {mib:>8.1} MiB/s");
             rows.push(Row { system: system.into(), test: test.into(), iops, mib_s: mib });
         }
-        s.stop()?;
+        if let Some(st) = s.stop_stats()? {
+            let g = st["guest_bytes_written"].as_f64().unwrap_or(0.0);
+            let l = st["log_bytes_written"].as_f64().unwrap_or(0.0);
+            let c = st["compaction_bytes"].as_f64().unwrap_or(0.0);
+            eprintln!("  strata write amplification: guest {:.0} MiB, log {:.0} MiB, compaction {:.0} MiB -> {:.2}x", g / 1048576.0, l / 1048576.0, c / 1048576.0, (l + c) / g.max(1.0));
+            wa = Some(serde_json::json!({"guest_bytes": g, "log_bytes": l, "compaction_bytes": c, "write_amplification": (l + c) / g.max(1.0),
+                "note": "log = header+data per guest write; compaction rewrites every 64 KiB block the log touched (uncompressed bytes before the codec)"}));
+        }
     }
     let get = |sys: &str, test: &str| rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.iops).unwrap_or(0.0);
     let rr = get("strata", "4k randread") / get("raw", "4k randread");
@@ -112,6 +120,7 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
         "method": "fio --ioengine=nbd --iodepth=16 over nbd+unix, 1 GiB region of a 4 GiB disk, filled first; strata restarted after the fill so reads come from chunks",
         "rows": rows,
         "ratios": ratios,
+        "strata_write_amplification": wa,
     });
     std::fs::write(out.join("bench-io.json"), serde_json::to_string_pretty(&meta)?)?;
     let series: Vec<Series> = ["strata", "raw", "qcow2"]

@@ -14,6 +14,7 @@
 //! * `live` (002, Tables 1–4): a guest dirtying memory at set rates, checkpointed by
 //!   background-snapshot, precopy + cont and stop-and-copy: pause, total time, pages sent,
 //!   stored and skipped by dedup, plus the cost of a second (incremental) checkpoint.
+//!
 //! LZO is GPL, so it is only built with the bench-only `lzo` cargo feature.
 
 use std::io::{BufRead, BufReader, Read, Write};

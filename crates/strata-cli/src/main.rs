@@ -401,13 +401,14 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) 
     unsafe { libc::sigwait(&set, &mut sig) };
     eprintln!("strata serve: signal {sig}, stopping");
     handle.shutdown();
-    // Per-disk I/O counters (flushes vs host fdatasyncs, bytes), for operators and benchmarks.
-    let stats: serde_json::Map<String, serde_json::Value> = disks
-        .iter()
-        .filter_map(|d| exports.volume(d).map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())))
-        .collect();
-    eprintln!("strata serve: stats {}", serde_json::Value::Object(stats));
+    // Fold every open disk's log into its map, then report per-disk I/O counters (flushes vs
+    // host fdatasyncs, guest/log/compaction bytes) for operators and benchmarks.
+    let vols: Vec<(String, std::sync::Arc<strata::disk::volume::Volume>)> =
+        disks.iter().filter_map(|d| exports.volume(d).map(|v| (d.clone(), v))).collect();
     exports.close_all()?;
+    let stats: serde_json::Map<String, serde_json::Value> =
+        vols.iter().map(|(d, v)| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())).collect();
+    eprintln!("strata serve: stats {}", serde_json::Value::Object(stats));
     s.close()?;
     Ok(())
 }
