@@ -24,6 +24,11 @@ pub const LOG_HEADER_LEN: u64 = 64;
 pub const REC_HEADER_LEN: u64 = 48;
 /// Largest single record (matches the NBD request cap).
 pub const MAX_RECORD: u64 = 32 << 20;
+/// The log is zero-filled this far ahead of its end. Appending inside already-written blocks
+/// keeps file size and block allocation out of each guest flush's fdatasync (no journal
+/// commit): measured here, 64 KiB write + fdatasync ran 2.5-6x faster into pre-zeroed space
+/// than as size-extending appends. Recovery stops at the zeros (no valid record magic).
+pub const PREZERO: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -118,6 +123,8 @@ pub struct LogWriter {
     /// End of the valid records.
     pub pos: u64,
     pub next_seq: u64,
+    /// End of the zero-filled space after `pos`.
+    zeroed_to: u64,
 }
 
 impl LogWriter {
@@ -130,7 +137,7 @@ impl LogWriter {
         if let Some(dir) = path.parent() {
             File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("sync directory of", e))?;
         }
-        Ok(LogWriter { path: path.to_path_buf(), file, header, pos: LOG_HEADER_LEN, next_seq: 1 })
+        Ok(LogWriter { path: path.to_path_buf(), file, header, pos: LOG_HEADER_LEN, next_seq: 1, zeroed_to: LOG_HEADER_LEN })
     }
 
     /// Open an existing log: replay its valid records and truncate any torn tail.
@@ -164,20 +171,32 @@ impl LogWriter {
             seq += 1;
         }
         if pos < size {
-            tracing::info!(target: "strata::disk", path = %path.display(), valid = pos, size, "truncating torn log tail");
+            tracing::debug!(target: "strata::disk", path = %path.display(), valid = pos, size, "truncating log after its last valid record");
             file.set_len(pos).map_err(|e| io("truncate", e))?;
             file.sync_all().map_err(|e| io("sync", e))?;
         }
-        Ok((LogWriter { path: path.to_path_buf(), file, header, pos, next_seq: seq }, recs))
+        Ok((LogWriter { path: path.to_path_buf(), file, header, pos, next_seq: seq, zeroed_to: pos }, recs))
     }
 
     /// Append a record; returns it (with where its data is). Not durable until `sync`.
     pub fn append(&mut self, kind: RecKind, offset: u64, len: u64, data: &[u8]) -> Result<Record, LogError> {
         debug_assert!(kind != RecKind::Write || data.len() as u64 == len);
         let bytes = encode_rec(kind, self.next_seq, offset, len, data);
+        let end = self.pos + bytes.len() as u64;
+        if end > self.zeroed_to {
+            let to = end + PREZERO;
+            let zeros = vec![0u8; (to - self.zeroed_to) as usize];
+            if let Err(e) = self.file.write_all_at(&zeros, self.zeroed_to) {
+                let _ = self.file.set_len(self.pos);
+                self.zeroed_to = self.pos;
+                return Err(LogError::Io { op: "extend", path: self.path.clone(), source: e });
+            }
+            self.zeroed_to = to;
+        }
         if let Err(e) = self.file.write_all_at(&bytes, self.pos) {
             // Drop whatever part landed, so the next append starts at a record boundary.
             let _ = self.file.set_len(self.pos);
+            self.zeroed_to = self.pos;
             return Err(LogError::Io { op: "append to", path: self.path.clone(), source: e });
         }
         let rec = Record { kind, seq: self.next_seq, offset, len, data_pos: self.pos + REC_HEADER_LEN };
