@@ -72,6 +72,8 @@ pub enum BenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    #[command(flatten)]
+    Mem(crate::bench_mem::MemBenchCmd),
 }
 
 pub fn run(cmd: &BenchCmd) -> Result<()> {
@@ -83,6 +85,7 @@ pub fn run(cmd: &BenchCmd) -> Result<()> {
             let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
             crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())
         }
+        BenchCmd::Mem(c) => crate::bench_mem::run(c),
     }
 }
 

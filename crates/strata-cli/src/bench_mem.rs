@@ -91,11 +91,26 @@ pub enum MemBenchCmd {
 
 pub fn run(cmd: &MemBenchCmd) -> Result<()> {
     match cmd {
-        MemBenchCmd::Codecs { mem, sample, out, scratch } => bench_codecs(*mem, *sample, out, scratch.as_deref()),
-        MemBenchCmd::SaveRestore { sizes, machine, vms, vms_mem, out, scratch } => {
-            bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref())
-        }
-        MemBenchCmd::Live { mem, rates, out, scratch } => bench_live(*mem, rates, out, scratch.as_deref()),
+        MemBenchCmd::Codecs {
+            mem,
+            sample,
+            out,
+            scratch,
+        } => bench_codecs(*mem, *sample, out, scratch.as_deref()),
+        MemBenchCmd::SaveRestore {
+            sizes,
+            machine,
+            vms,
+            vms_mem,
+            out,
+            scratch,
+        } => bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref()),
+        MemBenchCmd::Live {
+            mem,
+            rates,
+            out,
+            scratch,
+        } => bench_live(*mem, rates, out, scratch.as_deref()),
     }
 }
 
@@ -168,20 +183,34 @@ fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<W
     g.command(&format!("text {text_mib}"), t).context("text workload")?;
     let (zero_pct, repeat_pct) = (10, 50);
     let fill_mib = available_mib(g)?.saturating_sub(40).max(4);
-    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t).context("fill workload")?;
+    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t)
+        .context("fill workload")?;
     let sum = g.command("sum", t).context("sum")?;
-    Ok(Workload { text_mib, fill_mib, zero_pct, repeat_pct, seed, sum })
+    Ok(Workload {
+        text_mib,
+        fill_mib,
+        zero_pct,
+        repeat_pct,
+        seed,
+        sum,
+    })
 }
 
 fn qmp_of(g: &Guest) -> Result<QmpClient> {
     let p = g.qmp_path().context("guest has no QMP socket")?;
     let mut q = QmpClient::connect(p)?;
-    q.migrate_set_parameters(&MigrateParameters { max_bandwidth: Some(64 << 30), ..Default::default() })?;
+    q.migrate_set_parameters(&MigrateParameters {
+        max_bandwidth: Some(64 << 30),
+        ..Default::default()
+    })?;
     Ok(q)
 }
 
 fn qemu_program() -> String {
-    std::env::var("STRATA_QEMU").ok().filter(|s| !s.is_empty()).unwrap_or_else(|| "qemu-system-x86_64".into())
+    std::env::var("STRATA_QEMU")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "qemu-system-x86_64".into())
 }
 
 /// A destination QEMU with the guest's arguments, `-incoming defer -S` and its own console.
@@ -202,7 +231,11 @@ fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
     let con_src = g.dir().join("console.sock").display().to_string();
     let console = dir.join(format!("{tag}-console.sock"));
     let mut cmd = vec![qemu_program()];
-    cmd.extend(g.args().iter().map(|a| a.replace(&con_src, &console.display().to_string())));
+    cmd.extend(
+        g.args()
+            .iter()
+            .map(|a| a.replace(&con_src, &console.display().to_string())),
+    );
     let qmp_path = dir.join(format!("{tag}.qmp"));
     let _ = std::fs::remove_file(&qmp_path);
     let (prog, args) = launch_args(&cmd, &qmp_path).map_err(anyhow::Error::msg)?;
@@ -263,14 +296,18 @@ fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
 fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     let t = Instant::now();
     d.qmp.migrate_incoming(uri)?;
-    d.qmp.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
+    d.qmp
+        .wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
     Ok(t.elapsed().as_secs_f64())
 }
 
 fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
     std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
-    std::fs::write(out.join(format!("bench-{name}.json")), serde_json::to_string_pretty(json)?)?;
+    std::fs::write(
+        out.join(format!("bench-{name}.json")),
+        serde_json::to_string_pretty(json)?,
+    )?;
     std::fs::write(out.join(format!("bench-{name}.svg")), svg)?;
     eprintln!("wrote {}/bench-{name}.{{csv,json,svg}}", out.display());
     Ok(())
@@ -333,7 +370,9 @@ impl BenchCodec {
 }
 
 fn deflate(input: &[u8], level: u8, strategy: i32, out: &mut Vec<u8>) {
-    use miniz_oxide::deflate::core::{compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush, TDEFLStatus};
+    use miniz_oxide::deflate::core::{
+        compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush, TDEFLStatus,
+    };
     let flags = create_comp_flags_from_zip_params(level.into(), 0, strategy);
     let mut c = CompressorOxide::new(flags);
     out.clear();
@@ -473,7 +512,10 @@ fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -
     eprintln!("bench codecs: booting a {mem} MiB guest with the desktop workload");
     let mut g = boot(&fx, mem, Machine::Pc, "codecs")?;
     let w = load_workload(&mut g, mem, 1, 240)?;
-    eprintln!("  workload: text {} MiB + fill {} MiB ({}% zero, {}% repeated)", w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct);
+    eprintln!(
+        "  workload: text {} MiB + fill {} MiB ({}% zero, {}% repeated)",
+        w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct
+    );
     let mut q = qmp_of(&g)?;
     let (pages, total, zero, distinct) = capture(&mut q, &tmp.path().join("capture.bin"))?;
     drop(g);
@@ -487,7 +529,13 @@ fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -
     let raw: u64 = frames.iter().map(|f| f.len() as u64).sum();
     eprintln!("  {} frames of 64 KiB ({} MiB) sampled", frames.len(), raw >> 20);
     #[allow(unused_mut)]
-    let mut codecs = vec![BenchCodec::Lz4, BenchCodec::Zstd(1), BenchCodec::Zstd(3), BenchCodec::Deflate, BenchCodec::Huffman];
+    let mut codecs = vec![
+        BenchCodec::Lz4,
+        BenchCodec::Zstd(1),
+        BenchCodec::Zstd(3),
+        BenchCodec::Deflate,
+        BenchCodec::Huffman,
+    ];
     #[cfg(feature = "lzo")]
     codecs.push(BenchCodec::Lzo);
     let mut rows = Vec::new();
@@ -516,7 +564,10 @@ fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -
     }
     let mut csv = String::from("codec,ratio,comp_mb_s,decomp_mb_s,expected_save_mb_s,expected_restore_mb_s\n");
     for r in &rows {
-        csv += &format!("{},{:.4},{:.1},{:.1},{:.1},{:.1}\n", r.codec, r.ratio, r.comp_mb_s, r.decomp_mb_s, r.expected_save_mb_s, r.expected_restore_mb_s);
+        csv += &format!(
+            "{},{:.4},{:.1},{:.1},{:.1},{:.1}\n",
+            r.codec, r.ratio, r.comp_mb_s, r.decomp_mb_s, r.expected_save_mb_s, r.expected_restore_mb_s
+        );
     }
     let json = serde_json::json!({
         "benchmark": "codecs",
@@ -539,21 +590,39 @@ fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -
     });
     let cats: Vec<String> = rows.iter().map(|r| r.codec.clone()).collect();
     let speeds = bars(
-        &format!("Codecs on {} MiB of a {mem} MiB desktop guest's memory (one core)", raw >> 20),
+        &format!(
+            "Codecs on {} MiB of a {mem} MiB desktop guest's memory (one core)",
+            raw >> 20
+        ),
         "MB/s",
         &cats,
         &[
-            Series { name: "compress".into(), values: rows.iter().map(|r| r.comp_mb_s).collect() },
-            Series { name: "decompress".into(), values: rows.iter().map(|r| r.decomp_mb_s).collect() },
-            Series { name: "comp x (1-rate)".into(), values: rows.iter().map(|r| r.expected_save_mb_s).collect() },
-            Series { name: "decomp x (1-rate)".into(), values: rows.iter().map(|r| r.expected_restore_mb_s).collect() },
+            Series {
+                name: "compress".into(),
+                values: rows.iter().map(|r| r.comp_mb_s).collect(),
+            },
+            Series {
+                name: "decompress".into(),
+                values: rows.iter().map(|r| r.decomp_mb_s).collect(),
+            },
+            Series {
+                name: "comp x (1-rate)".into(),
+                values: rows.iter().map(|r| r.expected_save_mb_s).collect(),
+            },
+            Series {
+                name: "decomp x (1-rate)".into(),
+                values: rows.iter().map(|r| r.expected_restore_mb_s).collect(),
+            },
         ],
     );
     let ratio = bars(
         "Compressed size / raw (lower is better)",
         "ratio",
         &cats,
-        &[Series { name: "ratio".into(), values: rows.iter().map(|r| r.ratio).collect() }],
+        &[Series {
+            name: "ratio".into(),
+            values: rows.iter().map(|r| r.ratio).collect(),
+        }],
     );
     write_outputs(out, "codecs", csv, &json, stack(vec![speeds, ratio]))
 }
@@ -579,7 +648,14 @@ fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }
 
-fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
+fn bench_save_restore(
+    sizes: &[u32],
+    mach: &str,
+    vms: u32,
+    vms_mem: u32,
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
@@ -592,17 +668,35 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &P
         eprintln!("bench save-restore: {mem} MiB guest ({mach})");
         let mut g = boot(&fx, mem, m, &format!("sr{mem}"))?;
         let w = load_workload(&mut g, mem, 1, 240)?;
-        eprintln!("  workload: text {} MiB + fill {} MiB; sum {}", w.text_mib, w.fill_mib, w.sum);
+        eprintln!(
+            "  workload: text {} MiB + fill {} MiB; sum {}",
+            w.text_mib, w.fill_mib, w.sum
+        );
         let mut q = qmp_of(&g)?;
         let methods: [(&str, String, String); 3] = [
-            ("exec:cat+sync", format!("exec:cat > {}/cat.bin", dir.display()), format!("exec:cat {}/cat.bin", dir.display())),
-            ("exec:zstd -1", format!("exec:zstd -1 -q > {}/zstd.bin", dir.display()), format!("exec:zstd -dc {}/zstd.bin", dir.display())),
-            ("exec:lzop", format!("exec:lzop -c > {}/lzop.bin", dir.display()), format!("exec:lzop -dc {}/lzop.bin", dir.display())),
+            (
+                "exec:cat+sync",
+                format!("exec:cat > {}/cat.bin", dir.display()),
+                format!("exec:cat {}/cat.bin", dir.display()),
+            ),
+            (
+                "exec:zstd -1",
+                format!("exec:zstd -1 -q > {}/zstd.bin", dir.display()),
+                format!("exec:zstd -dc {}/zstd.bin", dir.display()),
+            ),
+            (
+                "exec:lzop",
+                format!("exec:lzop -c > {}/lzop.bin", dir.display()),
+                format!("exec:lzop -dc {}/lzop.bin", dir.display()),
+            ),
         ];
         let mut results: Vec<(String, f64, u64, PathBuf, String)> = Vec::new();
         for (name, save_uri, restore_uri) in &methods {
             let s = qemu_save(&mut q, save_uri, true)?;
-            let file = dir.join(format!("{}.bin", name.trim_start_matches("exec:").split(['+', ' ']).next().unwrap_or("x")));
+            let file = dir.join(format!(
+                "{}.bin",
+                name.trim_start_matches("exec:").split(['+', ' ']).next().unwrap_or("x")
+            ));
             eprintln!("  {name:<14} save {s:>6.2} s  {} MB", file_len(&file) / 1_000_000);
             results.push((name.to_string(), s, file_len(&file), file, restore_uri.clone()));
         }
@@ -642,7 +736,16 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &P
             });
         }
         let mut d = start_dest(&g, &dir, "dst-strata")?;
-        let rr = restore(&store, "bench", &mut d.qmp, &RestoreOptions { resume: true, ..Default::default() }, &NoProgress)?;
+        let rr = restore(
+            &store,
+            "bench",
+            &mut d.qmp,
+            &RestoreOptions {
+                resume: true,
+                ..Default::default()
+            },
+            &NoProgress,
+        )?;
         let t = rr.total_ms / 1e3;
         let sum = console_command(&d.console, "sum")?;
         let verified = sum == w.sum;
@@ -683,12 +786,27 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &P
             g.command(&format!("text {}", (usable / 2).min(240)), t)?;
             g.command(&format!("fill {} 10 50 {}", (usable / 8).max(4), 100 + i), t)?;
             let mut q = qmp_of(&g)?;
-            let r = save(&store, &mut q, &format!("vm{i}"), &SaveOptions::new(Mode::Save), &NoProgress)?;
-            eprintln!("  vm{i}: stored {} MB ({} pages new, {} deduplicated)", r.stored_bytes / 1_000_000, r.pages_stored, r.pages_deduped);
+            let r = save(
+                &store,
+                &mut q,
+                &format!("vm{i}"),
+                &SaveOptions::new(Mode::Save),
+                &NoProgress,
+            )?;
+            eprintln!(
+                "  vm{i}: stored {} MB ({} pages new, {} deduplicated)",
+                r.stored_bytes / 1_000_000,
+                r.pages_stored,
+                r.pages_deduped
+            );
             per.push(r.stored_bytes);
         }
         let total: u64 = per.iter().sum();
-        eprintln!("  {vms} guests of {mem} MiB from one image: {} MB in all, {:.2}x one guest", total / 1_000_000, total as f64 / per[0] as f64);
+        eprintln!(
+            "  {vms} guests of {mem} MiB from one image: {} MB in all, {:.2}x one guest",
+            total / 1_000_000,
+            total as f64 / per[0] as f64
+        );
         multi = serde_json::json!({
             "guests": vms, "mem_mib": mem, "stored_bytes_each": per, "stored_bytes_total": total,
             "total_vs_one": total as f64 / per[0] as f64,
@@ -697,11 +815,21 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &P
         std::fs::remove_dir_all(&dir).ok();
     }
 
-    let mut csv = String::from("mem_mib,method,save_s,restore_s,stored_bytes,save_vs_cat,restore_vs_cat,stored_vs_cat,verified\n");
+    let mut csv = String::from(
+        "mem_mib,method,save_s,restore_s,stored_bytes,save_vs_cat,restore_vs_cat,stored_vs_cat,verified\n",
+    );
     for r in &rows {
         csv += &format!(
             "{},{},{:.3},{:.3},{},{:.3},{:.3},{:.3},{}\n",
-            r.mem_mib, r.method, r.save_s, r.restore_s, r.stored_bytes, r.save_vs_cat, r.restore_vs_cat, r.stored_vs_cat, r.verified
+            r.mem_mib,
+            r.method,
+            r.save_s,
+            r.restore_s,
+            r.stored_bytes,
+            r.save_vs_cat,
+            r.restore_vs_cat,
+            r.stored_vs_cat,
+            r.verified
         );
     }
     let json = serde_json::json!({
@@ -724,14 +852,29 @@ fn bench_save_restore(sizes: &[u32], mach: &str, vms: u32, vms_mem: u32, out: &P
                 name: mname.to_string(),
                 values: sizes
                     .iter()
-                    .map(|s| rows.iter().find(|r| r.mem_mib == *s && r.method == *mname).map(f).unwrap_or(0.0))
+                    .map(|s| {
+                        rows.iter()
+                            .find(|r| r.mem_mib == *s && r.method == *mname)
+                            .map(f)
+                            .unwrap_or(0.0)
+                    })
                     .collect(),
             })
             .collect()
     };
     let svg = stack(vec![
-        bars("Save time (stop-and-copy, durable)", "seconds", &cats, &series(&|r| r.save_s)),
-        bars("Restore time (until QEMU has loaded)", "seconds", &cats, &series(&|r| r.restore_s)),
+        bars(
+            "Save time (stop-and-copy, durable)",
+            "seconds",
+            &cats,
+            &series(&|r| r.save_s),
+        ),
+        bars(
+            "Restore time (until QEMU has loaded)",
+            "seconds",
+            &cats,
+            &series(&|r| r.restore_s),
+        ),
         bars("Stored bytes", "MB", &cats, &series(&|r| r.stored_bytes as f64 / 1e6)),
     ]);
     write_outputs(out, "save-restore", csv, &json, svg)
@@ -770,7 +913,11 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
     for &rate in rates {
         let mut this: Vec<LiveRow> = Vec::new();
         let mut bg_store: Option<Store> = None;
-        for (label, mode) in [("stop-and-copy", Mode::Save), ("background-snapshot", Mode::BackgroundSnapshot), ("precopy+cont", Mode::Precopy)] {
+        for (label, mode) in [
+            ("stop-and-copy", Mode::Save),
+            ("background-snapshot", Mode::BackgroundSnapshot),
+            ("precopy+cont", Mode::Precopy),
+        ] {
             let sdir = tmp.path().join(format!("r{rate}-{}", mode.as_str()));
             let store = Store::init_local(&sdir, InitOptions::default())?;
             g.command(&format!("dirty {rate} 0 {rate}"), t)?;
@@ -780,7 +927,9 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
                 q.cont()?;
             }
             let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let written: u64 = strata::fixtures::reply_field(&stop, "written")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
             let pause = match mode {
                 Mode::Save => r.downtime_ms,
                 _ => r.pause_ms.unwrap_or(r.downtime_ms),
@@ -814,9 +963,17 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
         if let Some(store) = bg_store {
             g.command(&format!("dirty {rate} 0 {}", rate + 1000), t)?;
             std::thread::sleep(Duration::from_secs(5));
-            let r = save(&store, &mut q, "ckpt2", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress)?;
+            let r = save(
+                &store,
+                &mut q,
+                "ckpt2",
+                &SaveOptions::new(Mode::BackgroundSnapshot),
+                &NoProgress,
+            )?;
             let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let written: u64 = strata::fixtures::reply_field(&stop, "written")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
             eprintln!(
                 "  {rate:>4} MiB/s {:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
                 "2nd bg-snapshot",
@@ -853,7 +1010,18 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
     for r in &rows {
         csv += &format!(
             "{},{},{:.2},{:.1},{},{},{},{},{},{},{:.4},{:.3}\n",
-            r.rate_mib_s, r.method, r.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped, r.zero_pages, r.stored_bytes, r.guest_pages_dirtied, r.pause_vs_save, r.total_vs_save
+            r.rate_mib_s,
+            r.method,
+            r.pause_ms,
+            r.total_ms,
+            r.pages_sent,
+            r.pages_stored,
+            r.pages_deduped,
+            r.zero_pages,
+            r.stored_bytes,
+            r.guest_pages_dirtied,
+            r.pause_vs_save,
+            r.total_vs_save
         );
     }
     let json = serde_json::json!({
@@ -867,16 +1035,41 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
     });
     let cats: Vec<String> = rows.iter().map(|r| format!("{} @{}", r.method, r.rate_mib_s)).collect();
     let svg = stack(vec![
-        bars("Guest pause per checkpoint", "ms", &cats, &[Series { name: "pause".into(), values: rows.iter().map(|r| r.pause_ms).collect() }]),
-        bars("Total checkpoint time", "ms", &cats, &[Series { name: "total".into(), values: rows.iter().map(|r| r.total_ms).collect() }]),
+        bars(
+            "Guest pause per checkpoint",
+            "ms",
+            &cats,
+            &[Series {
+                name: "pause".into(),
+                values: rows.iter().map(|r| r.pause_ms).collect(),
+            }],
+        ),
+        bars(
+            "Total checkpoint time",
+            "ms",
+            &cats,
+            &[Series {
+                name: "total".into(),
+                values: rows.iter().map(|r| r.total_ms).collect(),
+            }],
+        ),
         bars(
             "Pages per checkpoint",
             "pages",
             &cats,
             &[
-                Series { name: "sent".into(), values: rows.iter().map(|r| r.pages_sent as f64).collect() },
-                Series { name: "stored".into(), values: rows.iter().map(|r| r.pages_stored as f64).collect() },
-                Series { name: "skipped by dedup".into(), values: rows.iter().map(|r| r.pages_deduped as f64).collect() },
+                Series {
+                    name: "sent".into(),
+                    values: rows.iter().map(|r| r.pages_sent as f64).collect(),
+                },
+                Series {
+                    name: "stored".into(),
+                    values: rows.iter().map(|r| r.pages_stored as f64).collect(),
+                },
+                Series {
+                    name: "skipped by dedup".into(),
+                    values: rows.iter().map(|r| r.pages_deduped as f64).collect(),
+                },
             ],
         ),
     ]);
@@ -889,10 +1082,17 @@ mod tests {
 
     #[test]
     fn codecs_round_trip_and_rank() {
-        let text: Vec<u8> = (0..(256 << 10)).map(|i| b"memory pages of a desktop guest "[i % 32]).collect();
+        let text: Vec<u8> = (0..(256 << 10))
+            .map(|i| b"memory pages of a desktop guest "[i % 32])
+            .collect();
         let frames: Vec<&[u8]> = text.chunks(64 << 10).collect();
         #[allow(unused_mut)]
-        let mut codecs = vec![BenchCodec::Lz4, BenchCodec::Zstd(1), BenchCodec::Deflate, BenchCodec::Huffman];
+        let mut codecs = vec![
+            BenchCodec::Lz4,
+            BenchCodec::Zstd(1),
+            BenchCodec::Deflate,
+            BenchCodec::Huffman,
+        ];
         #[cfg(feature = "lzo")]
         codecs.push(BenchCodec::Lzo);
         for c in codecs {
@@ -902,7 +1102,10 @@ mod tests {
         }
         let (h, ..) = run_codec(BenchCodec::Huffman, &frames).unwrap();
         let (d, ..) = run_codec(BenchCodec::Deflate, &frames).unwrap();
-        assert!(d < h, "deflate (LZ77 + Huffman) must beat Huffman alone on repetitive text");
+        assert!(
+            d < h,
+            "deflate (LZ77 + Huffman) must beat Huffman alone on repetitive text"
+        );
     }
 
     #[test]

@@ -8,10 +8,12 @@
 mod bench;
 mod bench_disk;
 mod bench_io;
+mod bench_mem;
 mod bench_sync;
 mod chart;
 mod inspect;
 mod ui;
+mod vm;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -83,6 +85,11 @@ enum Cmd {
         /// Loopback TCP address instead, e.g. 127.0.0.1:10809.
         #[arg(long)]
         tcp: Option<std::net::SocketAddr>,
+    },
+    /// VM memory: save, live checkpoints, restore, list, rm, inspect.
+    Vm {
+        #[command(subcommand)]
+        cmd: vm::VmCmd,
     },
     /// Benchmarks that write tables and charts to docs/results/.
     Bench {
@@ -282,6 +289,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Serve { socket, tcp } => serve(&cli, socket.clone(), *tcp)?,
         Cmd::Bench { which } => bench::run(which)?,
+        Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }
     Ok(())
 }

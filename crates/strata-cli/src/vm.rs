@@ -101,7 +101,10 @@ pub struct SaveArgs {
 impl SaveArgs {
     fn options(&self, mode: Mode) -> Result<SaveOptions> {
         let mut o = SaveOptions::new(mode);
-        o.codec = self.codec.parse::<CodecPolicy>().with_context(|| format!("Invalid --codec '{}'", self.codec))?;
+        o.codec = self
+            .codec
+            .parse::<CodecPolicy>()
+            .with_context(|| format!("Invalid --codec '{}'", self.codec))?;
         if let Some(w) = self.workers {
             o.ingest.workers = w.max(1);
         }
@@ -136,9 +139,12 @@ impl Progress for MemBar {
         };
         let style = ProgressStyle::with_template(tmpl)
             .expect("valid template")
-            .with_key("pages_per_sec", |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
-                let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
-            })
+            .with_key(
+                "pages_per_sec",
+                |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
+                },
+            )
             .progress_chars("=> ");
         self.pb.set_style(style);
         self.pb.set_message(name.to_string());
@@ -188,7 +194,9 @@ fn save_text(r: &SaveReport) -> String {
         _ => format!(
             "VM kept running (paused {}{})",
             secs(r.downtime_ms),
-            r.pause_ms.map(|p| format!(", {} between STOP and RESUME", secs(p))).unwrap_or_default()
+            r.pause_ms
+                .map(|p| format!(", {} between STOP and RESUME", secs(p)))
+                .unwrap_or_default()
         ),
     };
     format!(
@@ -244,9 +252,16 @@ fn date(unix: u64) -> String {
 }
 
 pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
-    let open = || Store::open_local(store_path).with_context(|| format!("Cannot open store at {}", store_path.display()));
+    let open =
+        || Store::open_local(store_path).with_context(|| format!("Cannot open store at {}", store_path.display()));
     match cmd {
-        VmCmd::Save { qmp, name, opts } | VmCmd::Checkpoint { qmp, name, opts, precopy: _ } => {
+        VmCmd::Save { qmp, name, opts }
+        | VmCmd::Checkpoint {
+            qmp,
+            name,
+            opts,
+            precopy: _,
+        } => {
             let mode = match cmd {
                 VmCmd::Save { .. } => Mode::Save,
                 VmCmd::Checkpoint { precopy: true, .. } => Mode::Precopy,
@@ -261,9 +276,20 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             ui::emit(json, &r, || save_text(&r));
             store.close()?;
         }
-        VmCmd::Restore { name, qmp, launch, paused, run_dir: rd, qemu, workers } => {
+        VmCmd::Restore {
+            name,
+            qmp,
+            launch,
+            paused,
+            run_dir: rd,
+            qemu,
+            workers,
+        } => {
             let store = open()?;
-            let mut ro = RestoreOptions { resume: !paused, ..Default::default() };
+            let mut ro = RestoreOptions {
+                resume: !paused,
+                ..Default::default()
+            };
             if let Some(w) = workers {
                 ro.workers = (*w).max(1);
             }
@@ -305,7 +331,10 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
                 if l.is_empty() {
                     return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)".into();
                 }
-                let mut out = format!("{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n", "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC");
+                let mut out = format!(
+                    "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
+                    "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC"
+                );
                 for c in &l {
                     match &c.error {
                         Some(e) => out += &format!("{:<28} UNREADABLE: {e}\n", c.name),

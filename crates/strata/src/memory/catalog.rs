@@ -5,6 +5,7 @@
 //! how many of this checkpoint's distinct pages no other checkpoint uses, which is what
 //! `vm rm` + `gc` would free. Removing deletes only the ref; `strata gc` reclaims the chunks
 //! nothing else references, so a page shared with another VM or checkpoint stays.
+#![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::collections::HashSet;
 
@@ -76,7 +77,11 @@ pub fn remove(store: &Store, name: &str) -> Result<(), MemError> {
     match store.delete_ref(&ref_name(name)) {
         Ok(()) => Ok(()),
         Err(crate::store::StoreError::RefNotFound { .. }) => Err(MemError::NotFound { name: name.into() }),
-        Err(e) => Err(MemError::Store { op: "remove", name: name.into(), source: e }),
+        Err(e) => Err(MemError::Store {
+            op: "remove",
+            name: name.into(),
+            source: e,
+        }),
     }
 }
 

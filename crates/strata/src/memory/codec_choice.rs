@@ -31,7 +31,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-
 use parking_lot::Mutex;
 
 use super::manifest::{CodecEstimate, CodecReport};
@@ -229,11 +228,19 @@ pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
                     Err(_) => return raw.len(),
                 },
             };
-            s[pos].1.compress(raw).map(|z| z.len().min(raw.len())).unwrap_or(raw.len())
+            s[pos]
+                .1
+                .compress(raw)
+                .map(|z| z.len().min(raw.len()))
+                .unwrap_or(raw.len())
         }),
         other => other.compress(raw).map(|z| z.len()).unwrap_or(raw.len()),
     };
-    Measure { raw: raw.len() as u64, stored: stored as u64, nanos: thread_cpu_ns().saturating_sub(t).max(1) }
+    Measure {
+        raw: raw.len() as u64,
+        stored: stored as u64,
+        nanos: thread_cpu_ns().saturating_sub(t).max(1),
+    }
 }
 
 struct Window {
@@ -287,21 +294,30 @@ impl Chooser {
     fn current_codec(&self) -> Codec {
         match self.policy {
             CodecPolicy::Fixed(c) => c,
-            CodecPolicy::Auto => CANDIDATES.get(self.current.load(Ordering::Relaxed)).copied().unwrap_or(Codec::None),
+            CodecPolicy::Auto => CANDIDATES
+                .get(self.current.load(Ordering::Relaxed))
+                .copied()
+                .unwrap_or(Codec::None),
         }
     }
 
-    /// The codec for the next frame whose new (not yet stored) bytes are `fresh`. May
-    /// compress `fresh` with every candidate first to measure them.
-    pub fn codec_for(&self, fresh: &[u8]) -> Codec {
-        let codec = self.current_codec();
-        if self.policy == CodecPolicy::Auto && !fresh.is_empty() {
-            let n = self.frames.fetch_add(1, Ordering::Relaxed);
-            if n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0 {
-                self.sample(fresh);
-            }
+    /// Whether the next frame should be measured with every codec (then pass its new bytes
+    /// to [`codec_for`](Self::codec_for); otherwise pass an empty slice and skip collecting them).
+    pub fn wants_sample(&self) -> bool {
+        if self.policy != CodecPolicy::Auto {
+            return false;
         }
-        let codec = if self.policy == CodecPolicy::Auto { self.current_codec() } else { codec };
+        let n = self.frames.fetch_add(1, Ordering::Relaxed);
+        n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0
+    }
+
+    /// The codec for the next frame. When `sample` holds the frame's new (not yet stored)
+    /// bytes, they are first compressed with every candidate to measure them.
+    pub fn codec_for(&self, sample: &[u8]) -> Codec {
+        if self.policy == CodecPolicy::Auto && !sample.is_empty() {
+            self.sample(sample);
+        }
+        let codec = self.current_codec();
         let mut used = self.used.lock();
         match used.iter_mut().find(|(c, _)| *c == codec) {
             Some((_, n)) => *n += 1,
@@ -341,8 +357,7 @@ impl Chooser {
 
     /// What was used and why, for the manifest and `--json`.
     pub fn report(&self) -> CodecReport {
-        let frames: BTreeMap<String, u64> =
-            self.used.lock().iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        let frames: BTreeMap<String, u64> = self.used.lock().iter().map(|(c, n)| (c.to_string(), *n)).collect();
         let w = self.window.lock();
         let chosen = frames
             .iter()
@@ -356,13 +371,21 @@ impl Chooser {
         };
         if frames.len() > 1 {
             let per: Vec<String> = frames.iter().map(|(k, v)| format!("{k} {v}")).collect();
-            why += &format!(" (chosen per batch, {} switches; frames: {})", w.switches, per.join(", "));
+            why += &format!(
+                " (chosen per batch, {} switches; frames: {})",
+                w.switches,
+                per.join(", ")
+            );
         }
         CodecReport {
             chosen,
             why,
             policy: self.policy.to_string(),
-            backend_mb_s: if self.policy == CodecPolicy::Auto { self.backend_bps / 1e6 } else { 0.0 },
+            backend_mb_s: if self.policy == CodecPolicy::Auto {
+                self.backend_bps / 1e6
+            } else {
+                0.0
+            },
             frames,
             samples: self.samples.load(Ordering::Relaxed),
             switches: w.switches,
@@ -377,13 +400,21 @@ mod tests {
 
     fn m(mb_s: f64, rate: f64) -> Measure {
         // 1 MB compressed in 1/mb_s seconds to rate.
-        Measure { raw: 1_000_000, stored: (1_000_000.0 * rate) as u64, nanos: (1e9 / mb_s) as u64 }
+        Measure {
+            raw: 1_000_000,
+            stored: (1_000_000.0 * rate) as u64,
+            nanos: (1e9 / mb_s) as u64,
+        }
     }
 
     #[test]
     fn paper_table_2_numbers() {
         // Table 1 of the paper: LZO 47.43% at 105.76 MB/s, deflate 33.49% at 13.22 MB/s.
-        let d = decide(12.5e6, 1.0, &[(Codec::Lz4, m(105.76, 0.4743)), (Codec::Zstd(3), m(13.22, 0.3349))]);
+        let d = decide(
+            12.5e6,
+            1.0,
+            &[(Codec::Lz4, m(105.76, 0.4743)), (Codec::Zstd(3), m(13.22, 0.3349))],
+        );
         let lzo = &d.estimates[0];
         assert!((lzo.expected_mb_s - 55.60).abs() < 0.1, "{lzo:?}");
         assert!((d.estimates[1].expected_mb_s - 8.79).abs() < 0.05);
@@ -395,14 +426,21 @@ mod tests {
         assert_eq!(d.codec, Codec::None);
         assert!(d.why.contains("storing raw"), "{}", d.why);
         // Two workers double Speed_Comp: 2 x 105.76 x 0.5257 = 111 MB/s, still < 125.
-        assert_eq!(decide(125e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::None);
+        assert_eq!(
+            decide(125e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec,
+            Codec::None
+        );
         assert_eq!(decide(100e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::Lz4);
     }
 
     #[test]
     fn picks_the_smallest_expected_time_among_passing_codecs() {
         // Slow backend: the better ratio wins even at lower speed.
-        let ms = [(Codec::Lz4, m(1200.0, 0.45)), (Codec::Zstd(1), m(600.0, 0.33)), (Codec::Zstd(3), m(150.0, 0.30))];
+        let ms = [
+            (Codec::Lz4, m(1200.0, 0.45)),
+            (Codec::Zstd(1), m(600.0, 0.33)),
+            (Codec::Zstd(3), m(150.0, 0.30)),
+        ];
         assert_eq!(decide(50e6, 2.0, &ms).codec, Codec::Zstd(1));
         // Fast backend: lz4.
         assert_eq!(decide(500e6, 2.0, &ms).codec, Codec::Lz4);
@@ -416,8 +454,11 @@ mod tests {
     #[test]
     fn chooser_measures_real_data_and_switches() {
         let c = Chooser::new(CodecPolicy::Auto, 50e6, 2);
-        let text: Vec<u8> = (0..65536u32).map(|i| b"strata memory page "[(i % 19) as usize]).collect();
+        let text: Vec<u8> = (0..65536u32)
+            .map(|i| b"strata memory page "[(i % 19) as usize])
+            .collect();
         for _ in 0..WARMUP_SAMPLES {
+            assert!(c.wants_sample());
             c.codec_for(&text);
         }
         assert_ne!(c.current_codec(), Codec::None, "{:?}", c.report());
@@ -429,9 +470,16 @@ mod tests {
                 (x >> 56) as u8
             })
             .collect();
+        let mut sampled = 0;
         for _ in 0..(WINDOW as u64 * SAMPLE_EVERY * 2) {
-            c.codec_for(&rnd);
+            if c.wants_sample() {
+                sampled += 1;
+                c.codec_for(&rnd);
+            } else {
+                c.codec_for(&[]);
+            }
         }
+        assert_eq!(sampled, WINDOW as u64 * 2, "one frame in SAMPLE_EVERY is measured");
         assert_eq!(c.current_codec(), Codec::None);
         let r = c.report();
         assert!(r.switches >= 1);
@@ -443,13 +491,17 @@ mod tests {
     #[test]
     fn fixed_policy_never_samples() {
         let c = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(3)), 1.0, 2);
+        assert!(!c.wants_sample());
         assert_eq!(c.codec_for(b"abc"), Codec::Zstd(3));
         let r = c.report();
         assert_eq!(r.samples, 0);
         assert_eq!(r.frames.get("zstd:3"), Some(&1));
         assert!(r.why.contains("forced"));
         assert_eq!("auto".parse::<CodecPolicy>().unwrap(), CodecPolicy::Auto);
-        assert_eq!("zstd:2".parse::<CodecPolicy>().unwrap(), CodecPolicy::Fixed(Codec::Zstd(2)));
+        assert_eq!(
+            "zstd:2".parse::<CodecPolicy>().unwrap(),
+            CodecPolicy::Fixed(Codec::Zstd(2))
+        );
         assert!("gzip".parse::<CodecPolicy>().is_err());
     }
 

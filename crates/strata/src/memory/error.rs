@@ -60,7 +60,12 @@ pub enum MemError {
     },
 
     #[error("The stream for '{name}' did not carry page {offset:#x} of ramblock '{block}' ({missing} pages missing); nothing was stored")]
-    Incomplete { name: String, block: String, offset: u64, missing: u64 },
+    Incomplete {
+        name: String,
+        block: String,
+        offset: u64,
+        missing: u64,
+    },
 
     #[error("Store failed during {op} of '{name}'")]
     Store {
@@ -124,10 +129,18 @@ pub enum MemError {
 
 impl MemError {
     pub(crate) fn qmp<'a>(op: &'static str, path: &'a std::path::Path) -> impl FnOnce(QmpError) -> MemError + 'a {
-        move |source| MemError::Qmp { op, path: path.to_path_buf(), source }
+        move |source| MemError::Qmp {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 
     pub(crate) fn store<'a>(op: &'static str, name: &'a str) -> impl FnOnce(StoreError) -> MemError + 'a {
-        move |source| MemError::Store { op, name: name.to_string(), source }
+        move |source| MemError::Store {
+            op,
+            name: name.to_string(),
+            source,
+        }
     }
 }

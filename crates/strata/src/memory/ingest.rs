@@ -164,7 +164,10 @@ impl Shared<'_> {
         let stored = self.session.store().stats().stored_bytes_new.load(Ordering::Relaxed);
         let due = self.next_flush.load(Ordering::Relaxed);
         if stored >= due
-            && self.next_flush.compare_exchange(due, stored + self.flush_every, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            && self
+                .next_flush
+                .compare_exchange(due, stored + self.flush_every, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
         {
             if let Some(tx) = self.flush_tx.lock().as_ref() {
                 let _ = tx.try_send(());
@@ -217,12 +220,15 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
             if items.is_empty() {
                 return true;
             }
-            // The codec chooser measures only bytes the store does not hold yet.
+            // The codec chooser measures (on sampled frames only) bytes the store does not
+            // hold yet.
             fresh.clear();
-            let store = sh.session.store();
-            for (id, d) in items.iter() {
-                if !store.contains(id) {
-                    fresh.extend_from_slice(d);
+            if sh.chooser.wants_sample() {
+                let store = sh.session.store();
+                for (id, d) in items.iter() {
+                    if !store.contains(id) {
+                        fresh.extend_from_slice(d);
+                    }
                 }
             }
             let codec = sh.chooser.codec_for(&fresh);
@@ -264,6 +270,9 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
     }
 }
 
+/// A re-sent page held back until the stream ends: (record number, content).
+type HeldPage = (u64, Box<[u8; PAGE_SIZE]>);
+
 /// The parse thread's sink: copies pages into batches, records ZERO pages.
 struct Dispatch<'a, 'p> {
     sh: &'a Shared<'a>,
@@ -278,7 +287,7 @@ struct Dispatch<'a, 'p> {
     /// Pages seen once already (one bit per page).
     seen: Vec<Vec<u64>>,
     /// Re-sent pages held back: (block, page) -> (record number, content).
-    hot: std::collections::HashMap<(u32, u32), (u64, Box<[u8; PAGE_SIZE]>)>,
+    hot: std::collections::HashMap<(u32, u32), HeldPage>,
     hot_cap: usize,
     superseded: u64,
 }
@@ -304,7 +313,13 @@ impl Dispatch<'_, '_> {
             return Ok(());
         }
         let data = self.new_buffer();
-        let full = std::mem::replace(&mut self.cur, Batch { data, pages: Vec::with_capacity(self.batch_pages) });
+        let full = std::mem::replace(
+            &mut self.cur,
+            Batch {
+                data,
+                pages: Vec::with_capacity(self.batch_pages),
+            },
+        );
         if self.sh.failed.load(Ordering::Relaxed) || self.tx.send(full).is_err() {
             return Err(Box::new(PipelineStopped));
         }
@@ -335,7 +350,11 @@ impl Dispatch<'_, '_> {
         self.rec += 1;
         self.tick();
         let rec = self.rec;
-        let Some(word) = self.seen.get_mut(block as usize).and_then(|v| v.get_mut(page as usize / 64)) else {
+        let Some(word) = self
+            .seen
+            .get_mut(block as usize)
+            .and_then(|v| v.get_mut(page as usize / 64))
+        else {
             return self.push(block, page, rec, data);
         };
         let bit = 1u64 << (page % 64);
@@ -380,7 +399,10 @@ impl StreamSink for Dispatch<'_, '_> {
     fn event(&mut self, ev: Event<'_>) -> Result<(), SinkError> {
         match ev {
             Event::RamBlocks(blocks) => {
-                self.seen = blocks.iter().map(|b| vec![0u64; (b.pages() as usize).div_ceil(64)]).collect();
+                self.seen = blocks
+                    .iter()
+                    .map(|b| vec![0u64; (b.pages() as usize).div_ceil(64)])
+                    .collect();
                 let mut map = self.sh.map.lock();
                 map.ids = blocks.iter().map(|b| vec![ChunkId::ZERO; b.pages() as usize]).collect();
                 map.recs = blocks.iter().map(|b| vec![0u64; b.pages() as usize]).collect();
@@ -394,7 +416,11 @@ impl StreamSink for Dispatch<'_, '_> {
                 let page = (offset / PAGE_SIZE as u64) as u32;
                 if fill == 0 {
                     self.rec += 1;
-                    if let Some(w) = self.seen.get_mut(block.get()).and_then(|v| v.get_mut(page as usize / 64)) {
+                    if let Some(w) = self
+                        .seen
+                        .get_mut(block.get())
+                        .and_then(|v| v.get_mut(page as usize / 64))
+                    {
                         *w |= 1 << (page % 64);
                     }
                     self.zeros.push((block.0, page, self.rec));
@@ -484,7 +510,10 @@ pub fn ingest<R: Read>(
             sh: &sh,
             tx,
             free: &free_rx,
-            cur: Batch { data: Vec::with_capacity(batch_pages * PAGE_SIZE), pages: Vec::with_capacity(batch_pages) },
+            cur: Batch {
+                data: Vec::with_capacity(batch_pages * PAGE_SIZE),
+                pages: Vec::with_capacity(batch_pages),
+            },
             zeros: Vec::new(),
             rec: 0,
             batch_pages,
@@ -503,7 +532,12 @@ pub fn ingest<R: Read>(
                     Ok(0) => break,
                     Ok(n) => n,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(source) => return Err(IngestError::Read { bytes: parser.bytes_fed(), source }),
+                    Err(source) => {
+                        return Err(IngestError::Read {
+                            bytes: parser.bytes_fed(),
+                            source,
+                        })
+                    }
                 };
                 parser.feed(&buf[..n], &mut d).map_err(IngestError::Stream)?;
             }
@@ -550,7 +584,12 @@ pub fn ingest<R: Read>(
         superseded,
     };
     tracing::debug!(target: TARGET, ?counters, "stream ingested");
-    Ok(Ingested { info, maps: map.ids, missing, counters })
+    Ok(Ingested {
+        info,
+        maps: map.ids,
+        missing,
+        counters,
+    })
 }
 
 #[cfg(test)]
@@ -567,10 +606,20 @@ mod tests {
             version: 3,
             machine_type: Some("pc-i440fx-7.2".into()),
             config_subsections: vec![],
-            ram_section: RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
+            ram_section: RamSectionHeader {
+                section_id: 2,
+                instance_id: 0,
+                version_id: 4,
+            },
             blocks: vec![
-                RamBlock { name: "pc.ram".into(), used_len: 64 * 4096 },
-                RamBlock { name: "pc.bios".into(), used_len: 4 * 4096 },
+                RamBlock {
+                    name: "pc.ram".into(),
+                    used_len: 64 * 4096,
+                },
+                RamBlock {
+                    name: "pc.bios".into(),
+                    used_len: 4 * 4096,
+                },
             ],
         }
     }
@@ -618,7 +667,11 @@ mod tests {
 
         let ses = store.session();
         let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2);
-        let opts = IngestOptions { workers: 3, batch_pages: 16, ..Default::default() };
+        let opts = IngestOptions {
+            workers: 3,
+            batch_pages: 16,
+            ..Default::default()
+        };
         // Feed in odd-sized reads.
         struct Slow<'a>(&'a [u8]);
         impl Read for Slow<'_> {
@@ -650,7 +703,10 @@ mod tests {
         for id in &distinct {
             assert!(store.contains(id));
         }
-        assert!(!store.contains(&ChunkId::of(&[0u8; 4096])), "zero pages are never stored");
+        assert!(
+            !store.contains(&ChunkId::of(&[0u8; 4096])),
+            "zero pages are never stored"
+        );
 
         // The same stream again: everything deduplicates.
         let again = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
@@ -676,7 +732,10 @@ mod tests {
         for cut in [10, 5000, bytes.len() / 2, bytes.len() - 3] {
             let e = ingest(&bytes[..cut], &ses, &chooser, &IngestOptions::default(), &NoProgress).unwrap_err();
             assert!(
-                matches!(e, IngestError::Stream(StreamError::Truncated { .. } | StreamError::BadTail { .. })),
+                matches!(
+                    e,
+                    IngestError::Stream(StreamError::Truncated { .. } | StreamError::BadTail { .. })
+                ),
                 "cut {cut}: {e:?}"
             );
         }

@@ -1,5 +1,6 @@
 //! `vm restore NAME --launch`: start a QEMU with the command line recorded at save time, plus
-//! `-incoming defer -S` and a QMP socket of strata's own, restore into it, then resume.
+//! `-incoming defer -S` and a QMP socket of strata's own, restore into it, then resume (unless
+//! `RestoreOptions::resume` is off).
 //!
 //! The recorded command line comes from `/proc/PID/cmdline` of the source (read over the QMP
 //! socket's peer credentials), so it is exactly what the operator ran. [`launch_args`] is a
@@ -10,8 +11,10 @@
 //! * `-daemonize`, `-pidfile`: strata keeps the child's pid and log itself;
 //! * socket chardevs with `server` and `wait=on` (QEMU's default for servers) would block QEMU
 //!   until someone connects; they get `wait=off`.
+//!
 //! Everything else (machine, memory, devices, disks) is kept: a restore into a different
 //! machine would fail in QEMU, and `restore::check_target` says so before streaming.
+#![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::fs;
 use std::os::unix::process::CommandExt;
@@ -35,17 +38,24 @@ const DROP_FLAG: [&str; 2] = ["S", "daemonize"];
 const CHARDEV_OPTS: [&str; 4] = ["chardev", "serial", "monitor", "parallel"];
 
 fn opt_name(a: &str) -> Option<&str> {
-    a.strip_prefix("--").or_else(|| a.strip_prefix('-')).filter(|n| !n.is_empty())
+    a.strip_prefix("--")
+        .or_else(|| a.strip_prefix('-'))
+        .filter(|n| !n.is_empty())
 }
 
 /// `server=on` sockets without `wait=off` block QEMU's start; make them not wait.
 fn no_wait(value: &str) -> String {
     let parts: Vec<&str> = value.split(',').collect();
-    let server = parts.iter().any(|p| matches!(*p, "server" | "server=on" | "server=yes" | "server=true"));
+    let server = parts
+        .iter()
+        .any(|p| matches!(*p, "server" | "server=on" | "server=yes" | "server=true"));
     if !server {
         return value.to_string();
     }
-    let mut kept: Vec<&str> = parts.into_iter().filter(|p| !(p.starts_with("wait") || *p == "nowait")).collect();
+    let mut kept: Vec<&str> = parts
+        .into_iter()
+        .filter(|p| !(p.starts_with("wait") || *p == "nowait"))
+        .collect();
     kept.push("wait=off");
     kept.join(",")
 }
@@ -101,7 +111,12 @@ pub struct LaunchOptions {
 
 impl LaunchOptions {
     pub fn new(run_dir: PathBuf) -> LaunchOptions {
-        LaunchOptions { run_dir, program: None, start_timeout: Duration::from_secs(30), restore: RestoreOptions::default() }
+        LaunchOptions {
+            run_dir,
+            program: None,
+            start_timeout: Duration::from_secs(30),
+            restore: RestoreOptions::default(),
+        }
     }
 }
 
@@ -133,21 +148,37 @@ pub fn restore_launch(
     if ckpt.manifest.qemu.cmdline.is_empty() {
         return Err(MemError::NoCmdline { name: name.into() });
     }
-    fs::create_dir_all(&opts.run_dir).map_err(|source| MemError::Io { op: "create run dir", path: opts.run_dir.clone(), source })?;
+    fs::create_dir_all(&opts.run_dir).map_err(|source| MemError::Io {
+        op: "create run dir",
+        path: opts.run_dir.clone(),
+        source,
+    })?;
     let safe = name.replace('/', "_");
     let qmp_path = opts.run_dir.join(format!("{safe}.qmp"));
     let log_path = opts.run_dir.join(format!("{safe}.log"));
     if qmp_path.exists() && QmpClient::connect_timeout(&qmp_path, Duration::from_secs(1)).is_ok() {
         return Err(MemError::Launch {
             name: name.into(),
-            why: format!("a QEMU already answers on {}; stop it or use --run-dir", qmp_path.display()),
+            why: format!(
+                "a QEMU already answers on {}; stop it or use --run-dir",
+                qmp_path.display()
+            ),
         });
     }
     let _ = fs::remove_file(&qmp_path);
-    let (recorded, args) = launch_args(&ckpt.manifest.qemu.cmdline, &qmp_path).map_err(|why| MemError::Launch { name: name.into(), why })?;
+    let (recorded, args) = launch_args(&ckpt.manifest.qemu.cmdline, &qmp_path)
+        .map_err(|why| MemError::Launch { name: name.into(), why })?;
     let program = opts.program.clone().unwrap_or(recorded);
-    let log = fs::File::create(&log_path).map_err(|source| MemError::Io { op: "create log", path: log_path.clone(), source })?;
-    let log2 = log.try_clone().map_err(|source| MemError::Io { op: "create log", path: log_path.clone(), source })?;
+    let log = fs::File::create(&log_path).map_err(|source| MemError::Io {
+        op: "create log",
+        path: log_path.clone(),
+        source,
+    })?;
+    let log2 = log.try_clone().map_err(|source| MemError::Io {
+        op: "create log",
+        path: log_path.clone(),
+        source,
+    })?;
     tracing::info!(target: TARGET, name, %program, ?args, "launching QEMU");
     let mut child = Command::new(&program)
         .args(&args)
@@ -157,7 +188,10 @@ pub fn restore_launch(
         // Its own process group: a Ctrl-C meant for strata must not kill the restored VM.
         .process_group(0)
         .spawn()
-        .map_err(|e| MemError::Launch { name: name.into(), why: format!("cannot run {program}: {e}") })?;
+        .map_err(|e| MemError::Launch {
+            name: name.into(),
+            why: format!("cannot run {program}: {e}"),
+        })?;
     let t0 = Instant::now();
     let fail = |child: &mut Child, why: String| {
         let _ = child.kill();
@@ -176,13 +210,23 @@ pub fn restore_launch(
             Err(QmpError::NoSocket { .. } | QmpError::Refused { .. }) if t0.elapsed() < opts.start_timeout => {
                 std::thread::sleep(Duration::from_millis(20))
             }
-            Err(e) => return Err(fail(&mut child, format!("no QMP socket: {e}; log: {}", log_tail(&log_path)))),
+            Err(e) => {
+                return Err(fail(
+                    &mut child,
+                    format!("no QMP socket: {e}; log: {}", log_tail(&log_path)),
+                ))
+            }
         }
     };
-    let mut ropts = opts.restore.clone();
-    ropts.resume = true;
-    match restore(store, name, &mut qmp, &ropts, progress) {
-        Ok(report) => Ok(Launched { child, qmp_path, log_path, program, args, report }),
+    match restore(store, name, &mut qmp, &opts.restore, progress) {
+        Ok(report) => Ok(Launched {
+            child,
+            qmp_path,
+            log_path,
+            program,
+            args,
+            report,
+        }),
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();

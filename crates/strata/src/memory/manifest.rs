@@ -227,9 +227,7 @@ pub fn ref_name(name: &str) -> String {
 
 /// Check a checkpoint name: 1–200 bytes of `[A-Za-z0-9._@=+-]` in `/`-separated segments.
 pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NAME
-        && crate::store::objects::valid_ref_name(&ref_name(name))
+    !name.is_empty() && name.len() <= MAX_NAME && crate::store::objects::valid_ref_name(&ref_name(name))
 }
 
 impl Manifest {
@@ -240,8 +238,9 @@ impl Manifest {
 
     /// The stream layout for the generator.
     pub fn layout(&self) -> Result<StreamLayout, ManifestError> {
-        let config_subsections = hex::decode(&self.stream.config_subsections).map_err(|e| {
-            ManifestError::Invalid { field: "stream.config_subsections", why: e.to_string() }
+        let config_subsections = hex::decode(&self.stream.config_subsections).map_err(|e| ManifestError::Invalid {
+            field: "stream.config_subsections",
+            why: e.to_string(),
         })?;
         Ok(StreamLayout {
             version: self.stream.file_version,
@@ -251,7 +250,10 @@ impl Manifest {
             blocks: self
                 .blocks
                 .iter()
-                .map(|b| RamBlock { name: b.name.clone(), used_len: b.used_len })
+                .map(|b| RamBlock {
+                    name: b.name.clone(),
+                    used_len: b.used_len,
+                })
                 .collect(),
         })
     }
@@ -264,7 +266,9 @@ impl Manifest {
     fn validate(&self) -> Result<(), ManifestError> {
         let bad = |field: &'static str, why: String| Err(ManifestError::Invalid { field, why });
         if self.format != FORMAT {
-            return Err(ManifestError::NotCheckpoint { found: self.format.clone() });
+            return Err(ManifestError::NotCheckpoint {
+                found: self.format.clone(),
+            });
         }
         if self.version > VERSION {
             return Err(ManifestError::TooNew { found: self.version });
@@ -276,14 +280,20 @@ impl Manifest {
             return bad("name", format!("'{}' is not a valid checkpoint name", self.name));
         }
         if self.blocks.is_empty() || self.blocks.len() > MAX_BLOCKS {
-            return bad("blocks", format!("{} ramblocks (1..={MAX_BLOCKS} allowed)", self.blocks.len()));
+            return bad(
+                "blocks",
+                format!("{} ramblocks (1..={MAX_BLOCKS} allowed)", self.blocks.len()),
+            );
         }
         for (i, b) in self.blocks.iter().enumerate() {
             if b.name.is_empty() || b.name.len() > 255 {
                 return bad("blocks.name", format!("ramblock {i} name must be 1 to 255 bytes"));
             }
             if b.used_len == 0 || b.used_len % PAGE_SIZE as u64 != 0 || b.used_len > 16 << 40 {
-                return bad("blocks.used_len", format!("ramblock '{}' length {:#x}", b.name, b.used_len));
+                return bad(
+                    "blocks.used_len",
+                    format!("ramblock '{}' length {:#x}", b.name, b.used_len),
+                );
             }
             if b.zero_pages > b.pages() || b.unique_pages > b.pages() {
                 return bad("blocks", format!("ramblock '{}' counts exceed its pages", b.name));
@@ -293,7 +303,10 @@ impl Manifest {
             }
         }
         if self.qemu.cmdline.len() > MAX_CMDLINE_ARGS {
-            return bad("qemu.cmdline", format!("{} arguments (at most {MAX_CMDLINE_ARGS})", self.qemu.cmdline.len()));
+            return bad(
+                "qemu.cmdline",
+                format!("{} arguments (at most {MAX_CMDLINE_ARGS})", self.qemu.cmdline.len()),
+            );
         }
         if self.tail.len == 0 || self.tail.len > MAX_TAIL {
             return bad("tail.len", format!("{} bytes (1..={MAX_TAIL})", self.tail.len));
@@ -318,14 +331,16 @@ pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, ManifestError> {
     struct Head {
         format: Option<String>,
     }
-    let head: Head =
-        serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
+    let head: Head = serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
     match head.format {
         Some(f) if f == FORMAT => {}
-        other => return Err(ManifestError::NotCheckpoint { found: other.unwrap_or_default() }),
+        other => {
+            return Err(ManifestError::NotCheckpoint {
+                found: other.unwrap_or_default(),
+            })
+        }
     }
-    let m: Manifest =
-        serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
+    let m: Manifest = serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
     m.validate()?;
     Ok(m)
 }
@@ -345,7 +360,10 @@ impl Checkpoint {
         let manifest = parse_manifest(&r.payload)?;
         let expected = 1 + manifest.blocks.len();
         if r.roots.len() != expected {
-            return Err(ManifestError::Roots { found: r.roots.len(), expected });
+            return Err(ManifestError::Roots {
+                found: r.roots.len(),
+                expected,
+            });
         }
         Ok(Checkpoint {
             tail_root: r.roots[0],
@@ -370,7 +388,10 @@ pub fn tail_tree(pieces: Vec<ChunkId>, len: u64) -> Tree {
     let mut payload = Vec::with_capacity(12);
     payload.extend_from_slice(TAIL_MAGIC);
     payload.extend_from_slice(&len.to_le_bytes());
-    Tree { children: pieces, payload }
+    Tree {
+        children: pieces,
+        payload,
+    }
 }
 
 /// Read a tail tree back: (pieces, total length), with the piece count checked against the length.
@@ -413,16 +434,33 @@ mod tests {
                 file_version: 3,
                 machine_type: Some("pc-i440fx-7.2".into()),
                 config_subsections: String::new(),
-                ram_section: RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
+                ram_section: RamSectionHeader {
+                    section_id: 2,
+                    instance_id: 0,
+                    version_id: 4,
+                },
                 bytes: 123,
                 background_snapshot: true,
                 vmdesc_devices: 30,
             },
             blocks: vec![
-                BlockMeta { name: "pc.ram".into(), used_len: 256 << 20, zero_pages: 10, unique_pages: 20 },
-                BlockMeta { name: "pc.bios".into(), used_len: 256 << 10, zero_pages: 0, unique_pages: 64 },
+                BlockMeta {
+                    name: "pc.ram".into(),
+                    used_len: 256 << 20,
+                    zero_pages: 10,
+                    unique_pages: 20,
+                },
+                BlockMeta {
+                    name: "pc.bios".into(),
+                    used_len: 256 << 10,
+                    zero_pages: 0,
+                    unique_pages: 64,
+                },
             ],
-            tail: TailMeta { len: 200_000, blake3: "ab".repeat(32) },
+            tail: TailMeta {
+                len: 200_000,
+                blake3: "ab".repeat(32),
+            },
             codec: CodecReport {
                 chosen: "lz4".into(),
                 why: "test".into(),
@@ -460,24 +498,42 @@ mod tests {
 
     #[test]
     fn refuses_other_formats_newer_versions_and_bad_fields() {
-        assert!(matches!(parse_manifest(b"{\"disk\":1}"), Err(ManifestError::NotCheckpoint { .. })));
+        assert!(matches!(
+            parse_manifest(b"{\"disk\":1}"),
+            Err(ManifestError::NotCheckpoint { .. })
+        ));
         assert!(matches!(parse_manifest(b"not json"), Err(ManifestError::Json { .. })));
         let mut m = sample();
         m.version = 2;
         assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 2 }));
         let mut m = sample();
         m.blocks[1].used_len = 4095;
-        assert!(matches!(parse_manifest(&m.encode()), Err(ManifestError::Invalid { field: "blocks.used_len", .. })));
+        assert!(matches!(
+            parse_manifest(&m.encode()),
+            Err(ManifestError::Invalid {
+                field: "blocks.used_len",
+                ..
+            })
+        ));
         let mut m = sample();
         m.blocks[1].name = "pc.ram".into();
-        assert!(matches!(parse_manifest(&m.encode()), Err(ManifestError::Invalid { .. })));
+        assert!(matches!(
+            parse_manifest(&m.encode()),
+            Err(ManifestError::Invalid { .. })
+        ));
         let mut m = sample();
         m.name = "../x".into();
-        assert!(matches!(parse_manifest(&m.encode()), Err(ManifestError::Invalid { field: "name", .. })));
+        assert!(matches!(
+            parse_manifest(&m.encode()),
+            Err(ManifestError::Invalid { field: "name", .. })
+        ));
         let mut m = sample();
         m.stream.config_subsections = "zz".into();
         assert!(parse_manifest(&m.encode()).is_err());
-        assert!(matches!(parse_manifest(&vec![b' '; MAX_MANIFEST + 1]), Err(ManifestError::TooLarge { .. })));
+        assert!(matches!(
+            parse_manifest(&vec![b' '; MAX_MANIFEST + 1]),
+            Err(ManifestError::TooLarge { .. })
+        ));
         // Truncations never panic.
         let b = sample().encode();
         for cut in (0..b.len()).step_by(7) {
@@ -501,7 +557,10 @@ mod tests {
         assert_eq!(back.map_roots, c.map_roots);
         let mut short = r.clone();
         short.roots.pop();
-        assert_eq!(Checkpoint::from_ref(&short).unwrap_err(), ManifestError::Roots { found: 2, expected: 3 });
+        assert_eq!(
+            Checkpoint::from_ref(&short).unwrap_err(),
+            ManifestError::Roots { found: 2, expected: 3 }
+        );
         assert_eq!(m.layout().unwrap().blocks[0].name, "pc.ram");
         assert_eq!(m.total_pages(), (256 << 8) + 64);
     }

@@ -4,4 +4,12 @@
 //! `stream` parses and generates QEMU 7.2 precopy streams; the store side (save, checkpoint,
 //! restore) builds on it.
 
+pub mod catalog;
+pub mod codec_choice;
+pub mod error;
+pub mod ingest;
+pub mod launch;
+pub mod manifest;
+pub mod restore;
+pub mod save;
 pub mod stream;

@@ -18,6 +18,7 @@
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
 //!   frames finish (a page id used at several addresses is written at each), zero pages as
 //!   ZERO records first, the tail last. The generator checks that every page was written.
+#![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -99,7 +100,10 @@ pub fn load_checkpoint(store: &Store, name: &str) -> Result<Checkpoint, MemError
         .get_ref(&ref_name(name))
         .map_err(MemError::store("lookup", name))?
         .ok_or_else(|| MemError::NotFound { name: name.into() })?;
-    Checkpoint::from_ref(&r).map_err(|source| MemError::Manifest { name: name.into(), source })
+    Checkpoint::from_ref(&r).map_err(|source| MemError::Manifest {
+        name: name.into(),
+        source,
+    })
 }
 
 /// Compare the target QEMU with the checkpoint: machine type and ramblocks.
@@ -108,13 +112,27 @@ pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemErr
     let path = qmp.path().to_path_buf();
     let status = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
     if status.status != "inmigrate" {
-        return Err(MemError::NotIncoming { path, status: status.status });
+        return Err(MemError::NotIncoming {
+            path,
+            status: status.status,
+        });
     }
-    let mismatch = |why: String| MemError::Mismatch { name: m.name.clone(), why };
-    let machine = qmp.machine_type().map_err(MemError::qmp("qom-get machine type", &path))?;
-    let want = m.stream.machine_type.clone().unwrap_or_else(|| m.qemu.machine_type.clone());
+    let mismatch = |why: String| MemError::Mismatch {
+        name: m.name.clone(),
+        why,
+    };
+    let machine = qmp
+        .machine_type()
+        .map_err(MemError::qmp("qom-get machine type", &path))?;
+    let want = m
+        .stream
+        .machine_type
+        .clone()
+        .unwrap_or_else(|| m.qemu.machine_type.clone());
     if machine != want {
-        return Err(mismatch(format!("machine type is '{machine}', the checkpoint needs '{want}' (-machine)")));
+        return Err(mismatch(format!(
+            "machine type is '{machine}', the checkpoint needs '{want}' (-machine)"
+        )));
     }
     let blocks = qmp.ram_blocks().map_err(MemError::qmp("info ramblock", &path))?;
     let mut problems = Vec::new();
@@ -133,7 +151,10 @@ pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemErr
     }
     for t in &blocks {
         if !m.blocks.iter().any(|b| b.name == t.name) {
-            problems.push(format!("the target has ramblock '{}' that the checkpoint lacks (a device not in the saved VM)", t.name));
+            problems.push(format!(
+                "the target has ramblock '{}' that the checkpoint lacks (a device not in the saved VM)",
+                t.name
+            ));
         }
     }
     if !problems.is_empty() {
@@ -177,15 +198,35 @@ struct Plan {
 }
 
 fn page_of(ckpt: &Checkpoint, r: (u32, u32)) -> (String, u64) {
-    (ckpt.manifest.blocks[r.0 as usize].name.clone(), r.1 as u64 * PAGE_SIZE as u64)
+    (
+        ckpt.manifest.blocks[r.0 as usize].name.clone(),
+        r.1 as u64 * PAGE_SIZE as u64,
+    )
 }
 
 fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
     let name = &ckpt.manifest.name;
-    let dmg = |what: &str, source: StoreError| MemError::MetaDamaged { name: name.clone(), what: what.into(), source };
-    let raw = store.get(&ckpt.tail_root).map_err(|e| dmg("device-state tail tree", e))?;
-    let tree = Tree::decode(&raw).map_err(|source| dmg("device-state tail tree", StoreError::Format { key: format!("chunk {}", ckpt.tail_root), source }))?;
-    let (pieces, len) = parse_tail_tree(&tree).map_err(|source| MemError::Manifest { name: name.clone(), source })?;
+    let dmg = |what: &str, source: StoreError| MemError::MetaDamaged {
+        name: name.clone(),
+        what: what.into(),
+        source,
+    };
+    let raw = store
+        .get(&ckpt.tail_root)
+        .map_err(|e| dmg("device-state tail tree", e))?;
+    let tree = Tree::decode(&raw).map_err(|source| {
+        dmg(
+            "device-state tail tree",
+            StoreError::Format {
+                key: format!("chunk {}", ckpt.tail_root),
+                source,
+            },
+        )
+    })?;
+    let (pieces, len) = parse_tail_tree(&tree).map_err(|source| MemError::Manifest {
+        name: name.clone(),
+        source,
+    })?;
     let mut tail = Vec::with_capacity(len as usize);
     for p in &pieces {
         tail.extend_from_slice(&store.get(p).map_err(|e| dmg("device-state tail", e))?);
@@ -196,7 +237,12 @@ fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
     if !ok {
         return Err(dmg(
             "device-state tail",
-            StoreError::Corrupt { id: ckpt.tail_root, pack: PackId::default(), offset: 0, reason: "tail length or hash differs from the manifest".into() },
+            StoreError::Corrupt {
+                id: ckpt.tail_root,
+                pack: PackId::default(),
+                offset: 0,
+                reason: "tail length or hash differs from the manifest".into(),
+            },
         ));
     }
     Ok(tail)
@@ -217,7 +263,12 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             return Err(MemError::MetaDamaged {
                 name: name.clone(),
                 what: format!("page map of ramblock '{}'", b.name),
-                source: StoreError::Corrupt { id: *root, pack: PackId::default(), offset: 0, reason: format!("{} pages mapped, {} expected", ids.len(), b.pages()) },
+                source: StoreError::Corrupt {
+                    id: *root,
+                    pack: PackId::default(),
+                    offset: 0,
+                    reason: format!("{} pages mapped, {} expected", ids.len(), b.pages()),
+                },
             });
         }
         for (p, id) in ids.into_iter().enumerate() {
@@ -228,7 +279,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }
         }
     }
-    all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    all.sort_unstable_by_key(|a| a.0);
     let mut uids = Vec::new();
     let mut ref_ranges = Vec::new();
     let mut refs = Vec::with_capacity(all.len());
@@ -243,11 +294,18 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     drop(all);
     // Locate every chunk; a missing one is reported now, before QEMU is touched.
     let mut located: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(uids.len()); // pack, frame off, off in frame, uid
-    let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> = std::collections::HashMap::new();
+    let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> =
+        std::collections::HashMap::new();
     for (u, id) in uids.iter().enumerate() {
         let Some((pack, e)) = store.locate(id) else {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
-            return Err(MemError::PageDamaged { name: name.clone(), block, offset, id: *id, source: StoreError::ChunkMissing { id: *id } });
+            return Err(MemError::PageDamaged {
+                name: name.clone(),
+                block,
+                offset,
+                id: *id,
+                source: StoreError::ChunkMissing { id: *id },
+            });
         };
         if e.raw_len as usize != PAGE_SIZE {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
@@ -256,10 +314,18 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
                 block,
                 offset,
                 id: *id,
-                source: StoreError::Corrupt { id: *id, pack, offset: e.frame_off, reason: format!("chunk is {} bytes, not a page", e.raw_len) },
+                source: StoreError::Corrupt {
+                    id: *id,
+                    pack,
+                    offset: e.frame_off,
+                    reason: format!("chunk is {} bytes, not a page", e.raw_len),
+                },
             });
         }
-        frames_meta.insert((pack, e.frame_off), (e.frame_len, e.frame_raw_len, e.codec, e.frame_crc));
+        frames_meta.insert(
+            (pack, e.frame_off),
+            (e.frame_len, e.frame_raw_len, e.codec, e.frame_crc),
+        );
         located.push((pack, e.frame_off, e.off_in_frame, u as u32));
     }
     located.sort_unstable();
@@ -269,17 +335,35 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         let same_frame = jobs.last().and_then(|j| j.frames.last()).is_some_and(|f| f.off == off)
             && jobs.last().is_some_and(|j| j.pack == pack);
         if same_frame {
-            jobs.last_mut().expect("job").frames.last_mut().expect("frame").chunks.push((in_frame, u));
+            jobs.last_mut()
+                .expect("job")
+                .frames
+                .last_mut()
+                .expect("frame")
+                .chunks
+                .push((in_frame, u));
             continue;
         }
-        let frame = FramePlan { off, len, raw_len, codec, crc: fcrc, chunks: vec![(in_frame, u)] };
+        let frame = FramePlan {
+            off,
+            len,
+            raw_len,
+            codec,
+            crc: fcrc,
+            chunks: vec![(in_frame, u)],
+        };
         let end = off + len as u64;
         match jobs.last_mut() {
             Some(j) if j.pack == pack && off >= j.end && off - j.end <= 256 << 10 && end - j.start <= read_bytes => {
                 j.end = end;
                 j.frames.push(frame);
             }
-            _ => jobs.push(Job { pack, start: off, end, frames: vec![frame] }),
+            _ => jobs.push(Job {
+                pack,
+                start: off,
+                end,
+                frames: vec![frame],
+            }),
         }
     }
     // A pack that vanished is reported now too (one HEAD per pack, not per page).
@@ -288,7 +372,11 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         if !checked.insert(j.pack) {
             continue;
         }
-        let present = store.backend().head(&j.pack.pack_key()).map_err(|e| MemError::Store { op: "pack lookup", name: name.clone(), source: e.into() })?;
+        let present = store.backend().head(&j.pack.pack_key()).map_err(|e| MemError::Store {
+            op: "pack lookup",
+            name: name.clone(),
+            source: e.into(),
+        })?;
         if present.is_none() {
             let u = j.frames[0].chunks[0].1;
             let id = uids[u as usize];
@@ -296,12 +384,25 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             // to it); otherwise the pack is lost.
             if let Err(source) = store.get(&id) {
                 let (block, offset) = page_of(ckpt, refs[ref_ranges[u as usize].0 as usize]);
-                return Err(MemError::PageDamaged { name: name.clone(), block, offset, id, source });
+                return Err(MemError::PageDamaged {
+                    name: name.clone(),
+                    block,
+                    offset,
+                    id,
+                    source,
+                });
             }
         }
     }
     let tail = load_tail(store, ckpt)?;
-    Ok(Plan { uids, ref_ranges, refs, zeros, jobs, tail })
+    Ok(Plan {
+        uids,
+        ref_ranges,
+        refs,
+        zeros,
+        jobs,
+        tail,
+    })
 }
 
 /// A verified frame: its raw bytes and the pages (unique ids) to write from it.
@@ -313,7 +414,10 @@ struct Decoded {
 
 fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let first_uid = job.frames[0].chunks[0].1;
-    let bytes = match store.backend().get_range(&job.pack.pack_key(), job.start, job.end - job.start) {
+    let bytes = match store
+        .backend()
+        .get_range(&job.pack.pack_key(), job.start, job.end - job.start)
+    {
         Ok(b) => b,
         Err(e) if e.is_not_found() => return fallback(store, plan, job),
         Err(e) => return Err((first_uid, StoreError::Backend(e))),
@@ -323,18 +427,37 @@ fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u3
         let a = (f.off - job.start) as usize;
         let stored = &bytes[a..a + f.len as usize];
         let u0 = f.chunks[0].1;
-        let corrupt = |u: u32, reason: String| (u, StoreError::Corrupt { id: plan.uids[u as usize], pack: job.pack, offset: f.off, reason });
+        let corrupt = |u: u32, reason: String| {
+            (
+                u,
+                StoreError::Corrupt {
+                    id: plan.uids[u as usize],
+                    pack: job.pack,
+                    offset: f.off,
+                    reason,
+                },
+            )
+        };
         if crc(stored) != f.crc {
             return Err(corrupt(u0, "frame checksum mismatch".into()));
         }
-        let raw = f.codec.decompress(stored, f.raw_len as usize).map_err(|e| corrupt(u0, e.to_string()))?;
+        let raw = f
+            .codec
+            .decompress(stored, f.raw_len as usize)
+            .map_err(|e| corrupt(u0, e.to_string()))?;
         for &(o, u) in &f.chunks {
-            let page = raw.get(o as usize..o as usize + PAGE_SIZE).ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
+            let page = raw
+                .get(o as usize..o as usize + PAGE_SIZE)
+                .ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
             if ChunkId::of(page) != plan.uids[u as usize] {
                 return Err(corrupt(u, "content does not match its hash".into()));
             }
         }
-        out.push(Decoded { raw, chunks: f.chunks.clone(), read: 0 });
+        out.push(Decoded {
+            raw,
+            chunks: f.chunks.clone(),
+            read: 0,
+        });
     }
     if let Some(d) = out.first_mut() {
         d.read = job.end - job.start;
@@ -349,7 +472,11 @@ fn fallback(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32,
     for f in &job.frames {
         for &(_, u) in &f.chunks {
             let data = store.get(&plan.uids[u as usize]).map_err(|e| (u, e))?;
-            out.push(Decoded { read: data.len() as u64, raw: data, chunks: vec![(0, u)] });
+            out.push(Decoded {
+                read: data.len() as u64,
+                raw: data,
+                chunks: vec![(0, u)],
+            });
         }
     }
     Ok(out)
@@ -369,9 +496,18 @@ pub struct Prepared<'a> {
 pub fn prepare<'a>(store: &'a Store, ckpt: &'a Checkpoint, opts: &RestoreOptions) -> Result<Prepared<'a>, MemError> {
     let t0 = Instant::now();
     let name = &ckpt.manifest.name;
-    let layout = ckpt.manifest.layout().map_err(|source| MemError::Manifest { name: name.clone(), source })?;
+    let layout = ckpt.manifest.layout().map_err(|source| MemError::Manifest {
+        name: name.clone(),
+        source,
+    })?;
     let plan = make_plan(store, ckpt, opts.read_bytes)?;
-    Ok(Prepared { store, ckpt, layout, plan, plan_ms: t0.elapsed().as_secs_f64() * 1e3 })
+    Ok(Prepared {
+        store,
+        ckpt,
+        layout,
+        plan,
+        plan_ms: t0.elapsed().as_secs_f64() * 1e3,
+    })
 }
 
 /// Generate the checkpoint's migration stream into `out`, every page verified first.
@@ -393,10 +529,19 @@ pub fn stream<W: Write>(
     opts: &RestoreOptions,
     progress: &dyn Progress,
 ) -> Result<(W, RestoreReport), MemError> {
-    let Prepared { store, ckpt, layout, plan, plan_ms } = p;
+    let Prepared {
+        store,
+        ckpt,
+        layout,
+        plan,
+        plan_ms,
+    } = p;
     let name = ckpt.manifest.name.clone();
     let t1 = Instant::now();
-    let gen = |source| MemError::Generate { name: name.clone(), source };
+    let gen = |source| MemError::Generate {
+        name: name.clone(),
+        source,
+    };
     let mut w = StreamWriter::new(out, &layout).map_err(gen)?;
     progress.phase("restoring", Some(layout.total_ram()), Unit::Bytes);
     for &(b, p) in &plan.zeros {
@@ -435,8 +580,9 @@ pub fn stream<W: Write>(
                         bytes_read += d.read;
                         let mut n = 0u64;
                         for &(o, u) in &d.chunks {
-                            let page: &[u8; PAGE_SIZE] =
-                                d.raw[o as usize..o as usize + PAGE_SIZE].try_into().expect("page-sized slice");
+                            let page: &[u8; PAGE_SIZE] = d.raw[o as usize..o as usize + PAGE_SIZE]
+                                .try_into()
+                                .expect("page-sized slice");
                             let (a, z) = plan.ref_ranges[u as usize];
                             for &(b, p) in &plan.refs[a as usize..z as usize] {
                                 if let Err(e) = w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page) {
@@ -453,7 +599,13 @@ pub fn stream<W: Write>(
                     stop.store(true, Ordering::Relaxed);
                     let (a, _) = plan.ref_ranges[u as usize];
                     let (block, offset) = page_of(ckpt, plan.refs[a as usize]);
-                    outcome = Err(MemError::PageDamaged { name: name.clone(), block, offset, id: plan.uids[u as usize], source });
+                    outcome = Err(MemError::PageDamaged {
+                        name: name.clone(),
+                        block,
+                        offset,
+                        id: plan.uids[u as usize],
+                        source,
+                    });
                     break;
                 }
             }
@@ -494,8 +646,13 @@ pub fn restore(
     let prepared = prepare(store, &ckpt, opts)?;
     let path = qmp.path().to_path_buf();
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let sock = dir.join(format!("strata-in-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
-    qmp.migrate_incoming(&format!("unix:{}", sock.display())).map_err(MemError::qmp("migrate-incoming", &path))?;
+    let sock = dir.join(format!(
+        "strata-in-{}-{:08x}.sock",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    qmp.migrate_incoming(&format!("unix:{}", sock.display()))
+        .map_err(MemError::qmp("migrate-incoming", &path))?;
     let _cleanup = Remove(sock.clone());
     let mut conn = None;
     let mut last = None;
@@ -512,7 +669,11 @@ pub fn restore(
         }
     }
     let Some(conn) = conn else {
-        return Err(MemError::Io { op: "connect to QEMU's incoming socket", path: sock, source: last.expect("an error") });
+        return Err(MemError::Io {
+            op: "connect to QEMU's incoming socket",
+            path: sock,
+            source: last.expect("an error"),
+        });
     };
     let (conn, mut report) = stream(prepared, conn, opts, progress)?;
     let _ = conn.shutdown(std::net::Shutdown::Write);
@@ -522,16 +683,34 @@ pub fn restore(
         match qmp.query_migrate() {
             Ok(i) if i.status == "completed" => break,
             Ok(i) if i.status == "failed" || i.status == "cancelled" => {
-                return Err(MemError::LoadFailed { name: name.into(), status: i.status, desc: i.error_desc.unwrap_or_else(|| "see QEMU's stderr".into()) })
+                return Err(MemError::LoadFailed {
+                    name: name.into(),
+                    status: i.status,
+                    desc: i.error_desc.unwrap_or_else(|| "see QEMU's stderr".into()),
+                })
             }
             Ok(i) if Instant::now() > deadline => {
-                return Err(MemError::LoadFailed { name: name.into(), status: i.status, desc: format!("not loaded after {:?}", opts.load_timeout) })
+                return Err(MemError::LoadFailed {
+                    name: name.into(),
+                    status: i.status,
+                    desc: format!("not loaded after {:?}", opts.load_timeout),
+                })
             }
             Ok(_) => std::thread::sleep(Duration::from_millis(5)),
             Err(QmpError::Closed { .. }) => {
-                return Err(MemError::LoadFailed { name: name.into(), status: "exited".into(), desc: "QEMU exited while loading; its stderr has the reason".into() })
+                return Err(MemError::LoadFailed {
+                    name: name.into(),
+                    status: "exited".into(),
+                    desc: "QEMU exited while loading; its stderr has the reason".into(),
+                })
             }
-            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
+            Err(source) => {
+                return Err(MemError::Qmp {
+                    op: "query-migrate",
+                    path,
+                    source,
+                })
+            }
         }
     }
     report.load_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -541,7 +720,10 @@ pub fn restore(
             qmp.cont().map_err(MemError::qmp("cont", &path))?;
         }
     }
-    report.vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+    report.vm_status = qmp
+        .query_status()
+        .map(|s| s.status)
+        .unwrap_or_else(|_| "unknown".into());
     report.total_ms = t0.elapsed().as_secs_f64() * 1e3;
     tracing::info!(target: TARGET, name, total_ms = report.total_ms, "checkpoint restored");
     Ok(report)

@@ -19,6 +19,7 @@
 //! 5. Only after the stream ended correctly and every page is in the store: page maps, tail,
 //!    manifest, then `commit_ref` (flush, then the ref). Any failure before that leaves no
 //!    ref; what was put is garbage for GC. If a save fails, a VM that was running is resumed.
+#![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -32,8 +33,8 @@ use super::codec_choice::{probe_backend, usable_cores, Chooser, CodecPolicy, PRO
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
-    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, Manifest, Mode, QemuInfo,
-    SaveStats, StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, Manifest, Mode, QemuInfo, SaveStats,
+    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
 };
 use crate::codec::Codec;
 use crate::disk::map::write_map;
@@ -111,7 +112,10 @@ pub struct SaveReport {
 }
 
 fn now_unix() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn ev_time(e: &QmpEvent) -> f64 {
@@ -201,7 +205,8 @@ fn receive(
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     let mut src = Counting { s: &s, n: &conn.bytes };
-    ingest(&mut src, session, chooser, opts, progress).map_err(|e| RxError::Ingest(e, conn.bytes.load(Ordering::Relaxed)))
+    ingest(&mut src, session, chooser, opts, progress)
+        .map_err(|e| RxError::Ingest(e, conn.bytes.load(Ordering::Relaxed)))
 }
 
 /// Settings changed for the save, put back afterwards.
@@ -213,7 +218,10 @@ struct Restorer {
 impl Restorer {
     fn put_back(&self, qmp: &mut QmpClient) {
         if let Some(bw) = self.max_bandwidth {
-            let _ = qmp.migrate_set_parameters(&MigrateParameters { max_bandwidth: Some(bw), ..Default::default() });
+            let _ = qmp.migrate_set_parameters(&MigrateParameters {
+                max_bandwidth: Some(bw),
+                ..Default::default()
+            });
         }
         if let Some(state) = self.background_snapshot {
             let _ = qmp.migrate_set_capabilities(&[("background-snapshot", state)]);
@@ -246,7 +254,10 @@ pub fn save(
         return Err(MemError::BadName { name: name.into() });
     }
     let rname = ref_name(name);
-    let exists = store.get_ref(&rname).map_err(MemError::store("lookup", name))?.is_some();
+    let exists = store
+        .get_ref(&rname)
+        .map_err(MemError::store("lookup", name))?
+        .is_some();
     if exists && !opts.replace {
         return Err(MemError::Exists { name: name.into() });
     }
@@ -256,9 +267,13 @@ pub fn save(
     // 1. The source, and what it would send.
     let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
     if ACTIVE.contains(&mig.status.as_str()) {
-        return Err(MemError::Busy { path, status: mig.status });
+        return Err(MemError::Busy {
+            path,
+            status: mig.status,
+        });
     }
-    qmp.ensure_storable_capabilities(&CapabilityPolicy::default()).map_err(q("capability check"))?;
+    qmp.ensure_storable_capabilities(&CapabilityPolicy::default())
+        .map_err(q("capability check"))?;
     let status = qmp.query_status().map_err(q("query-status"))?;
     let machine = qmp.machine_type().map_err(q("query-machines"))?;
     let version = qmp.version().clone();
@@ -277,17 +292,26 @@ pub fn save(
                 name: name.into(),
                 source: e.into(),
             })?;
-            progress.note(&format!("backend writes {:.0} MB/s (put + sync of {} MiB)", bps / 1e6, PROBE_BYTES >> 20));
+            progress.note(&format!(
+                "backend writes {:.0} MB/s (put + sync of {} MiB)",
+                bps / 1e6,
+                PROBE_BYTES >> 20
+            ));
             bps
         }
         CodecPolicy::Fixed(_) => 0.0,
     };
     let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers));
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
-    let caps = qmp.query_migrate_capabilities().map_err(q("query-migrate-capabilities"))?;
+    let caps = qmp
+        .query_migrate_capabilities()
+        .map_err(q("query-migrate-capabilities"))?;
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
-        background_snapshot: caps.iter().find(|c| c.capability == "background-snapshot").map(|c| c.state),
+        background_snapshot: caps
+            .iter()
+            .find(|c| c.capability == "background-snapshot")
+            .map(|c| c.state),
     };
     let want_bg = opts.mode == Mode::BackgroundSnapshot;
     if restorer.background_snapshot.is_none() && want_bg {
@@ -298,10 +322,14 @@ pub fn save(
         });
     }
     let result = (|| {
-        qmp.migrate_set_parameters(&MigrateParameters { max_bandwidth: Some(opts.max_bandwidth), ..Default::default() })
-            .map_err(q("migrate-set-parameters"))?;
+        qmp.migrate_set_parameters(&MigrateParameters {
+            max_bandwidth: Some(opts.max_bandwidth),
+            ..Default::default()
+        })
+        .map_err(q("migrate-set-parameters"))?;
         if restorer.background_snapshot.is_some() {
-            qmp.migrate_set_capabilities(&[("background-snapshot", want_bg)]).map_err(q("migrate-set-capabilities"))?;
+            qmp.migrate_set_capabilities(&[("background-snapshot", want_bg)])
+                .map_err(q("migrate-set-capabilities"))?;
         }
         run(store, qmp, name, opts, &chooser, status.running, progress, t0)
     })();
@@ -320,7 +348,10 @@ pub fn save(
             return Err(e);
         }
     };
-    let vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+    let vm_status = qmp
+        .query_status()
+        .map(|s| s.status)
+        .unwrap_or_else(|_| "unknown".into());
 
     // 5. Maps, tail, manifest, ref.
     let t_commit = Instant::now();
@@ -348,12 +379,20 @@ pub fn save(
         all_unique.extend(uniq.iter().copied());
         uniq.sort_unstable();
         uniq.dedup();
-        blocks.push(BlockMeta { name: b.name.clone(), used_len: b.used_len, zero_pages: z, unique_pages: uniq.len() as u64 });
+        blocks.push(BlockMeta {
+            name: b.name.clone(),
+            used_len: b.used_len,
+            zero_pages: z,
+            unique_pages: uniq.len() as u64,
+        });
     }
     let tail = &ingested.info.tail;
     let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
     for piece in tail.chunks(TAIL_CHUNK) {
-        pieces.push(ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3)).map_err(MemError::store("tail write", name))?);
+        pieces.push(
+            ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3))
+                .map_err(MemError::store("tail write", name))?,
+        );
     }
     let tail_root = ses
         .put_tree(&tail_tree(pieces, tail.len() as u64))
@@ -383,7 +422,12 @@ pub fn save(
         name: name.into(),
         created_unix: now_unix(),
         mode: opts.mode,
-        qemu: QemuInfo { version: version.to_string(), package: version.package.clone(), machine_type: machine, cmdline },
+        qemu: QemuInfo {
+            version: version.to_string(),
+            package: version.package.clone(),
+            machine_type: machine,
+            cmdline,
+        },
         stream: StreamMeta {
             file_version: layout.version,
             machine_type: layout.machine_type.clone(),
@@ -394,16 +438,30 @@ pub fn save(
             vmdesc_devices: ingested.info.vmdesc_devices as u64,
         },
         blocks,
-        tail: TailMeta { len: tail.len() as u64, blake3: blake3::hash(tail).to_hex().to_string() },
+        tail: TailMeta {
+            len: tail.len() as u64,
+            blake3: blake3::hash(tail).to_hex().to_string(),
+        },
         codec: chooser.report(),
         stats,
     };
     manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let ckpt = Checkpoint { manifest, tail_root, map_roots, generation: 0 };
-    if !opts.replace && store.get_ref(&rname).map_err(MemError::store("lookup", name))?.is_some() {
+    let ckpt = Checkpoint {
+        manifest,
+        tail_root,
+        map_roots,
+        generation: 0,
+    };
+    if !opts.replace
+        && store
+            .get_ref(&rname)
+            .map_err(MemError::store("lookup", name))?
+            .is_some()
+    {
         return Err(MemError::Exists { name: name.into() });
     }
-    ses.commit_ref(&rname, ckpt.to_ref()).map_err(MemError::store("commit", name))?;
+    ses.commit_ref(&rname, ckpt.to_ref())
+        .map_err(MemError::store("commit", name))?;
     progress.finish();
     let total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let m = &ckpt.manifest;
@@ -458,14 +516,26 @@ fn run(
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let sock = dir.join(format!("strata-mig-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
-    let listener = UnixListener::bind(&sock).map_err(|source| MemError::Io { op: "listen", path: sock.clone(), source })?;
+    let sock = dir.join(format!(
+        "strata-mig-{}-{:08x}.sock",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let listener = UnixListener::bind(&sock).map_err(|source| MemError::Io {
+        op: "listen",
+        path: sock.clone(),
+        source,
+    })?;
     let _cleanup = RemoveOnDrop(&sock);
     let session = store.session();
     let st = store.stats();
     let raw_before = st.raw_bytes_new.load(Ordering::Relaxed);
     let stored_before = st.stored_bytes_new.load(Ordering::Relaxed);
-    let conn = Conn { stream: Mutex::new(None), cancel: AtomicBool::new(false), bytes: AtomicU64::new(0) };
+    let conn = Conn {
+        stream: Mutex::new(None),
+        cancel: AtomicBool::new(false),
+        bytes: AtomicU64::new(0),
+    };
     qmp.take_events();
 
     let mut t_stop = None;
@@ -477,7 +547,17 @@ fn run(
     let outcome = std::thread::scope(|s| {
         let rx = std::thread::Builder::new()
             .name("strata-mem-parse".into())
-            .spawn_scoped(s, || receive(listener, &conn, opts.connect_timeout, &session, chooser, &opts.ingest, progress))
+            .spawn_scoped(s, || {
+                receive(
+                    listener,
+                    &conn,
+                    opts.connect_timeout,
+                    &session,
+                    chooser,
+                    &opts.ingest,
+                    progress,
+                )
+            })
             .expect("spawn parse thread");
         let src = wait_source(qmp, &conn, &sock, &rx, name);
         if src.is_err() {
@@ -493,9 +573,18 @@ fn run(
         (Ok(info), Ok(ing)) => (info, ing),
         (Err(e), _) => return Err(e),
         (Ok(_), Err(RxError::NoConnection)) => {
-            return Err(MemError::NoConnection { path: sock.clone(), secs: opts.connect_timeout.as_secs() })
+            return Err(MemError::NoConnection {
+                path: sock.clone(),
+                secs: opts.connect_timeout.as_secs(),
+            })
         }
-        (Ok(_), Err(RxError::Accept(source))) => return Err(MemError::Io { op: "accept", path: sock.clone(), source }),
+        (Ok(_), Err(RxError::Accept(source))) => {
+            return Err(MemError::Io {
+                op: "accept",
+                path: sock.clone(),
+                source,
+            })
+        }
         (Ok(_), Err(RxError::Ingest(e, bytes))) => return Err(ingest_error(e, name, bytes)),
     };
     let (mig, ingested) = info;
@@ -505,25 +594,57 @@ fn run(
     // Collect STOP/RESUME events that arrived with the last replies.
     let _ = qmp.poll_events(Duration::from_millis(0));
     let events = qmp.take_events();
-    let pause_ms = if opts.mode == Mode::Save { None } else { pause_from_events(&events) };
+    let pause_ms = if opts.mode == Mode::Save {
+        None
+    } else {
+        pause_from_events(&events)
+    };
     let downtime_ms = match (opts.mode, t_stop) {
         (Mode::Save, Some(t)) => t.elapsed().as_secs_f64() * 1e3,
         (Mode::Save, None) => 0.0,
-        _ => mig.and_then(|m| m.downtime_ms).map(|d| d as f64).or(pause_ms).unwrap_or(0.0),
+        _ => mig
+            .and_then(|m| m.downtime_ms)
+            .map(|d| d as f64)
+            .or(pause_ms)
+            .unwrap_or(0.0),
     };
     tracing::debug!(target: TARGET, name, downtime_ms, ?pause_ms, since_start_ms = t0.elapsed().as_millis() as u64, "stream received");
-    Ok((ingested, Timing { session, raw_before, stored_before, downtime_ms, pause_ms, migrate_ms }))
+    Ok((
+        ingested,
+        Timing {
+            session,
+            raw_before,
+            stored_before,
+            downtime_ms,
+            pause_ms,
+            migrate_ms,
+        },
+    ))
 }
 
 fn ingest_error(e: IngestError, name: &str, bytes: u64) -> MemError {
     match e {
-        IngestError::Store(source) => MemError::Store { op: "page write", name: name.into(), source },
+        IngestError::Store(source) => MemError::Store {
+            op: "page write",
+            name: name.into(),
+            source,
+        },
         IngestError::Stream(source @ super::stream::StreamError::Truncated { .. }) if bytes > 0 => {
             // A cut stream: most likely QEMU died; the parse error carries the offset.
-            MemError::Stream { name: name.into(), source }
+            MemError::Stream {
+                name: name.into(),
+                source,
+            }
         }
-        IngestError::Stream(source) => MemError::Stream { name: name.into(), source },
-        IngestError::Read { source, .. } => MemError::Io { op: "read of the migration stream", path: PathBuf::from(name), source },
+        IngestError::Stream(source) => MemError::Stream {
+            name: name.into(),
+            source,
+        },
+        IngestError::Read { source, .. } => MemError::Io {
+            op: "read of the migration stream",
+            path: PathBuf::from(name),
+            source,
+        },
         IngestError::Panic => MemError::Panic { what: "pipeline" },
     }
 }
@@ -545,11 +666,18 @@ fn wait_source<T>(
     name: &str,
 ) -> Result<Option<crate::qmp::MigrationInfo>, MemError> {
     let path = qmp.path().to_path_buf();
-    let died = |_| MemError::SourceDied { name: name.into(), bytes: conn.bytes.load(Ordering::Relaxed) };
+    let died = |_| MemError::SourceDied {
+        name: name.into(),
+        bytes: conn.bytes.load(Ordering::Relaxed),
+    };
     if let Err(e) = qmp.migrate(&format!("unix:{}", sock.display())) {
         return Err(match e {
             QmpError::Closed { .. } => died(0),
-            source => MemError::Qmp { op: "migrate", path, source },
+            source => MemError::Qmp {
+                op: "migrate",
+                path,
+                source,
+            },
         });
     }
     loop {
@@ -566,7 +694,13 @@ fn wait_source<T>(
                 _ => {}
             },
             Err(QmpError::Closed { .. }) => return Err(died(0)),
-            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
+            Err(source) => {
+                return Err(MemError::Qmp {
+                    op: "query-migrate",
+                    path,
+                    source,
+                })
+            }
         }
         if rx.is_finished() {
             // The pipeline ended before QEMU said "completed": either it failed (cancel the
@@ -596,8 +730,18 @@ mod tests {
 
     #[test]
     fn pause_is_stop_to_resume() {
-        let ev = |n: &str, s: i64, us: i64| QmpEvent { name: n.into(), data: Value::Null, seconds: s, microseconds: us };
-        let evs = vec![ev("MIGRATION", 9, 0), ev("STOP", 10, 500_000), ev("RESUME", 10, 502_500), ev("STOP", 11, 0)];
+        let ev = |n: &str, s: i64, us: i64| QmpEvent {
+            name: n.into(),
+            data: Value::Null,
+            seconds: s,
+            microseconds: us,
+        };
+        let evs = vec![
+            ev("MIGRATION", 9, 0),
+            ev("STOP", 10, 500_000),
+            ev("RESUME", 10, 502_500),
+            ev("STOP", 11, 0),
+        ];
         assert!((pause_from_events(&evs).unwrap() - 2.5).abs() < 1e-6);
         assert_eq!(pause_from_events(&evs[..2]), None);
     }

@@ -453,7 +453,11 @@ impl Store {
         let raw: &[u8] = if fresh.len() == 1 {
             fresh[0].1
         } else {
-            joined = fresh.iter().flat_map(|(_, d)| d.iter().copied()).collect::<Vec<u8>>();
+            let mut j = Vec::with_capacity(raw_total);
+            for (_, d) in &fresh {
+                j.extend_from_slice(d);
+            }
+            joined = j;
             &joined
         };
         let (stored, used_codec) = match codec.compress(raw) {
