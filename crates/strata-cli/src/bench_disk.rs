@@ -165,6 +165,24 @@ pub struct Server {
     stderr: std::path::PathBuf,
 }
 
+/// Whether servers run under strace (sync counting). ptrace stops cost every syscall dearly,
+/// so throughput benchmarks turn it off.
+static TRACE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+pub fn set_tracing(on: bool) {
+    TRACE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn traced(trace: &Path, program: &str) -> Command {
+    if TRACE.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"]).arg(trace).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
 fn wait_socket(sock: &Path) -> Result<()> {
     let t = Instant::now();
     while !sock.exists() {
@@ -194,15 +212,12 @@ impl Server {
     }
 
     fn spawn_strata(dir: &Path, name: &str, st: &Path) -> Result<Server> {
-        let exe = std::env::current_exe()?;
+        let exe = std::env::current_exe()?.display().to_string();
         let sock = dir.join(format!("{name}.sock"));
         let _ = std::fs::remove_file(&sock);
         let trace = dir.join(format!("{name}.strace"));
         let stderr = dir.join(format!("{name}.stderr"));
-        let child = Command::new("strace")
-            .args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"])
-            .arg(&trace)
-            .arg(&exe)
+        let child = traced(&trace, &exe)
             .arg("--store")
             .arg(st)
             .args(["serve", "--socket"])
@@ -225,10 +240,8 @@ impl Server {
         let _ = std::fs::remove_file(&sock);
         let trace = dir.join(format!("{stem}.strace"));
         let stderr = dir.join(format!("{stem}.stderr"));
-        let child = Command::new("strace")
-            .args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"])
-            .arg(&trace)
-            .args(["qemu-nbd", "-f", fmt, "--cache=writeback", "--aio=threads", "-t", "-x", "x", "-k"])
+        let child = traced(&trace, "qemu-nbd")
+            .args(["-f", fmt, "--cache=writeback", "--aio=threads", "-t", "-x", "x", "-k"])
             .arg(&sock)
             .arg(file)
             .stdout(std::process::Stdio::null())
@@ -256,10 +269,14 @@ impl Server {
 
     /// Stop the server; for strata, return the disk's I/O counters (after its final compaction).
     pub fn stop_stats(&mut self) -> Result<Option<serde_json::Value>> {
-        // Signal the traced server itself (strace's child), so it shuts down cleanly and
+        // Signal the server itself (strace's child when traced), so it shuts down cleanly and
         // prints its counters; strace exits when it does.
         let tracer = self.child.id();
-        let kids = std::fs::read_to_string(format!("/proc/{tracer}/task/{tracer}/children")).unwrap_or_default();
+        let kids = if TRACE.load(std::sync::atomic::Ordering::Relaxed) {
+            std::fs::read_to_string(format!("/proc/{tracer}/task/{tracer}/children")).unwrap_or_default()
+        } else {
+            tracer.to_string()
+        };
         for pid in kids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
             // SAFETY: signalling a process we started (through strace).
             unsafe { libc::kill(pid, libc::SIGINT) };

@@ -47,9 +47,11 @@ fn fio(uri: &str, name: &str, rw: &str, bs: &str, size: &str, runtime: Option<u3
 }
 
 pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
-    for t in ["fio", "qemu-nbd", "qemu-img", "strace"] {
+    for t in ["fio", "qemu-nbd", "qemu-img"] {
         ensure_tool(t)?;
     }
+    // No strace here: it would tax every system call of the servers being measured.
+    crate::bench_disk::set_tracing(false);
     let tmp = match scratch {
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,

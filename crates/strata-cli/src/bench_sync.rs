@@ -154,7 +154,8 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
             rows.push(row);
         }
     }
-    // Throughput: 64 KiB append + flush, 800 ops.
+    // Throughput: 64 KiB append + flush, 800 ops, with servers not under strace.
+    crate::bench_disk::set_tracing(false);
     let ops = 800;
     let cmds: Vec<String> = (0..ops).flat_map(|i| [format!("write -P 7 {} 64k", i as u64 * 65536), "flush".to_string()]).collect();
     let mut tput = Vec::new();
