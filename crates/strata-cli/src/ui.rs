@@ -7,6 +7,8 @@ use strata::progress::{Progress, Unit};
 
 pub struct Bar {
     pb: ProgressBar,
+    /// Show 4 KiB pages/s instead of bytes/s (memory transfers).
+    pages: bool,
 }
 
 pub fn bar(json: bool) -> Bar {
@@ -14,19 +16,34 @@ pub fn bar(json: bool) -> Bar {
     if !json && std::io::stderr().is_terminal() {
         pb.set_draw_target(ProgressDrawTarget::stderr());
     }
-    Bar { pb }
+    Bar { pb, pages: false }
+}
+
+impl Bar {
+    /// Report pages/s (VM memory) rather than bytes/s.
+    pub fn with_pages(mut self) -> Bar {
+        self.pages = true;
+        self
+    }
 }
 
 impl Progress for Bar {
     fn phase(&self, name: &str, total: Option<u64>, unit: Unit) {
         self.pb.reset();
         self.pb.set_length(total.unwrap_or(0));
-        let tmpl = match (total.is_some(), unit) {
-            (true, Unit::Bytes) => "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            (true, Unit::Items) => "{msg:>16} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
-            (false, _) => "{msg:>16} {spinner} {pos}",
+        let tmpl = match (total.is_some(), unit, self.pages) {
+            (true, Unit::Bytes, true) => "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {pages_per_sec} eta {eta}",
+            (true, Unit::Bytes, false) => "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            (true, Unit::Items, _) => "{msg:>16} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
+            (false, _, _) => "{msg:>16} {spinner} {pos}",
         };
-        self.pb.set_style(ProgressStyle::with_template(tmpl).unwrap().progress_chars("=> "));
+        let style = ProgressStyle::with_template(tmpl)
+            .expect("valid template")
+            .with_key("pages_per_sec", |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
+            })
+            .progress_chars("=> ");
+        self.pb.set_style(style);
         self.pb.set_message(name.to_string());
     }
     fn advance(&self, n: u64) {

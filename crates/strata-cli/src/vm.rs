@@ -6,19 +6,16 @@
 //! dedup ratio, codec and why). Errors keep the library's chain, printed by `main` with
 //! `{:#}`, so an operator sees what failed, on which checkpoint/page, and what to do.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use strata::memory::catalog;
 use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
 use strata::memory::save::{save, SaveOptions, SaveReport};
-use strata::progress::{Progress, Unit};
 use strata::qmp::QmpClient;
 use strata::store::Store;
 
@@ -110,59 +107,6 @@ impl SaveArgs {
         }
         o.replace = self.replace;
         Ok(o)
-    }
-}
-
-/// Progress bar for memory transfers: bytes, pages/s, ETA; hidden with --json or off a terminal.
-struct MemBar {
-    pb: ProgressBar,
-}
-
-impl MemBar {
-    fn new(json: bool) -> MemBar {
-        let pb = ProgressBar::hidden();
-        if !json && std::io::stderr().is_terminal() {
-            pb.set_draw_target(ProgressDrawTarget::stderr());
-        }
-        MemBar { pb }
-    }
-}
-
-impl Progress for MemBar {
-    fn phase(&self, name: &str, total: Option<u64>, unit: Unit) {
-        self.pb.reset();
-        self.pb.set_length(total.unwrap_or(0));
-        let tmpl = match (total, unit) {
-            (Some(_), Unit::Bytes) => "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {pages_per_sec} eta {eta}",
-            (Some(_), Unit::Items) => "{msg:>10} [{bar:30}] {pos}/{len} eta {eta}",
-            (None, _) => "{msg:>10} {spinner}",
-        };
-        let style = ProgressStyle::with_template(tmpl)
-            .expect("valid template")
-            .with_key(
-                "pages_per_sec",
-                |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
-                    let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
-                },
-            )
-            .progress_chars("=> ");
-        self.pb.set_style(style);
-        self.pb.set_message(name.to_string());
-    }
-    fn advance(&self, n: u64) {
-        self.pb.inc(n);
-    }
-    fn note(&self, msg: &str) {
-        self.pb.println(msg);
-    }
-    fn finish(&self) {
-        self.pb.finish_and_clear();
-    }
-}
-
-impl Drop for MemBar {
-    fn drop(&mut self) {
-        self.pb.finish_and_clear();
     }
 }
 
@@ -270,7 +214,7 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             let o = opts.options(mode)?;
             let store = open()?;
             let mut q = connect(qmp)?;
-            let bar = MemBar::new(json);
+            let bar = crate::ui::bar(json).with_pages();
             let r = save(&store, &mut q, name, &o, &bar)?;
             drop(bar);
             ui::emit(json, &r, || save_text(&r));
@@ -293,7 +237,7 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             if let Some(w) = workers {
                 ro.workers = (*w).max(1);
             }
-            let bar = MemBar::new(json);
+            let bar = crate::ui::bar(json).with_pages();
             if *launch {
                 let mut lo = LaunchOptions::new(run_dir(rd));
                 lo.program = qemu.clone();
