@@ -8,6 +8,7 @@ pub mod backend;
 pub mod codec;
 pub mod disk;
 pub mod fixtures;
+pub mod host;
 pub mod id;
 pub mod memory;
 pub mod nbd;
