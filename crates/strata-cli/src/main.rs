@@ -48,7 +48,7 @@ enum Cmd {
         /// Codec for writers that don't choose: none, lz4, zstd[:LEVEL].
         #[arg(long, default_value = "lz4")]
         codec: String,
-        /// Target pack size, e.g. 32M (default: what the backend prefers; 32M locally, 64M on S3).
+        /// Target pack size, e.g. 32M (default: what the backend prefers, see docs/backends.md).
         #[arg(long)]
         pack_size: Option<String>,
         /// s3://BUCKET[/PREFIX] (endpoint and credentials from AWS_ENDPOINT_URL,

@@ -117,7 +117,7 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
     // Host A creates the store in the bucket; B joins it.
     let ia = init(&env, &a, &d.path().join("cacheA"));
     assert_eq!(ia["created"], true, "{ia}");
-    assert_eq!(ia["pack_size"], 64 << 20, "S3's preferred pack size: {ia}");
+    assert_eq!(ia["pack_size"], strata::backend::s3::S3_PACK_SIZE, "S3's preferred pack size: {ia}");
     assert!(a.join("host.json").is_file());
     let ib = init(&env, &b, &d.path().join("cacheB"));
     assert_eq!(ib["created"], false, "B must join, not create: {ib}");
