@@ -7,6 +7,7 @@
 #[path = "nbd_common/mod.rs"]
 mod common;
 #[path = "nbd_common/peers.rs"]
+#[macro_use]
 mod peers;
 
 use std::sync::Arc;
@@ -28,37 +29,4 @@ fn server(size: u64) -> (TestServer, std::path::PathBuf) {
     (s, keep)
 }
 
-#[test]
-fn qemu_img_info_convert_compare() {
-    peers::qemu_img_info_convert_compare(server);
-}
-
-#[test]
-fn qemu_io_patterns() {
-    peers::qemu_io_patterns(server);
-}
-
-#[test]
-fn nbdcopy_both_ways_and_multi_conn() {
-    peers::nbdcopy_both_ways_and_multi_conn(server);
-}
-
-#[test]
-fn nbdinfo_list_and_map() {
-    peers::nbdinfo_list_and_map(server);
-}
-
-#[test]
-fn fio_nbd_engine_with_verify() {
-    peers::fio_nbd_engine_with_verify(server);
-}
-
-#[test]
-fn nbdfuse_loop_mkfs_fsck() {
-    peers::nbdfuse_loop_mkfs_fsck(server);
-}
-
-#[test]
-fn qemu_system_block_layer() {
-    peers::qemu_system_block_layer(server);
-}
+peer_tests!(server);

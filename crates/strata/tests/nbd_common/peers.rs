@@ -12,6 +12,40 @@ use std::process::Command;
 
 use crate::common::*;
 
+/// One `#[test]` per shared check, each calling it with the suite's server factory.
+macro_rules! peer_tests {
+    ($server:ident) => {
+        #[test]
+        fn qemu_img_info_convert_compare() {
+            peers::qemu_img_info_convert_compare($server);
+        }
+        #[test]
+        fn qemu_io_patterns() {
+            peers::qemu_io_patterns($server);
+        }
+        #[test]
+        fn nbdcopy_both_ways_and_multi_conn() {
+            peers::nbdcopy_both_ways_and_multi_conn($server);
+        }
+        #[test]
+        fn nbdinfo_list_and_map() {
+            peers::nbdinfo_list_and_map($server);
+        }
+        #[test]
+        fn fio_nbd_engine_with_verify() {
+            peers::fio_nbd_engine_with_verify($server);
+        }
+        #[test]
+        fn nbdfuse_loop_mkfs_fsck() {
+            peers::nbdfuse_loop_mkfs_fsck($server);
+        }
+        #[test]
+        fn qemu_system_block_layer() {
+            peers::qemu_system_block_layer($server);
+        }
+    };
+}
+
 /// What is behind the writable export, read directly (not over NBD).
 pub trait Backing {
     fn contents(&self) -> Vec<u8>;
