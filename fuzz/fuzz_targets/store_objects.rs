@@ -1,12 +1,13 @@
-//! Fuzz the small on-disk objects: store config, refs and tree chunks. The first byte picks
-//! the decoder so one corpus covers all three.
+//! Fuzz the small on-disk objects: store config, refs, tree chunks and leases (which other
+//! hosts write). The first byte picks the decoder so one corpus covers all four.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
+use strata::store::lease::LeaseRecord;
 use strata::store::objects::{Ref, StoreConfig, Tree};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&which, rest)) = data.split_first() else { return };
-    match which % 3 {
+    match which % 4 {
         0 => {
             if let Ok(r) = Ref::decode(rest) {
                 assert_eq!(r.encode(), rest);
@@ -17,8 +18,13 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(t.encode(), rest);
             }
         }
-        _ => {
+        2 => {
             let _ = StoreConfig::decode(rest);
+        }
+        _ => {
+            if let Ok(l) = LeaseRecord::decode(rest) {
+                assert_eq!(LeaseRecord::decode(&l.encode()).unwrap(), l);
+            }
         }
     }
 });
