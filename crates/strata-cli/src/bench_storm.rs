@@ -585,6 +585,10 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         (Some(a), Some(b)) => Some(a.link_rx_bytes as f64 / b.link_rx_bytes.max(1) as f64),
         _ => None,
     };
+    let replay_bytes_ratio = match (r(Mode::Cache, nmax), r(Mode::Cache, nmin)) {
+        (Some(a), Some(b)) => Some(a.link_rx_bytes as f64 / b.link_rx_bytes.max(1) as f64),
+        _ => None,
+    };
     let replay_speedup = match (r(Mode::NoCache, nmax), r(Mode::Cache, nmax)) {
         (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
         _ => None,
@@ -604,6 +608,7 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     let fmt = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "n/a".into());
     eprintln!("  link bytes, strata+cache N={nmax} over N={nmin}: {} (target <= 1.2)", fmt(bytes_ratio));
     eprintln!("  replay N={nmax}: no cache / cache = {} (target >= 5), qcow2 / cache = {}", fmt(replay_speedup), fmt(replay_vs_qcow2));
+    eprintln!("  replay link bytes, strata+cache N={nmax} over N={nmin}: {}", fmt(replay_bytes_ratio));
     eprintln!("  guests N={nmax}: no cache / cache = {}, qcow2 / cache = {}", fmt(guest_speedup), fmt(guest_vs_qcow2));
 
     let cache_cols = |c: &Option<CacheFigures>| match c {
@@ -677,6 +682,7 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         "results": {
             "all_done_nocache_over_cache_nmax": replay_speedup,
             "all_done_qcow2_over_cache_nmax": replay_vs_qcow2,
+            "link_bytes_cache_nmax_over_nmin": replay_bytes_ratio,
             "guest_storm_all_ready_nocache_over_cache_nmax": guest_speedup,
         },
         "rows": replays,
