@@ -6,15 +6,16 @@
 //! stops when the guest has disconnected for two seconds, on Ctrl-C/SIGTERM, or at the
 //! timeout. The reads become NAME's working set in the backend; the clone is removed.
 //!
-//! warm reads the working set through the store's backend stack. The SSD cache handle is not
-//! reachable from a `Store` (the backend is a trait object), so until the host configuration
-//! opens the cache itself, `warm` passes none: it then reads the ranges through whatever the
-//! stack holds (and says `cached: false`); with a cache handle it uses `CacheBackend::prefetch`.
+//! warm prefetches the working set into the host's SSD cache (`CacheBackend::prefetch`, the
+//! cache the host configuration opened). A store without a cache (a local one, or a remote one
+//! set up without `--cache`) has its ranges read through the backend stack, which warms the
+//! page cache at most; the report says `cached: false`.
 
 use crate::ui;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};
+use strata::backend::cache::CacheBackend;
 use strata::boot::{workset, Recorder, TracingExports};
 use strata::nbd::{ExportSet, Server};
 use strata::serve::DiskExports;
@@ -100,8 +101,8 @@ fn serve_and_record(s: &Store, name: &str, tmp: &str, socket: Option<&Path>, tim
     Ok(rec.trace())
 }
 
-pub fn warm(s: &Store, name: &str, parallel: usize, json: bool) -> Result<()> {
-    let rep = workset::warm(s, name, None, parallel)?;
+pub fn warm(s: &Store, cache: Option<&CacheBackend>, name: &str, parallel: usize, json: bool) -> Result<()> {
+    let rep = workset::warm(s, name, cache, parallel)?;
     ui::emit(json, &rep, || {
         format!(
             "Warmed '{name}' with the working set of '{}': {} chunks ({} ranges, {}), {} from the backend in {:.2} s{}{}",
@@ -112,7 +113,7 @@ pub fn warm(s: &Store, name: &str, parallel: usize, json: bool) -> Result<()> {
             ui::human(rep.backend_bytes),
             rep.secs,
             if rep.missing > 0 { format!("; {} chunks no longer in the store", rep.missing) } else { String::new() },
-            if rep.cached { "" } else { " (no SSD cache in this store's backend stack: read through it only)" }
+            if rep.cached { "" } else { " (this store has no SSD cache: ranges were only read through)" }
         )
     });
     Ok(())

@@ -43,14 +43,30 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Create a new store.
+    /// Create a new store: in the --store directory (the default), or in a remote backend
+    /// with --backend, the --store directory then holding only this host's state. If the
+    /// remote backend already holds a store, this host joins it.
     Init {
         /// Codec for writers that don't choose: none, lz4, zstd[:LEVEL].
         #[arg(long, default_value = "lz4")]
         codec: String,
-        /// Target pack size, e.g. 32M.
-        #[arg(long, default_value = "32M")]
-        pack_size: String,
+        /// Target pack size, e.g. 32M (default: what the backend prefers, see docs/backends.md).
+        #[arg(long)]
+        pack_size: Option<String>,
+        /// s3://BUCKET[/PREFIX] (endpoint and credentials from AWS_ENDPOINT_URL,
+        /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ALLOW_HTTP) or
+        /// redis://HOST:PORT.
+        #[arg(long)]
+        backend: Option<String>,
+        /// Host-local SSD cache directory in front of a remote backend.
+        #[arg(long, requires = "cache_size")]
+        cache: Option<PathBuf>,
+        /// Size of the cache file, e.g. 20G.
+        #[arg(long, requires = "cache")]
+        cache_size: Option<String>,
     },
+    /// Cache and backend counters (of the running `strata serve` if there is one).
+    Stats,
     /// Verify every pack, chunk and ref; exit 1 on damage.
     Check {
         /// Only check structure and refs, do not read chunk data.
@@ -87,6 +103,9 @@ enum Cmd {
         /// Loopback TCP address instead, e.g. 127.0.0.1:10809.
         #[arg(long)]
         tcp: Option<std::net::SocketAddr>,
+        /// Read straight from the backend, bypassing the SSD cache (for comparisons).
+        #[arg(long)]
+        no_cache: bool,
     },
     /// VM memory: save, live checkpoints, restore, list, rm, inspect.
     Vm {
@@ -214,23 +233,49 @@ pub fn parse_size(s: &str) -> Result<u64> {
 }
 
 fn open(cli: &Cli) -> Result<Store> {
+    Ok(open_host(cli, false)?.store)
+}
+
+fn open_host(cli: &Cli, no_cache: bool) -> Result<strata::host::Host> {
     let loc = store_location(&cli.store);
-    Store::open_local(&loc).with_context(|| format!("Cannot open store at {}", loc.display()))
+    strata::host::open(&loc, &strata::host::OpenOptions { no_cache })
+        .with_context(|| format!("Cannot open store at {}", loc.display()))
 }
 
 fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
-        Cmd::Init { codec, pack_size } => {
+        Cmd::Init { codec, pack_size, backend, cache, cache_size } => {
             let loc = store_location(&cli.store);
             let codec: Codec = codec.parse()?;
-            let pack_size = parse_size(pack_size)?;
-            Store::init_local(&loc, InitOptions { pack_size, default_codec: codec })
-                .with_context(|| format!("Cannot create store at {}", loc.display()))?
-                .close()?;
-            ui::emit(cli.json, &serde_json::json!({"store": loc, "codec": codec.to_string(), "pack_size": pack_size}), || {
-                format!("Created strata store at {} (codec {codec}, packs of {pack_size} bytes)", loc.display())
-            });
+            let pack_size = pack_size.as_deref().map(parse_size).transpose()?.unwrap_or(0);
+            let cache = match (cache, cache_size) {
+                (Some(dir), Some(size)) => Some(strata::host::CacheConfig { dir: dir.clone(), size: parse_size(size)? }),
+                _ => None,
+            };
+            let (h, created) = strata::host::init(&loc, backend.as_deref(), cache, InitOptions { pack_size, default_codec: codec })
+                .with_context(|| format!("Cannot create store at {}", backend.as_deref().unwrap_or(&loc.display().to_string())))?;
+            let where_ = h.store.location().to_string();
+            let cfg = h.store.config().settings.clone();
+            let cache_dir = h.config.as_ref().and_then(|c| c.cache.clone());
+            h.store.close()?;
+            ui::emit(
+                cli.json,
+                &serde_json::json!({"store": loc, "backend": where_, "created": created, "codec": cfg.default_codec,
+                    "pack_size": cfg.pack_size, "cache": cache_dir}),
+                || {
+                    let verb = if created { "Created strata store" } else { "Joined the existing strata store" };
+                    let mut t = format!("{verb} in {where_} (codec {}, packs of {} bytes)", cfg.default_codec, cfg.pack_size);
+                    if h.config.is_some() {
+                        t += &format!("\nThis host's state is in {}", loc.display());
+                    }
+                    if let Some(c) = &cache_dir {
+                        t += &format!("; SSD cache of {} in {}", ui::human(c.size), c.dir.display());
+                    }
+                    t
+                },
+            );
         }
+        Cmd::Stats => stats(&cli)?,
         Cmd::Check { quick } => {
             let s = open(&cli)?;
             let p = ui::bar(cli.json);
@@ -308,17 +353,17 @@ fn run(cli: Cli) -> Result<()> {
             ui::emit(cli.json, &refs, || refs.join("\n"));
         }
         Cmd::Disk { cmd } => {
-            let s = open(&cli)?;
-            disk_cmd(&s, cmd, cli.json)?;
+            let h = open_host(&cli, false)?;
+            disk_cmd(&h.store, h.cache.as_deref(), cmd, cli.json)?;
         }
-        Cmd::Serve { socket, tcp } => serve(&cli, socket.clone(), *tcp)?,
+        Cmd::Serve { socket, tcp, no_cache } => serve(&cli, socket.clone(), *tcp, *no_cache)?,
         Cmd::Bench { which } => bench::run(which)?,
         Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }
     Ok(())
 }
 
-fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
+fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd: &DiskCmd, json: bool) -> Result<()> {
     use strata::disk;
     match cmd {
         DiskCmd::Import { name, file, codec } => {
@@ -385,7 +430,7 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
             ui::emit(json, &i, || format!("{}: {} bytes, block {} bytes, {} blocks allocated, root {}", i.name, i.size, i.block_size, i.allocated_blocks, i.root));
         }
         DiskCmd::RecordBoot { name, socket, trace, timeout } => boot_cmd::record_boot(s, name, socket.as_deref(), trace.as_deref(), *timeout, json)?,
-        DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, name, *parallel, json)?,
+        DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, cache, name, *parallel, json)?,
         DiskCmd::Rm { name } => {
             disk::remove(s, name)?;
             ui::emit(json, &serde_json::json!({"removed": name}), || format!("Removed disk '{name}' (run `strata gc` to reclaim space)"));
@@ -394,7 +439,7 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) -> Result<()> {
+fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool) -> Result<()> {
     use strata::nbd::Server;
     // Block SIGINT/SIGTERM in every thread; one thread waits for them.
     // SAFETY: plain libc signal-mask calls with a properly initialised set.
@@ -406,7 +451,8 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) 
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
     };
-    let s = open(cli)?;
+    let host = open_host(cli, no_cache)?;
+    let s = host.store.clone();
     let exports = strata::serve::DiskExports::new(s.clone());
     let server = match tcp {
         Some(addr) => {
@@ -430,9 +476,24 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) 
     });
     use std::io::Write;
     std::io::stdout().flush().ok();
+    // Publish counters for `strata stats` while serving.
+    let stats_path = s.local_dir().join(STATS_FILE);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (stop, exports, cache, path, disks) = (stop.clone(), exports.clone(), host.cache.clone(), stats_path.clone(), disks.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                write_stats(&path, &exports, cache.as_deref(), &disks);
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        })
+    };
     let mut sig: libc::c_int = 0;
     // SAFETY: waits on the set blocked above.
     unsafe { libc::sigwait(&set, &mut sig) };
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = writer.join();
+    let _ = std::fs::remove_file(&stats_path);
     eprintln!("strata serve: signal {sig}, stopping");
     handle.shutdown();
     // Fold every open disk's log into its map, then report per-disk I/O counters (flushes vs
@@ -444,5 +505,84 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>) 
         vols.iter().map(|(d, v)| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())).collect();
     eprintln!("strata serve: stats {}", serde_json::Value::Object(stats));
     s.close()?;
+    Ok(())
+}
+
+const STATS_FILE: &str = "serve-stats.json";
+
+/// The counters `strata stats` shows: store, SSD cache, backend, and per-disk I/O.
+fn stats_value(store: &Store, cache: Option<&strata::backend::cache::CacheBackend>, volumes: serde_json::Value) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    let st = store.stats();
+    let b = store.backend();
+    let caps = b.capabilities();
+    serde_json::json!({
+        "pid": std::process::id(),
+        "unix_ms": strata::store::lease::now_ms(),
+        "backend": {"name": b.name(), "native_range": caps.native_range, "preferred_pack_size": caps.preferred_pack_size,
+            "bytes_from_backend": cache.map(|c| c.counters().bytes_from_backend())},
+        "store": {"chunks_new": st.chunks_new.load(Relaxed), "chunks_dedup": st.chunks_dedup.load(Relaxed),
+            "raw_bytes_new": st.raw_bytes_new.load(Relaxed), "stored_bytes_new": st.stored_bytes_new.load(Relaxed),
+            "packs_written": st.packs_written.load(Relaxed), "syncs": st.syncs.load(Relaxed)},
+        "cache": cache.map(|c| serde_json::json!({"dir": c.dir(), "counters": c.counters()})),
+        "disks": volumes,
+    })
+}
+
+fn write_stats(path: &std::path::Path, exports: &strata::serve::DiskExports, cache: Option<&strata::backend::cache::CacheBackend>, disks: &[String]) {
+    let vols: serde_json::Map<String, serde_json::Value> = disks
+        .iter()
+        .filter_map(|d| exports.volume(d).map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())))
+        .collect();
+    let v = stats_value(exports.store(), cache, serde_json::Value::Object(vols));
+    let tmp = path.with_extension("tmp");
+    if std::fs::write(&tmp, serde_json::to_vec_pretty(&v).unwrap_or_default()).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
+}
+
+fn stats(cli: &Cli) -> Result<()> {
+    let loc = store_location(&cli.store);
+    // A running `strata serve` owns the cache; show what it publishes.
+    let local = loc.join(".meta");
+    let live = std::fs::read(local.join(STATS_FILE)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).filter(|v| {
+        let pid = v["pid"].as_u64().unwrap_or(0) as i32;
+        // SAFETY: signal 0 only checks that the process exists.
+        pid > 0 && unsafe { libc::kill(pid, 0) } == 0
+    });
+    let (v, source) = match live {
+        Some(v) => (v, "strata serve"),
+        None => {
+            let h = open_host(cli, false)?;
+            (stats_value(&h.store, h.cache.as_deref(), serde_json::json!({})), "this process (no strata serve running)")
+        }
+    };
+    ui::emit(cli.json, &v, || {
+        let mut t = format!("Counters of {source}\nbackend {}", v["backend"]["name"].as_str().unwrap_or("?"));
+        if let Some(c) = v["cache"].as_object() {
+            let k = &c["counters"];
+            let (h, m) = (k["hits"].as_u64().unwrap_or(0), k["misses"].as_u64().unwrap_or(0));
+            t += &format!(
+                "\ncache {}: {} hits, {} misses ({:.1}% hit), {} coalesced, {} evictions, {} from backend, {} of {} used",
+                c["dir"].as_str().unwrap_or("?"),
+                h,
+                m,
+                if h + m > 0 { 100.0 * h as f64 / (h + m) as f64 } else { 0.0 },
+                k["coalesced"].as_u64().unwrap_or(0),
+                k["evictions"].as_u64().unwrap_or(0),
+                ui::human(k["miss_bytes"].as_u64().unwrap_or(0) + k["bypass_bytes"].as_u64().unwrap_or(0)),
+                ui::human(k["used_bytes"].as_u64().unwrap_or(0)),
+                ui::human(k["capacity"].as_u64().unwrap_or(0)),
+            );
+        } else {
+            t += "\nno SSD cache";
+        }
+        let st = &v["store"];
+        t += &format!(
+            "\nstore: {} new chunks ({} stored), {} dedup hits, {} packs written, {} syncs",
+            st["chunks_new"], ui::human(st["stored_bytes_new"].as_u64().unwrap_or(0)), st["chunks_dedup"], st["packs_written"], st["syncs"]
+        );
+        t
+    });
     Ok(())
 }

@@ -17,7 +17,6 @@ use strata::memory::manifest::Mode;
 use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::qmp::QmpClient;
-use strata::store::Store;
 
 use crate::ui;
 
@@ -197,7 +196,7 @@ fn date(unix: u64) -> String {
 
 pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
     let open =
-        || Store::open_local(store_path).with_context(|| format!("Cannot open store at {}", store_path.display()));
+        || strata::host::open(store_path, &Default::default()).map(|h| h.store).with_context(|| format!("Cannot open store at {}", store_path.display()));
     match cmd {
         VmCmd::Save { qmp, name, opts }
         | VmCmd::Checkpoint {

@@ -9,6 +9,7 @@ pub mod boot;
 pub mod codec;
 pub mod disk;
 pub mod fixtures;
+pub mod host;
 pub mod id;
 pub mod memory;
 pub mod nbd;

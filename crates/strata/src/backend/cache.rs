@@ -697,6 +697,13 @@ impl Backend for CacheBackend {
         }
     }
 
+    fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {
+        if (self.sh.opts.cacheable)(key) {
+            return self.put(key, data);
+        }
+        self.sh.inner.put_volatile(key, data)
+    }
+
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
         let cacheable = (self.sh.opts.cacheable)(key);
         if cacheable {

@@ -55,11 +55,18 @@ impl LocalBackend {
 
     /// Write `data` to a fresh temporary file and make its contents durable.
     fn write_tmp(&self, op: &'static str, key: &str, data: &[u8]) -> BResult<PathBuf> {
+        self.write_tmp_with(op, key, data, true)
+    }
+
+    fn write_tmp_with(&self, op: &'static str, key: &str, data: &[u8], sync: bool) -> BResult<PathBuf> {
         let tmp = self.root.join(TMP).join(format!("{:016x}", rand::random::<u64>()));
         let res = (|| {
             let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
             f.write_all(data)?;
-            f.sync_data()
+            if sync {
+                f.sync_data()?;
+            }
+            Ok::<(), std::io::Error>(())
         })();
         if let Err(e) = res {
             let _ = fs::remove_file(&tmp);
@@ -139,6 +146,16 @@ impl Backend for LocalBackend {
         }
         self.dirty_dirs.lock().insert(parent);
         Ok(())
+    }
+
+    fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {
+        let p = self.path(key)?;
+        self.ensure_parent("put_volatile", key, &p)?;
+        let tmp = self.write_tmp_with("put_volatile", key, data, false)?;
+        fs::rename(&tmp, &p).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            BackendError::from_io("put_volatile", key, e)
+        })
     }
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {

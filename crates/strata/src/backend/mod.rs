@@ -118,7 +118,7 @@ impl BackendError {
         let what = match self.kind {
             ErrorKind::NotFound => "Object not found",
             ErrorKind::NoSpace => "Backend is out of space (free space or grow the filesystem/bucket)",
-            ErrorKind::Unavailable => "Backend is unavailable",
+            ErrorKind::Unavailable => "Backend is unavailable (check that the server is up and reachable)",
             ErrorKind::PermissionDenied => "Backend denied access (check permissions/credentials)",
             ErrorKind::Invalid => "Backend refused the request",
             ErrorKind::Other => "Backend I/O failed",
@@ -156,6 +156,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Create or replace an object, atomically.
     fn put(&self, key: &str, data: &[u8]) -> BResult<()>;
+
+    /// Like `put`, for objects that need not survive a power cut (leases, which then simply
+    /// expire): backends that sync per object may skip it. Atomic all the same.
+    fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {
+        self.put(key, data)
+    }
 
     /// Create an object only if the key is free. Returns false (and writes nothing) if it exists.
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool>;

@@ -269,6 +269,9 @@ impl Backend for FlakyBackend {
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
         self.maybe("put", key, || self.inner.put(key, data))
     }
+    fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {
+        self.maybe("put", key, || self.inner.put_volatile(key, data))
+    }
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {
         self.maybe("put_if_absent", key, || self.inner.put_if_absent(key, data))
     }

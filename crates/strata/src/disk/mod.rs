@@ -94,6 +94,8 @@ pub(crate) fn load(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
 /// Import a raw image file as disk `name`.
 pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &dyn Progress) -> Result<DiskInfo> {
     check_name(name)?;
+    // One writer per name, across hosts (docs/backends.md).
+    let _lease = store.lease_if_needed(&ref_name(name))?;
     if store.get_ref(&ref_name(name))?.is_some() {
         return Err(DiskError::Exists { name: name.into() });
     }
@@ -212,6 +214,8 @@ fn check_name(name: &str) -> Result<()> {
 /// Create an empty (all-holes) disk of `size` bytes. O(metadata).
 pub fn create(store: &Store, name: &str, size: u64) -> Result<DiskInfo> {
     check_name(name)?;
+    // One writer per name, across hosts (docs/backends.md).
+    let _lease = store.lease_if_needed(&ref_name(name))?;
     if store.get_ref(&ref_name(name))?.is_some() {
         return Err(DiskError::Exists { name: name.into() });
     }
@@ -239,6 +243,7 @@ pub fn snapshot(store: &Store, name: &str, snap: &str) -> Result<DiskInfo> {
     check_name(name)?;
     check_name(snap)?;
     let full = format!("{name}@{snap}");
+    let _lease = store.lease_if_needed(&ref_name(&full))?;
     if store.get_ref(&ref_name(&full))?.is_some() {
         return Err(DiskError::Exists { name: full });
     }
@@ -262,6 +267,8 @@ pub fn snapshot(store: &Store, name: &str, snap: &str) -> Result<DiskInfo> {
 /// content-addressed store sharing chunks is safe either way: GC keeps what any ref reaches).
 pub fn clone(store: &Store, src: &str, dst: &str, full: bool) -> Result<DiskInfo> {
     check_name(dst)?;
+    // One writer per name, across hosts (docs/backends.md).
+    let _lease = store.lease_if_needed(&ref_name(dst))?;
     if store.get_ref(&ref_name(dst))?.is_some() {
         return Err(DiskError::Exists { name: dst.into() });
     }
@@ -302,6 +309,7 @@ pub fn list(store: &Store) -> Result<Vec<DiskInfo>> {
 
 /// Remove a disk or snapshot; its local log goes too. Space returns with `strata gc`.
 pub fn remove(store: &Store, name: &str) -> Result<()> {
+    let _lease = store.lease_if_needed(&ref_name(name))?;
     let (_, m) = load(store, name)?;
     // Take the disk's lock so a running server can't be writing it.
     let dir = m.id.as_ref().map(|id| store.local_dir().join("disks").join(id));

@@ -81,6 +81,7 @@ pub struct Volume {
     cache: Mutex<BlockCache>,
     failed: Mutex<Option<String>>,
     _lock: File,
+    _lease: Option<crate::store::lease::LeaseGuard>,
     compact_at: AtomicU64,
     stats: VolumeStats,
     sync_hook: RwLock<Option<SyncHook>>,
@@ -127,6 +128,8 @@ impl Volume {
         if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(DiskError::InUse { name: name.into() });
         }
+        // The writer lease: no other host (or process) writes this disk while we hold it.
+        let lease = store.lease_if_needed(&super::ref_name(name))?;
         let base = map::read_map(store, &r.roots[0])?;
         let mut id_bytes = [0u8; 16];
         hex::decode_to_slice(&disk_id, &mut id_bytes).map_err(|_| DiskError::Log(format!("disk '{name}' has a bad id")))?;
@@ -194,6 +197,7 @@ impl Volume {
             cache: Mutex::new(BlockCache { map: HashMap::new(), order: VecDeque::new(), bytes: 0 }),
             failed: Mutex::new(None),
             _lock: lock,
+            _lease: lease,
             compact_at: AtomicU64::new(DEFAULT_COMPACT_AT),
             stats: VolumeStats::default(),
             sync_hook: RwLock::new(None),

@@ -60,6 +60,8 @@ impl Store {
     /// Collect garbage. Safe to run while sessions write.
     pub fn gc(&self, progress: &dyn Progress) -> Result<GcReport> {
         let _one_gc_at_a_time = self.inner.gc_running.lock();
+        // Across processes and hosts: GC runs only when no other store instance is open.
+        let _gc_lease = self.inner.leases.acquire_gc()?;
         self.flush()?;
         let mut report = GcReport::default();
         let mut marked = HashSet::new();

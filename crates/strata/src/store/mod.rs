@@ -19,6 +19,7 @@ pub mod check;
 pub mod du;
 pub mod format;
 pub mod gc;
+pub mod lease;
 pub mod meta;
 pub mod objects;
 pub mod pack;
@@ -69,6 +70,8 @@ pub enum StoreError {
     TooLarge { size: usize },
     #[error("Codec failure")]
     Codec(#[from] CodecError),
+    #[error(transparent)]
+    Lease(#[from] lease::LeaseError),
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -139,7 +142,7 @@ impl Shared {
         let mut p = self.poison.lock();
         if p.is_none() {
             tracing::error!(target: "strata::store", reason = %why, "store poisoned");
-            *p = Some(why.to_string());
+            *p = Some(format!("{why}, on {}", self.backend.name()));
         }
     }
     /// Sync the backend; a failure poisons the store.
@@ -168,6 +171,7 @@ pub(crate) struct Inner {
     next_session: AtomicU64,
     pub default_codec: Codec,
     pub pack_size: u64,
+    pub(crate) leases: Arc<lease::Leases>,
     pub location: String,
     pub local_dir: PathBuf,
 }
@@ -181,19 +185,24 @@ pub struct Store {
 /// Options for creating a store.
 #[derive(Clone, Debug)]
 pub struct InitOptions {
+    /// Target pack size; 0 = what the backend prefers.
     pub pack_size: u64,
     pub default_codec: Codec,
 }
 
 impl Default for InitOptions {
     fn default() -> Self {
-        InitOptions { pack_size: 32 << 20, default_codec: Codec::Lz4 }
+        InitOptions { pack_size: 0, default_codec: Codec::Lz4 }
     }
 }
 
 impl Store {
     /// Create a new store in `backend`, keeping local metadata at `meta_path`.
-    pub fn init(backend: DynBackend, meta_path: &Path, opts: InitOptions) -> Result<Store> {
+    /// A `pack_size` of 0 takes the backend's preferred size (`Capabilities`).
+    pub fn init(backend: DynBackend, meta_path: &Path, mut opts: InitOptions) -> Result<Store> {
+        if opts.pack_size == 0 {
+            opts.pack_size = backend.capabilities().preferred_pack_size;
+        }
         match backend.head("config") {
             Ok(Some(_)) => return Err(StoreError::AlreadyExists { location: backend.name() }),
             Ok(None) => {}
@@ -230,6 +239,10 @@ impl Store {
         };
         let config = StoreConfig::decode(&raw).map_err(|source| StoreError::Format { key: "config".into(), source })?;
         let meta = Meta::open(meta_path, &config.store_id)?;
+        // Announce this instance before trusting the index: a GC elsewhere must see us (and we
+        // must not open while one runs), see `lease.rs`.
+        let leases = lease::Leases::new(backend.clone());
+        leases.announce()?;
         let index = writer::load_index(&*backend, &meta)?;
         let default_codec = config.settings.default_codec.parse().unwrap_or(Codec::Lz4);
         let pack_size = config
@@ -261,6 +274,7 @@ impl Store {
                 pack_size,
                 location,
                 local_dir,
+                leases,
             }),
         })
     }
@@ -338,9 +352,17 @@ impl Store {
 
     /// Read a chunk and verify it against its id.
     pub fn get(&self, id: &ChunkId) -> Result<Vec<u8>> {
+        let mut refreshed = false;
         for attempt in 0..3 {
             let loc = self.inner.sh.index.read().chunks.get(id).copied();
-            let Some(loc) = loc else { return Err(StoreError::ChunkMissing { id: *id }) };
+            let Some(loc) = loc else {
+                // Another host may have written it since we opened: look once.
+                if !refreshed && self.refresh()? > 0 {
+                    refreshed = true;
+                    continue;
+                }
+                return Err(StoreError::ChunkMissing { id: *id });
+            };
             match self.read_loc(id, &loc) {
                 // GC may have moved the chunk to a new pack between lookup and read.
                 Err(StoreError::PackMissing { .. }) if attempt < 2 => continue,
@@ -394,6 +416,15 @@ impl Store {
         }
         let pack = self.inner.sh.index.read().slot(loc.pack).map(|s| s.id).unwrap_or_default();
         decode_chunk(&frame, e, pack)
+    }
+
+    /// Learn about packs other store instances (hosts) wrote since we opened. Returns how
+    /// many were new. Called by reads that miss; cheap when nothing changed (one listing).
+    pub fn refresh(&self) -> Result<usize> {
+        // Never while our own GC runs: it may have unlinked chunks whose index objects it has
+        // not deleted yet, and re-adding them would let a writer dedup against the dead.
+        let Some(_no_gc) = self.inner.gc_running.try_lock() else { return Ok(0) };
+        writer::refresh_index(&self.inner.sh)
     }
 
     /// Make every chunk put so far durable (packs, then their index objects).
@@ -570,6 +601,7 @@ impl Store {
             return Err(StoreError::BadRefName { name: name.into() });
         }
         self.inner.sh.check_poison()?;
+        let _tmp = self.lease_for_commit(name)?;
         if self.get_ref(name)?.is_none() {
             return Err(StoreError::RefNotFound { name: name.into() });
         }
@@ -579,6 +611,47 @@ impl Store {
             StoreError::Backend(e)
         })?;
         self.inner.sh.sync()
+    }
+
+    /// Take the writer lease on ref `name` (e.g. `disk/desk1`) for as long as the guard lives:
+    /// no other store instance, on any host, can commit or delete that ref meanwhile.
+    pub fn lease(&self, name: &str) -> Result<lease::LeaseGuard> {
+        if !valid_ref_name(name) {
+            return Err(StoreError::BadRefName { name: name.into() });
+        }
+        Ok(self.inner.leases.acquire_ref(name)?)
+    }
+
+    /// Like [`Store::lease`], but None if this instance already holds the lease (an outer
+    /// operation took it), so nested operations on one name compose.
+    pub fn lease_if_needed(&self, name: &str) -> Result<Option<lease::LeaseGuard>> {
+        if self.inner.leases.holds_ref(name) {
+            self.inner.leases.check_ref(name)?;
+            return Ok(None);
+        }
+        self.lease(name).map(Some)
+    }
+
+    /// Lease time-to-live for leases taken from now on (default 30 s, `STRATA_LEASE_TTL_MS`).
+    pub fn set_lease_ttl(&self, ttl: std::time::Duration) {
+        self.inner.leases.set_ttl(ttl);
+    }
+
+    /// Before a ref is written: our presence must be unbroken (no GC can have run), and we
+    /// must hold the name's lease, taking it for this commit if nobody does.
+    fn lease_for_commit(&self, name: &str) -> Result<Option<lease::LeaseGuard>> {
+        self.inner.leases.check_presence()?;
+        if self.inner.leases.holds_ref(name) {
+            self.inner.leases.check_ref(name)?;
+            Ok(None)
+        } else {
+            match self.inner.leases.acquire_ref(name) {
+                Ok(g) => Ok(Some(g)),
+                // Another thread of this instance is committing it right now: same writer.
+                Err(lease::LeaseError::AlreadyHeld { .. }) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        }
     }
 
     /// Persist the metadata cache and stop the writer (also done on drop).
@@ -656,7 +729,7 @@ impl Session {
     /// Keep an existing chunk (e.g. the root of a clone source) alive for this session.
     pub fn pin(&self, id: ChunkId) -> Result<()> {
         let _g = self.store.inner.gc_lock.read();
-        if !id.is_zero() && !self.store.contains(&id) {
+        if !id.is_zero() && !self.store.contains(&id) && (self.store.refresh()? == 0 || !self.store.contains(&id)) {
             return Err(StoreError::ChunkMissing { id });
         }
         self.pins.lock().insert(id);
@@ -671,11 +744,13 @@ impl Session {
         let inner = &self.store.inner;
         let _g = inner.gc_lock.read();
         for root in &r.roots {
-            if !root.is_zero() && !self.store.contains(root) {
+            if !root.is_zero() && !self.store.contains(root) && (self.store.refresh()? == 0 || !self.store.contains(root)) {
                 return Err(StoreError::MissingRoot { name: name.into(), id: *root });
             }
             self.pins.lock().insert(*root);
         }
+        // One writer per name: commit under our lease, or take one for this commit alone.
+        let _tmp = self.store.lease_for_commit(name)?;
         self.store.flush()?;
         let old = self.store.get_ref(name).ok().flatten();
         r.generation = old.map(|o| o.generation + 1).unwrap_or(1);

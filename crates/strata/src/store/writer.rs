@@ -94,7 +94,10 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
                 }
             }
             Job::Flush(reply) => {
-                let r = commit(&sh, &mut written).map_err(|e| e.to_string());
+                let r = commit(&sh, &mut written).map_err(|e| match e {
+                    StoreError::Poisoned { reason } => reason,
+                    other => other.to_string(),
+                });
                 let _ = reply.send(r);
             }
         }
@@ -180,4 +183,52 @@ pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
         meta.remove_packs(&rows, true)?;
     }
     Ok(idx)
+}
+
+/// Load index objects other hosts wrote since this instance opened (the store is shared:
+/// `docs/backends.md`). Only adds; packs never vanish while we are open, because GC needs the
+/// store to itself. Returns how many packs were new.
+pub(crate) fn refresh_index(sh: &Shared) -> Result<usize> {
+    let listed: Vec<PackId> = sh
+        .backend
+        .list("index/")?
+        .into_iter()
+        .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
+        .collect();
+    let unknown: Vec<PackId> = {
+        let idx = sh.index.read();
+        listed.into_iter().filter(|p| !idx.by_id.contains_key(p)).collect()
+    };
+    let mut fresh = Vec::new();
+    for pid in unknown {
+        let key = pid.index_key();
+        match sh.backend.get(&key) {
+            Ok(b) => match IndexObject::decode(&b) {
+                Ok(o) if o.pack == pid => fresh.push(o),
+                _ => tracing::warn!(target: "strata::store", key, "unreadable index object ignored (run `strata check`)"),
+            },
+            // Our own writer may be renaming it right now; it is ours then, and known.
+            Err(e) if e.is_not_found() => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if fresh.is_empty() {
+        return Ok(0);
+    }
+    let rows: Vec<(PackId, u64, &[PackEntry])> = fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
+    sh.meta.add_packs(&rows, false)?;
+    let mut idx = sh.index.write();
+    let mut n = 0;
+    for o in &fresh {
+        if idx.by_id.contains_key(&o.pack) {
+            continue;
+        }
+        let no = idx.add_slot(PackSlot { id: o.pack, size: o.pack_size, mem: None, durable: true });
+        for e in &o.entries {
+            idx.chunks.entry(e.id).or_insert(Loc { pack: no, entry: *e });
+        }
+        n += 1;
+    }
+    tracing::debug!(target: "strata::store", packs = n, "index refreshed from the backend");
+    Ok(n)
 }
