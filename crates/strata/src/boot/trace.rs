@@ -333,7 +333,7 @@ mod tests {
         assert!(csv.starts_with("t_us,dur_us,op,offset,len,inflight\n5,100,read,0,4096,1\n"), "{csv}");
         assert_eq!(Trace::parse_csv(&csv).unwrap(), t);
         let s = t.summary();
-        assert_eq!((s.reads, s.read_bytes, s.writes, s.flushes, s.max_inflight, s.span_us), (1, 4096, 1, 1, 2, 105));
+        assert_eq!((s.reads, s.read_bytes, s.writes, s.flushes, s.max_inflight, s.span_us), (1, 4096, 1, 1, 2, 100));
         assert_eq!(t.reads(), vec![(0, 4096)]);
         for bad in ["", "x\n", "t_us,dur_us,op,offset,len,inflight\n1,2,read,3\n", "t_us,dur_us,op,offset,len,inflight\n1,2,seek,3,4,1\n",
             "t_us,dur_us,op,offset,len,inflight\n1,2,read,18446744073709551615,4,1\n"]
