@@ -51,6 +51,10 @@ pub enum BenchCmd {
         /// Seconds per fio test.
         #[arg(long, default_value_t = 15)]
         runtime: u32,
+        /// Store on an emulated 1 Gbit/s storage host (S3): no/cold/warm SSD cache against
+        /// qemu-nbd serving raw/qcow2 there (needs root).
+        #[arg(long)]
+        remote: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -67,6 +71,10 @@ pub enum BenchCmd {
         data: String,
         #[arg(long, default_value = "1,2,5,10")]
         copies: String,
+        /// Image on an emulated 1 Gbit/s storage host: strata on S3 against qemu-img convert
+        /// between qemu-nbd servers there (needs root).
+        #[arg(long)]
+        remote: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -111,10 +119,14 @@ pub enum BenchCmd {
 pub fn run(cmd: &BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Store { size, threads, out, scratch } => bench_store(parse_size(size)?, *threads, out, scratch.as_deref()),
-        BenchCmd::Io { runtime, out, scratch } => crate::bench_io::bench_io(*runtime, out, scratch.as_deref()),
+        BenchCmd::Io { runtime, remote: true, out, scratch } => crate::bench_remote_disk::bench_io_remote(*runtime, out, scratch.as_deref()),
+        BenchCmd::Io { runtime, out, scratch, .. } => crate::bench_io::bench_io(*runtime, out, scratch.as_deref()),
         BenchCmd::Sync { ops, no_guest, out, scratch } => crate::bench_sync::bench_sync(*ops, !no_guest, out, scratch.as_deref()),
-        BenchCmd::Clone { size, data, copies, out, scratch } => {
+        BenchCmd::Clone { size, data, copies, remote, out, scratch } => {
             let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
+            if *remote {
+                return crate::bench_remote_disk::bench_clone_remote(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref());
+            }
             crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())
         }
         BenchCmd::Storm { guests, memory, depth, cache_size, no_guests, trace, ns, net, out, scratch } => {

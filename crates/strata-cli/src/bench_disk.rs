@@ -17,7 +17,7 @@ use strata::store::{InitOptions, Store};
 use strata::Codec;
 
 /// Fill `data` bytes of a sparse `size`-byte file: 1 MiB runs spread evenly, half-compressible.
-fn make_image(path: &Path, size: u64, data: u64) -> Result<()> {
+pub(crate) fn make_image(path: &Path, size: u64, data: u64) -> Result<()> {
     let mut f = std::fs::File::create(path)?;
     f.set_len(size)?;
     let runs = (data >> 20).max(1);

@@ -69,6 +69,13 @@ pub enum MemBenchCmd {
         /// RAM of each of those guests, MiB.
         #[arg(long, default_value_t = 512)]
         vms_mem: u32,
+        /// Save to and restore from an emulated 1 Gbit/s storage host (S3 for strata, files
+        /// there for the QEMU streams); --vms is ignored (needs root).
+        #[arg(long)]
+        remote: bool,
+        /// Restore threads for --remote (each has one ranged GET in flight).
+        #[arg(long, default_value_t = 4)]
+        restore_workers: usize,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -82,6 +89,9 @@ pub enum MemBenchCmd {
         /// Dirtying rates in MiB/s.
         #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
         rates: Vec<u32>,
+        /// Keep the pages in Redis on an emulated 1 Gbit/s storage host (needs root).
+        #[arg(long)]
+        redis: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -100,16 +110,34 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
         MemBenchCmd::SaveRestore {
             sizes,
             machine,
+            remote: true,
+            restore_workers,
+            out,
+            scratch,
+            ..
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, out, scratch.as_deref()),
+        MemBenchCmd::SaveRestore {
+            sizes,
+            machine,
             vms,
             vms_mem,
             out,
             scratch,
+            ..
         } => bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref()),
+        MemBenchCmd::Live {
+            mem,
+            rates,
+            redis: true,
+            out,
+            scratch,
+        } => crate::bench_remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref()),
         MemBenchCmd::Live {
             mem,
             rates,
             out,
             scratch,
+            ..
         } => bench_live(*mem, rates, out, scratch.as_deref()),
     }
 }
@@ -118,14 +146,14 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
 // The guest and its workload
 // ---------------------------------------------------------------------------------------------
 
-fn scratch_dir(p: Option<&Path>) -> Result<tempfile::TempDir> {
+pub(crate) fn scratch_dir(p: Option<&Path>) -> Result<tempfile::TempDir> {
     Ok(match p {
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
     })
 }
 
-fn machine(s: &str) -> Result<Machine> {
+pub(crate) fn machine(s: &str) -> Result<Machine> {
     match s {
         "pc" => Ok(Machine::Pc),
         "q35" => Ok(Machine::Q35),
@@ -135,17 +163,17 @@ fn machine(s: &str) -> Result<Machine> {
 
 /// What was loaded into the guest.
 #[derive(Debug, Clone, serde::Serialize)]
-struct Workload {
-    text_mib: u32,
-    fill_mib: u32,
+pub(crate) struct Workload {
+    pub text_mib: u32,
+    pub fill_mib: u32,
     zero_pct: u32,
     repeat_pct: u32,
     seed: u64,
     /// memwork's checksum of all its regions afterwards.
-    sum: String,
+    pub sum: String,
 }
 
-fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
+pub(crate) fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
     let golden = fx.golden();
     fx.guest()
         .memory_mib(mem)
@@ -161,7 +189,7 @@ fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
 /// memory, so that most of RAM is touched.
 /// The guest's free memory in MiB, as memwork reports it when refusing an oversized `fill`
 /// ("... N MiB available; ...").
-fn available_mib(g: &mut Guest) -> Result<u32> {
+pub(crate) fn available_mib(g: &mut Guest) -> Result<u32> {
     match g.command("fill 65536 0 0 1", Duration::from_secs(60)) {
         Ok(_) => bail!("memwork accepted a 64 GiB fill"),
         Err(e) => {
@@ -175,7 +203,7 @@ fn available_mib(g: &mut Guest) -> Result<u32> {
     }
 }
 
-fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
+pub(crate) fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
     // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
     let usable = available_mib(g)?.saturating_sub(40).max(8);
     let text_mib = (usable / 2).min(text_cap).max(4);
@@ -196,7 +224,7 @@ fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<W
     })
 }
 
-fn qmp_of(g: &Guest) -> Result<QmpClient> {
+pub(crate) fn qmp_of(g: &Guest) -> Result<QmpClient> {
     let p = g.qmp_path().context("guest has no QMP socket")?;
     let mut q = QmpClient::connect(p)?;
     q.migrate_set_parameters(&MigrateParameters {
@@ -206,7 +234,7 @@ fn qmp_of(g: &Guest) -> Result<QmpClient> {
     Ok(q)
 }
 
-fn qemu_program() -> String {
+pub(crate) fn qemu_program() -> String {
     std::env::var("STRATA_QEMU")
         .ok()
         .filter(|s| !s.is_empty())
@@ -214,10 +242,10 @@ fn qemu_program() -> String {
 }
 
 /// A destination QEMU with the guest's arguments, `-incoming defer -S` and its own console.
-struct Dest {
+pub(crate) struct Dest {
     child: Child,
-    qmp: QmpClient,
-    console: PathBuf,
+    pub qmp: QmpClient,
+    pub console: PathBuf,
 }
 
 impl Drop for Dest {
@@ -227,7 +255,7 @@ impl Drop for Dest {
     }
 }
 
-fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
+pub(crate) fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
     let con_src = g.dir().join("console.sock").display().to_string();
     let console = dir.join(format!("{tag}-console.sock"));
     let mut cmd = vec![qemu_program()];
@@ -257,7 +285,7 @@ fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
 }
 
 /// One request on the restored guest's console, e.g. `sum`.
-fn console_command(path: &Path, line: &str) -> Result<String> {
+pub(crate) fn console_command(path: &Path, line: &str) -> Result<String> {
     let s = UnixStream::connect(path)?;
     s.set_read_timeout(Some(Duration::from_secs(120)))?;
     (&s).write_all(format!("{line}\n").as_bytes())?;
@@ -279,7 +307,7 @@ fn console_command(path: &Path, line: &str) -> Result<String> {
 }
 
 /// `migrate URI` from a paused source, then `sync` when asked; returns seconds.
-fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
+pub(crate) fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
     q.stop()?;
     let t = Instant::now();
     q.migrate(uri)?;
@@ -293,7 +321,7 @@ fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
     Ok(s)
 }
 
-fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
+pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     let t = Instant::now();
     d.qmp.migrate_incoming(uri)?;
     d.qmp
@@ -301,7 +329,7 @@ fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
+pub(crate) fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
     std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
     std::fs::write(
@@ -314,7 +342,7 @@ fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, 
 }
 
 /// Stack several charts into one SVG.
-fn stack(charts: Vec<String>) -> String {
+pub(crate) fn stack(charts: Vec<String>) -> String {
     let h = 420;
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"{}\">\n",
@@ -326,7 +354,7 @@ fn stack(charts: Vec<String>) -> String {
     s + "</svg>\n"
 }
 
-fn env_json() -> serde_json::Value {
+pub(crate) fn env_json() -> serde_json::Value {
     let qemu = Command::new(qemu_program())
         .arg("--version")
         .output()
@@ -644,7 +672,7 @@ struct SrRow {
     verified: bool,
 }
 
-fn file_len(p: &Path) -> u64 {
+pub(crate) fn file_len(p: &Path) -> u64 {
     std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
 }
 

@@ -106,10 +106,9 @@ impl Export for SnapshotExport {
             if id.is_zero() {
                 buf[done..done + n].fill(0);
             } else {
-                let b = self.store.get(&id).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
-                let avail = b.len().saturating_sub(inb).min(n);
-                buf[done..done + avail].copy_from_slice(&b[inb..inb + avail]);
-                buf[done + avail..done + n].fill(0);
+                let part = &mut buf[done..done + n];
+                let got = self.store.read_range(&id, inb as u64, part).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
+                part[got..].fill(0);
             }
             done += n;
         }
@@ -153,11 +152,21 @@ impl Export for SnapshotExport {
 pub struct DiskExports {
     store: Store,
     open: Mutex<HashMap<String, Arc<Volume>>>,
+    compact_at: std::sync::atomic::AtomicU64,
 }
 
 impl DiskExports {
     pub fn new(store: Store) -> Arc<DiskExports> {
-        Arc::new(DiskExports { store, open: Mutex::new(HashMap::new()) })
+        Arc::new(DiskExports {
+            store,
+            open: Mutex::new(HashMap::new()),
+            compact_at: std::sync::atomic::AtomicU64::new(crate::disk::volume::DEFAULT_COMPACT_AT),
+        })
+    }
+
+    /// Log size at which volumes opened from now on start a background compaction.
+    pub fn set_compact_at(&self, bytes: u64) {
+        self.compact_at.store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn store(&self) -> &Store {
@@ -217,6 +226,7 @@ impl ExportSet for DiskExports {
             return Ok(Arc::new(VolumeExport(v.clone())));
         }
         let v = Volume::open(&self.store, name).map_err(unavailable)?;
+        v.set_compact_at(self.compact_at.load(std::sync::atomic::Ordering::Relaxed));
         open.insert(name.into(), v.clone());
         Ok(Arc::new(VolumeExport(v)))
     }

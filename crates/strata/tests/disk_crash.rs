@@ -5,7 +5,8 @@
 //! writes numbered marker blocks, each followed by a FLUSH, and notes the last one the server
 //! acknowledged. The server is killed with SIGKILL mid-load and restarted on the same store:
 //! every acknowledged marker and an earlier flushed region must read back exactly, the store
-//! must check clean, and no repair step is needed.
+//! must check clean, and no repair step is needed. The server compacts every 16 MiB of log, so
+//! the kill comes while background compactions run and the log rolls over between files.
 
 #[path = "nbd_common/mod.rs"]
 mod common;
@@ -25,6 +26,9 @@ fn serve_child() {
     let (store, sock) = spec.split_once('|').unwrap();
     let s = strata::store::Store::open_local(std::path::Path::new(store)).unwrap();
     let exports = strata::serve::DiskExports::new(s);
+    // A small compaction threshold, so the kill lands while logs roll over and background
+    // compactions fold them (16 MiB of 4 KiB writes folds about 4000 blocks each time).
+    exports.set_compact_at(16 << 20);
     let _h = strata::nbd::Server::bind_unix(sock).unwrap().serve(exports).unwrap();
     loop {
         std::thread::sleep(Duration::from_secs(3600));
@@ -111,6 +115,18 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
     let _ = fio.kill();
     let _ = fio.wait();
     drop(c);
+
+    // The logs as the kill left them: a newest file above 1 means compactions ran; two or more
+    // files mean the kill came while one was being folded.
+    let mut logs: Vec<u64> = std::fs::read_dir(store_dir.join(".meta").join("disks"))
+        .unwrap()
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
+        .filter_map(|f| f.file_name().to_str().and_then(|n| n.strip_prefix("log.")).and_then(|n| n.parse().ok()))
+        .collect();
+    logs.sort();
+    eprintln!("log files at the kill: {logs:?}");
+    assert!(logs.last().is_some_and(|&n| n >= 2), "no compaction ran before the kill: {logs:?}");
 
     // Restart on the same store: recovery is the log replay at open, nothing else.
     let mut server = spawn_server(&store_dir, &sock);

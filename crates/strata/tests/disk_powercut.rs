@@ -2,12 +2,14 @@
 //!
 //! Sync points are counted across both devices a disk uses: the host-local write log (each
 //! guest FLUSH is one fdatasync there) and the store backend (compactions commit chunks, map
-//! and ref through it). A `FaultBackend` models the backend; the log's durable image is a
-//! shadow copy taken at each successful fdatasync (and at log creation), so at a cut the log
-//! loses everything written since its last sync, and a deleted old log may come back (the
-//! unlink was not synced). For every sync point N the workload runs until the N-th sync,
-//! which fails; the host then "reboots" with the durable images, reopens the store and the
-//! disk, and the test asserts:
+//! and ref through it). A `FaultBackend` models the backend; each log file's durable image is
+//! a shadow copy taken at each successful fdatasync (and at its creation), so at a cut a log
+//! loses everything written since its last sync, and a log a compaction deleted may come back
+//! (the unlink was not synced). Compactions run in the background, as in `strata serve`: the
+//! log rolls over to a new file and the frozen one is folded while the workload goes on (the
+//! fold is held back a little at its start so that writes and flushes overlap it). For every
+//! sync point N the workload runs until the N-th sync, which fails; the host then "reboots"
+//! with the durable images, reopens the store and the disk, and the test asserts:
 //! - every byte equals the last acknowledged-flush value, or a value written after it;
 //! - `check` finds no damage, and nothing needed repair (opening is the whole recovery).
 
@@ -131,14 +133,19 @@ impl Model {
     }
 }
 
-/// Runs the workload until done or the power goes; returns the model of what may be on disk.
-fn workload(sock: &Path, exports: &strata::serve::DiskExports, power: &Power, seed: u64) -> Model {
+/// Steps of the workload in the run that counts sync points.
+const STEPS: u64 = 160;
+
+/// Runs the workload for `steps` steps or until the power goes; returns the model of what may
+/// be on disk. Background compactions make the number of sync points vary a little from run
+/// to run, so a run with a cut goes on past `STEPS` until the cut happens.
+fn workload(sock: &Path, exports: &strata::serve::DiskExports, power: &Power, seed: u64, steps: u64) -> Model {
     let mut c = Client::connect(sock, "d", true, false).unwrap();
     let v = exports.volume("d").expect("volume open");
     v.set_compact_at(256 << 10);
     let mut model = Model { flushed: vec![0; SIZE as usize], since: HashMap::new() };
     let mut rng = StdRng::seed_from_u64(seed);
-    for step in 0..160 {
+    for step in 0..steps {
         if power.dead() {
             break;
         }
@@ -162,6 +169,7 @@ fn workload(sock: &Path, exports: &strata::serve::DiskExports, power: &Power, se
                 r
             }
             8 => {
+                // Waits for a background fold, then folds the rest of the log.
                 let r = v.compact().map(|_| ()).map_err(|_| 5u32);
                 if r.is_ok() {
                     // A compaction commits everything appended so far.
@@ -175,6 +183,8 @@ fn workload(sock: &Path, exports: &strata::serve::DiskExports, power: &Power, se
             break;
         }
     }
+    // Let a background fold finish (or fail) before the host goes down.
+    v.wait_compaction();
     model
 }
 
@@ -187,7 +197,7 @@ fn power_cut_at_every_sync_point_of_an_nbd_workload() {
         let fault = Arc::new(FaultBackend::new(&base));
         let power = Arc::new(Power { n: AtomicU64::new(0), cut_at: u64::MAX, fault: fault.clone(), shadows: Mutex::new(HashMap::new()) });
         let (sock, exports, _h, _s) = serve(tmp.path(), fault, power.clone());
-        let _ = workload(&sock, &exports, &power, 1);
+        let _ = workload(&sock, &exports, &power, 1, STEPS);
         power.n.load(Ordering::SeqCst)
     };
     assert!(total >= 40, "workload too small: {total} sync points");
@@ -232,6 +242,12 @@ fn serve(dir: &Path, fault: Arc<FaultBackend>, power: Arc<Power>) -> (PathBuf, A
             }
             Ok(())
         }
+        SyncEvent::FoldStart(_) => {
+            // Hold the fold back so the next requests (writes, flushes that must also sync the
+            // frozen log) run while it is pending.
+            std::thread::sleep(std::time::Duration::from_millis(15));
+            Ok(())
+        }
     }));
     (sock, exports, h, store)
 }
@@ -249,7 +265,7 @@ fn run_cut(n: u64, total: u64) {
     let power = Arc::new(Power { n: AtomicU64::new(0), cut_at: n, fault: fault.clone(), shadows: Mutex::new(HashMap::new()) });
     let model = {
         let (sock, exports, h, store) = serve(tmp.path(), fault.clone(), power.clone());
-        let m = workload(&sock, &exports, &power, 1);
+        let m = workload(&sock, &exports, &power, 1, 3 * STEPS);
         h.shutdown();
         drop(exports);
         drop(store);
@@ -258,20 +274,22 @@ fn run_cut(n: u64, total: u64) {
     assert!(power.dead(), "cut {n}/{total} never happened");
     // Reboot: logs revert to their durable images; an unlinked log may come back.
     let logs = tmp.path().join("meta").join("disks");
+    let mut present = std::collections::HashSet::new();
     for d in std::fs::read_dir(&logs).unwrap().flatten() {
         for f in std::fs::read_dir(d.path()).unwrap().flatten() {
             if f.file_name().to_string_lossy().starts_with("log.") {
+                present.insert(f.path());
                 std::fs::remove_file(f.path()).unwrap();
             }
         }
     }
-    // The newest log was created durably and is never unlinked; older ones were unlinked by a
-    // compaction without a directory sync, so each may or may not come back.
+    // Every log still there at the cut was created durably, so it comes back (as of its last
+    // sync). Logs a compaction unlinked (without a directory sync) may or may not come back.
+    // A log created after the power went has no durable image and is gone.
     let mut rng = StdRng::seed_from_u64(n);
     let shadows = power.shadows.lock();
-    let newest = shadows.keys().max_by_key(|p| p.extension().and_then(|e| e.to_str()).and_then(|e| e.parse::<u64>().ok())).cloned();
     for (path, bytes) in shadows.iter() {
-        if Some(path) == newest.as_ref() || rng.gen_bool(0.7) {
+        if present.contains(path) || rng.gen_bool(0.7) {
             std::fs::write(path, bytes).unwrap();
         }
     }

@@ -8,7 +8,7 @@
 //! with EEXIST, so two writers racing for a lease cannot both win.
 
 use super::{validate_key, BResult, Backend, BackendError, Capabilities, ErrorKind, ObjectInfo};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::fs::{self, File, OpenOptions};
@@ -22,7 +22,7 @@ pub struct LocalBackend {
     dirty_dirs: Mutex<HashSet<PathBuf>>,
     /// Open handles of immutable objects (`packs/`) for range reads: opening a file per 4 KiB
     /// disk read costs more than the read itself.
-    handles: Mutex<HashMap<String, Arc<File>>>,
+    handles: RwLock<HashMap<String, Arc<File>>>,
 }
 
 /// How many pack files `get_range` keeps open.
@@ -41,7 +41,7 @@ impl LocalBackend {
                 let _ = fs::remove_file(e.path());
             }
         }
-        Ok(LocalBackend { root, dirty_dirs: Mutex::new(HashSet::new()), handles: Mutex::new(HashMap::new()) })
+        Ok(LocalBackend { root, dirty_dirs: Mutex::new(HashSet::new()), handles: RwLock::new(HashMap::new()) })
     }
 
     pub fn root(&self) -> &Path {
@@ -112,12 +112,12 @@ impl Backend for LocalBackend {
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
         let p = self.path(key)?;
         let cached = key.starts_with("packs/");
-        let f = match cached.then(|| self.handles.lock().get(key).cloned()).flatten() {
+        let f = match cached.then(|| self.handles.read().get(key).cloned()).flatten() {
             Some(f) => f,
             None => {
                 let f = Arc::new(File::open(&p).map_err(|e| BackendError::from_io("get_range", key, e))?);
                 if cached {
-                    let mut h = self.handles.lock();
+                    let mut h = self.handles.write();
                     if h.len() >= MAX_HANDLES {
                         h.clear();
                     }
@@ -137,7 +137,7 @@ impl Backend for LocalBackend {
 
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
         let p = self.path(key)?;
-        self.handles.lock().remove(key);
+        self.handles.write().remove(key);
         let parent = self.ensure_parent("put", key, &p)?;
         let tmp = self.write_tmp("put", key, data)?;
         if let Err(e) = fs::rename(&tmp, &p) {
@@ -218,7 +218,7 @@ impl Backend for LocalBackend {
 
     fn delete(&self, key: &str) -> BResult<()> {
         let p = self.path(key)?;
-        self.handles.lock().remove(key);
+        self.handles.write().remove(key);
         match fs::remove_file(&p) {
             Ok(()) => {
                 if let Some(parent) = p.parent() {

@@ -23,10 +23,12 @@
 //! - No retries in here: `object_store`'s own retry loop is disabled so that transient failures
 //!   surface as `ErrorKind::Unavailable` and the [`super::retry`] decorator, which knows which
 //!   operations are safe to repeat and counts what it does, is the one place that retries.
-//! - Preferred pack size 64 MiB: a PUT costs one round trip plus a few tens of ms of request
-//!   overhead on real object stores; at 64 MiB that overhead is under 5% of the transfer on a
-//!   1 Gbit/s link, while a sealed pack (held in memory until durable) stays small. Reads are
-//!   range GETs, so the pack size costs nothing on the read path.
+//! - Preferred pack size 16 MiB: a pack is uploaded only once it is sealed, so the pack size
+//!   is also how much data waits for the link at the end of a save (64 MiB packs left a
+//!   256 MiB save's whole upload after the stream, measured by `bench save-restore
+//!   --remote`); a PUT's fixed cost (a round trip plus the server's request overhead) is
+//!   hidden by the store writer keeping two uploads in flight. Reads are range GETs, so the
+//!   pack size costs nothing on the read path.
 //! - Errors at open name the fix: missing credentials, a missing bucket, wrong credentials, an
 //!   unreachable endpoint, an `http://` endpoint without `AWS_ALLOW_HTTP=true`.
 
@@ -49,7 +51,7 @@ const TARGET: &str = "strata::backend::s3";
 /// Largest single PUT S3 accepts.
 pub const S3_MAX_OBJECT: u64 = 5 << 30;
 /// Pack size the store should use on object storage (see the module comment).
-pub const S3_PACK_SIZE: u64 = 64 << 20;
+pub const S3_PACK_SIZE: u64 = 16 << 20;
 
 /// Failures to configure or reach an S3 endpoint, each naming the fix.
 #[derive(Debug, thiserror::Error)]
@@ -101,7 +103,7 @@ pub struct S3Config {
     pub session_token: Option<String>,
     pub allow_http: bool,
     pub connect_timeout: Duration,
-    /// Whole-request timeout; generous because a 64 MiB pack over a slow link takes seconds.
+    /// Whole-request timeout; generous because a pack over a slow link takes seconds.
     pub request_timeout: Duration,
 }
 
@@ -219,6 +221,10 @@ impl S3Backend {
             .with_secret_access_key(&cfg.secret_access_key)
             .with_client_options(client)
             .with_retry(retry)
+            // No SHA-256 of every body (client and server each hash it, which costs a core
+            // at link speed on a small host): packs carry frame CRCs and every chunk is checked
+            // against its BLAKE3 id when read, so a body damaged in transit is still caught.
+            .with_unsigned_payload(true)
             .with_virtual_hosted_style_request(false);
         if let Some(ep) = &cfg.endpoint {
             b = b.with_endpoint(ep).with_allow_http(cfg.allow_http);

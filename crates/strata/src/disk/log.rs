@@ -12,7 +12,7 @@
 //! 48-byte header followed by `len` data bytes for writes. Record sequence numbers are
 //! consecutive, so a stale record can never be mistaken for the next one.
 
-use crate::store::format::{crc, Rd, Wr, FORMAT_VERSION};
+use crate::store::format::{crc, Rd, Wr};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -22,6 +22,8 @@ pub const LOG_MAGIC: &[u8; 8] = b"STRADLOG";
 pub const REC_MAGIC: u32 = 0x5344_4c52; // "SDLR"
 pub const LOG_HEADER_LEN: u64 = 64;
 pub const REC_HEADER_LEN: u64 = 48;
+/// Log format version written. Version 1 logs (one log per base generation) are still read.
+pub const LOG_VERSION: u16 = 2;
 /// Largest single record (matches the NBD request cap).
 pub const MAX_RECORD: u64 = 32 << 20;
 /// The log is zero-filled this far ahead of its end. Appending inside already-written blocks
@@ -45,21 +47,30 @@ pub enum RecKind {
     Trim = 3,
 }
 
-/// The file header: which disk, which base map generation the log applies on, which file.
+/// The file header: which disk, which file, and the disk's ref generation when it was made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LogHeader {
+    /// 1: the log holds the writes on top of generation `base_generation` (one log at a time).
+    /// 2: logs form a chain by `file_seq`; the disk ref's `log_folded` says which are folded.
+    pub version: u16,
     pub disk_id: [u8; 16],
-    /// Generation of the disk's ref that this log's records apply on top of.
+    /// Generation of the disk's ref when the log was created (version 1: the generation its
+    /// records apply on; version 2: a sanity bound, never above the ref's).
     pub base_generation: u64,
     /// Number of this log file within the disk (increasing).
     pub file_seq: u64,
 }
 
 impl LogHeader {
+    /// A header in the current version.
+    pub fn new(disk_id: [u8; 16], base_generation: u64, file_seq: u64) -> LogHeader {
+        LogHeader { version: LOG_VERSION, disk_id, base_generation, file_seq }
+    }
+
     pub fn encode(&self) -> [u8; LOG_HEADER_LEN as usize] {
         let mut v = Vec::with_capacity(64);
         v.extend_from_slice(LOG_MAGIC);
-        v.u16le(FORMAT_VERSION);
+        v.u16le(self.version);
         v.u16le(0);
         v.u32le(0);
         v.extend_from_slice(&self.disk_id);
@@ -72,17 +83,26 @@ impl LogHeader {
     }
 
     pub fn decode(b: &[u8]) -> Result<LogHeader, String> {
-        let mut rd = Rd::new(b, "disk log header");
-        rd.magic_version(LOG_MAGIC).map_err(|e| e.to_string())?;
-        if b.len() < 64 || crc(&b[..60]) != u32::from_le_bytes(b[60..64].try_into().unwrap()) {
+        if b.len() < LOG_HEADER_LEN as usize {
+            return Err("truncated header".into());
+        }
+        if &b[..8] != LOG_MAGIC {
+            return Err("bad magic".into());
+        }
+        if crc(&b[..60]) != u32::from_le_bytes(b[60..64].try_into().unwrap()) {
             return Err("checksum mismatch".into());
         }
+        let version = u16::from_le_bytes([b[8], b[9]]);
+        if !(1..=LOG_VERSION).contains(&version) {
+            return Err(format!("format version {version} is not supported (this strata reads 1 to {LOG_VERSION}); upgrade strata"));
+        }
+        let mut rd = Rd::new(&b[10..], "disk log header");
         let _flags = rd.u16().map_err(|e| e.to_string())?;
         let _res = rd.u32().map_err(|e| e.to_string())?;
         let disk_id = rd.arr().map_err(|e| e.to_string())?;
         let base_generation = rd.u64().map_err(|e| e.to_string())?;
         let file_seq = rd.u64().map_err(|e| e.to_string())?;
-        Ok(LogHeader { disk_id, base_generation, file_seq })
+        Ok(LogHeader { version, disk_id, base_generation, file_seq })
     }
 }
 
@@ -269,18 +289,22 @@ mod tests {
     use super::*;
 
     fn hdr() -> LogHeader {
-        LogHeader { disk_id: [4; 16], base_generation: 7, file_seq: 2 }
+        LogHeader::new([4; 16], 7, 2)
     }
 
     #[test]
     fn header_and_record_layout_is_pinned() {
         let h = hdr().encode();
         assert_eq!(&h[0..8], b"STRADLOG");
-        assert_eq!(u16::from_le_bytes([h[8], h[9]]), 1);
+        assert_eq!(u16::from_le_bytes([h[8], h[9]]), 2, "version at 8");
         assert_eq!(&h[16..32], &[4u8; 16], "disk id at 16");
         assert_eq!(u64::from_le_bytes(h[32..40].try_into().unwrap()), 7, "base generation at 32");
         assert_eq!(u64::from_le_bytes(h[40..48].try_into().unwrap()), 2, "file seq at 40");
         assert_eq!(LogHeader::decode(&h).unwrap(), hdr());
+        // Version 1 headers still decode; unknown versions are refused.
+        let v1 = LogHeader { version: 1, ..hdr() };
+        assert_eq!(LogHeader::decode(&v1.encode()).unwrap(), v1);
+        assert!(LogHeader::decode(&LogHeader { version: 3, ..hdr() }.encode()).unwrap_err().contains("version 3"));
         let r = encode_rec(RecKind::Write, 5, 4096, 3, b"abc");
         assert_eq!(u32::from_le_bytes(r[0..4].try_into().unwrap()), REC_MAGIC);
         assert_eq!(r[4], 1, "kind at 4");

@@ -1,36 +1,34 @@
 //! A writable disk: the base block map from the store, overlaid by the write log.
 //!
-//! Reads take each byte from the newest source: the log overlay (an extent map into the log
-//! file), else the base map's chunk (decompressed and verified once, then served from a small
-//! block cache), else zeros. Writes append one log record and update the overlay under the
-//! append lock, so the overlay and the log agree on order. Flush is group commit: the first
-//! flusher `fdatasync`s the log, and flushes that arrive meanwhile wait for it and return if it
-//! covered their writes; each guest flush costs at most one host fdatasync, and
+//! Reads take each byte from the newest source: the active log's overlay (an extent map into
+//! the log file), else the frozen log's overlay while a compaction folds it, else the base
+//! map's chunk (read through the store's verified range reads, `store/slice.rs`), else zeros.
+//! A read plans its pieces under the state lock and does its I/O after releasing it: log
+//! files are append-only and chunks are immutable, so a plan stays valid while writes and
+//! compactions go on (an unlinked log stays readable through its open handle).
+//!
+//! Writes append one log record and update the overlay under the append lock, so the overlay
+//! and the log agree on order. Flush is group commit: the first flusher `fdatasync`s the log,
+//! and flushes that arrive meanwhile wait for it and return if it covered their writes; each
+//! guest flush costs one host fdatasync (two for the first flush after the log rolled over to a
+//! new file while the old one is still being folded, see `compact.rs`), and
 //! `stats().fdatasyncs` counts them.
 //!
-//! Compaction folds the overlay into the base: for every block the log touched, the block is
-//! assembled (base + overlay) and stored as a chunk, the new map is committed as the disk's ref
-//! (generation G+1), then a fresh log whose header says "applies on G+1" replaces the old one.
-//! Recovery keeps only logs whose base generation equals the ref's, so a crash between the
-//! commit and the log switch cannot apply old records twice. Compaction currently holds the
-//! append lock, so writes wait while it runs (see docs/disks.md for its cost).
+//! Compaction (`compact.rs`) folds a frozen log file into the base in the background while
+//! writes go on into the next file.
 
 use super::extent::{ExtentMap, Src};
 use super::log::{self, LogError, LogHeader, LogWriter, RecKind};
-use super::{map, ref_name, DiskError, DiskMeta, Result};
+use super::{map, DiskError, DiskMeta, Result};
 use crate::id::ChunkId;
-use crate::store::objects::Ref;
-use crate::store::pack::ChunkKind;
 use crate::store::Store;
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
-/// Bytes of decompressed base blocks kept per volume.
-const CACHE_BYTES: usize = 256 << 20;
 /// Compact automatically when the log grows past this.
 pub const DEFAULT_COMPACT_AT: u64 = 1 << 30;
 
@@ -43,14 +41,28 @@ pub struct VolumeStats {
     pub fdatasyncs: AtomicU64,
     pub compactions: AtomicU64,
     pub compaction_bytes: AtomicU64,
-    pub cache_hits: AtomicU64,
-    pub cache_misses: AtomicU64,
+    /// Times a writer waited because the log was twice the threshold while a compaction ran.
+    pub compaction_waits: AtomicU64,
 }
 
-struct State {
-    generation: u64,
-    base: Vec<ChunkId>,
-    overlay: ExtentMap,
+pub(super) struct State {
+    pub generation: u64,
+    pub base: Arc<Vec<ChunkId>>,
+    /// Writes in the active log file.
+    pub active: ExtentMap,
+    /// Writes in the frozen log file(s) a compaction is folding into the base.
+    pub frozen: Option<Arc<ExtentMap>>,
+    /// Read handles of the log files the overlays point into, by file number.
+    pub files: HashMap<u32, Arc<File>>,
+}
+
+/// A log file that no longer takes appends and is not yet folded into the base.
+pub(super) struct FrozenLog {
+    pub seq: u64,
+    pub file: Arc<File>,
+    pub path: PathBuf,
+    /// Whether a flush has made all its records durable.
+    pub synced: bool,
 }
 
 struct SyncState {
@@ -58,32 +70,31 @@ struct SyncState {
     syncing: bool,
 }
 
-struct BlockCache {
-    map: HashMap<ChunkId, Arc<Vec<u8>>>,
-    order: VecDeque<ChunkId>,
-    bytes: usize,
+pub(super) struct CompactState {
+    pub running: bool,
+    pub thread: Option<std::thread::JoinHandle<()>>,
 }
 
 pub struct Volume {
-    store: Store,
-    name: String,
-    meta: DiskMeta,
-    dir: PathBuf,
-    state: RwLock<State>,
-    log: Mutex<LogWriter>,
-    log_id: AtomicU64,
+    pub(super) store: Store,
+    pub(super) name: String,
+    pub(super) meta: DiskMeta,
+    pub(super) dir: PathBuf,
+    pub(super) me: Weak<Volume>,
+    pub(super) state: RwLock<State>,
+    pub(super) log: Mutex<LogWriter>,
     /// Records appended over the volume's life (across log files); flush targets count these.
-    appended: AtomicU64,
-    /// Read handles of log files, by log id.
-    files: RwLock<HashMap<u32, Arc<File>>>,
+    pub(super) appended: AtomicU64,
+    pub(super) frozen_log: Mutex<Option<FrozenLog>>,
     sync: Mutex<SyncState>,
     sync_cv: Condvar,
-    cache: Mutex<BlockCache>,
-    failed: Mutex<Option<String>>,
+    pub(super) compaction: Mutex<CompactState>,
+    pub(super) compaction_cv: Condvar,
+    pub(super) failed: Mutex<Option<String>>,
     _lock: File,
     _lease: Option<crate::store::lease::LeaseGuard>,
-    compact_at: AtomicU64,
-    stats: VolumeStats,
+    pub(super) compact_at: AtomicU64,
+    pub(super) stats: VolumeStats,
     sync_hook: RwLock<Option<SyncHook>>,
 }
 
@@ -94,12 +105,15 @@ pub enum SyncEvent {
     LogSync(PathBuf),
     /// A new, empty log was created (durably) at this path.
     LogCreated(PathBuf),
+    /// A compaction is about to fold the (frozen) log at this path into the base; an error
+    /// fails the compaction.
+    FoldStart(PathBuf),
 }
 
 /// Test seam for crash harnesses: observes (and may fail) the volume's durability points.
 pub type SyncHook = Arc<dyn Fn(&SyncEvent) -> std::io::Result<()> + Send + Sync>;
 
-fn io_err(op: &'static str, path: &std::path::Path, e: std::io::Error) -> DiskError {
+pub(super) fn io_err(op: &'static str, path: &std::path::Path, e: std::io::Error) -> DiskError {
     DiskError::Io { op, path: path.to_path_buf(), source: e }
 }
 
@@ -110,6 +124,65 @@ impl From<LogError> for DiskError {
             other => DiskError::Log(other.to_string()),
         }
     }
+}
+
+/// Where a piece of a read comes from.
+pub(super) enum Piece {
+    Zero,
+    Log(Arc<File>, u64),
+    /// A base chunk, from this offset in it.
+    Chunk(ChunkId, u64),
+}
+
+/// The pieces of `[off, off + len)`: from the first layer that has each byte, else the base.
+pub(super) fn plan(
+    layers: &[&ExtentMap],
+    base: &[ChunkId],
+    files: &HashMap<u32, Arc<File>>,
+    bs: u64,
+    off: u64,
+    len: u64,
+    out: &mut Vec<(u64, u64, Piece)>,
+) -> Result<()> {
+    let Some((top, rest)) = layers.split_first() else {
+        let mut cur = off;
+        while cur < off + len {
+            let blk = cur / bs;
+            let end = ((blk + 1) * bs).min(off + len);
+            let id = base.get(blk as usize).copied().unwrap_or(ChunkId::ZERO);
+            let piece = if id.is_zero() { Piece::Zero } else { Piece::Chunk(id, cur - blk * bs) };
+            out.push((cur, end - cur, piece));
+            cur = end;
+        }
+        return Ok(());
+    };
+    for (p, l, src) in top.lookup(off, len) {
+        match src {
+            None => plan(rest, base, files, bs, p, l, out)?,
+            Some(Src::Zero) => out.push((p, l, Piece::Zero)),
+            Some(Src::Log { log, pos }) => {
+                let f = files.get(&log).cloned().ok_or_else(|| DiskError::Log(format!("log {log} is not open")))?;
+                out.push((p, l, Piece::Log(f, pos)));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fill `buf` (which starts at disk offset `off`) from planned pieces.
+pub(super) fn fetch(store: &Store, dir: &std::path::Path, off: u64, pieces: &[(u64, u64, Piece)], buf: &mut [u8]) -> Result<()> {
+    for (p, l, piece) in pieces {
+        let b = &mut buf[(p - off) as usize..(p - off + l) as usize];
+        match piece {
+            Piece::Zero => b.fill(0),
+            Piece::Log(f, pos) => log::read_at(f, *pos, b).map_err(|e| io_err("read", dir, e))?,
+            Piece::Chunk(id, at) => {
+                let n = store.read_range(id, *at, b)?;
+                b[n..].fill(0);
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Volume {
@@ -134,7 +207,7 @@ impl Volume {
         let mut id_bytes = [0u8; 16];
         hex::decode_to_slice(&disk_id, &mut id_bytes).map_err(|_| DiskError::Log(format!("disk '{name}' has a bad id")))?;
 
-        // Logs: keep the one that applies on the current generation; older ones were compacted.
+        // Logs: replay, in file order, every log not yet folded into the base; remove the rest.
         let mut logs: Vec<(u64, PathBuf)> = Vec::new();
         for e in std::fs::read_dir(&dir).map_err(|e| io_err("list", &dir, e))?.flatten() {
             let fname = e.file_name().to_string_lossy().into_owned();
@@ -144,23 +217,38 @@ impl Volume {
         }
         logs.sort();
         let mut overlay = ExtentMap::new();
+        let mut files = HashMap::new();
         let mut current: Option<LogWriter> = None;
-        let mut next_file = 1;
+        let mut next_file = meta.log_folded.unwrap_or(0) + 1;
         for (seq, path) in logs {
             next_file = next_file.max(seq + 1);
             let (w, recs) = LogWriter::recover(&path)?;
-            if w.header.base_generation < r.generation {
+            let h = w.header;
+            if h.disk_id != id_bytes {
+                return Err(DiskError::Log(format!("log {} belongs to another disk; move it aside and reopen '{name}'", path.display())));
+            }
+            // Version 1 logs name the generation their records apply on; version 2 logs are
+            // folded once the ref says so (`log_folded`), whatever generation made them.
+            let folded = match h.version {
+                1 => h.base_generation < r.generation,
+                _ => meta.log_folded.is_some_and(|f| seq <= f),
+            };
+            if folded {
                 tracing::info!(target: "strata::disk", path = %path.display(), "removing log already folded into the base");
                 drop(w);
                 std::fs::remove_file(&path).map_err(|e| io_err("remove", &path, e))?;
                 continue;
             }
-            if w.header.base_generation > r.generation || w.header.disk_id != id_bytes || current.is_some() {
+            if h.base_generation > r.generation || (h.version == 1 && current.is_some()) {
                 return Err(DiskError::Log(format!(
                     "log {} does not belong on generation {} of disk '{name}'; move it aside and reopen",
                     path.display(),
                     r.generation
                 )));
+            }
+            if !recs.is_empty() {
+                // What was replayed is durable from here on, whatever the last process synced.
+                w.file_handle()?.sync_data().map_err(|e| io_err("fdatasync", &path, e))?;
             }
             for rec in &recs {
                 let src = match rec.kind {
@@ -169,32 +257,34 @@ impl Volume {
                 };
                 overlay.insert(rec.offset, rec.len, src);
             }
+            files.insert(seq as u32, Arc::new(w.file_handle()?));
             current = Some(w);
         }
         let w = match current {
             Some(w) => w,
-            None => LogWriter::create(
-                &dir.join(format!("log.{next_file}")),
-                LogHeader { disk_id: id_bytes, base_generation: r.generation, file_seq: next_file },
-            )?,
+            None => {
+                let w = LogWriter::create(
+                    &dir.join(format!("log.{next_file}")),
+                    LogHeader::new(id_bytes, r.generation, next_file),
+                )?;
+                files.insert(next_file as u32, Arc::new(w.file_handle()?));
+                w
+            }
         };
-        let log_id = w.header.file_seq;
-        let mut files = HashMap::new();
-        files.insert(log_id as u32, Arc::new(w.file_handle()?));
-        let synced = 0;
-        Ok(Arc::new(Volume {
+        Ok(Arc::new_cyclic(|me| Volume {
             store: store.clone(),
             name: name.into(),
             meta,
             dir,
-            state: RwLock::new(State { generation: r.generation, base, overlay }),
+            me: me.clone(),
+            state: RwLock::new(State { generation: r.generation, base: Arc::new(base), active: overlay, frozen: None, files }),
             log: Mutex::new(w),
-            log_id: AtomicU64::new(log_id),
             appended: AtomicU64::new(0),
-            files: RwLock::new(files),
-            sync: Mutex::new(SyncState { synced_seq: synced, syncing: false }),
+            frozen_log: Mutex::new(None),
+            sync: Mutex::new(SyncState { synced_seq: 0, syncing: false }),
             sync_cv: Condvar::new(),
-            cache: Mutex::new(BlockCache { map: HashMap::new(), order: VecDeque::new(), bytes: 0 }),
+            compaction: Mutex::new(CompactState { running: false, thread: None }),
+            compaction_cv: Condvar::new(),
             failed: Mutex::new(None),
             _lock: lock,
             _lease: lease,
@@ -227,14 +317,14 @@ impl Volume {
         *self.sync_hook.write() = Some(hook);
     }
 
-    fn hook(&self, ev: SyncEvent) -> std::io::Result<()> {
+    pub(super) fn hook(&self, ev: SyncEvent) -> std::io::Result<()> {
         match &*self.sync_hook.read() {
             Some(h) => h(&ev),
             None => Ok(()),
         }
     }
 
-    fn check_failed(&self) -> Result<()> {
+    pub(super) fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock() {
             Some(why) => Err(DiskError::Failed { name: self.name.clone(), reason: why.clone() }),
             None => Ok(()),
@@ -248,66 +338,25 @@ impl Volume {
         Ok(())
     }
 
-    /// A verified, decompressed base block.
-    fn block(&self, id: &ChunkId) -> Result<Arc<Vec<u8>>> {
-        if let Some(b) = self.cache.lock().map.get(id).cloned() {
-            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(b);
-        }
-        self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
-        let data = Arc::new(self.store.get(id)?);
-        let mut c = self.cache.lock();
-        if c.map.insert(*id, data.clone()).is_none() {
-            c.order.push_back(*id);
-            c.bytes += data.len();
-            while c.bytes > CACHE_BYTES {
-                let Some(old) = c.order.pop_front() else { break };
-                if let Some(v) = c.map.remove(&old) {
-                    c.bytes -= v.len();
-                }
-            }
-        }
-        Ok(data)
-    }
-
-    /// Fill `buf` from the base map at `off`.
-    fn read_base(&self, base: &[ChunkId], off: u64, buf: &mut [u8]) -> Result<()> {
-        let bs = self.meta.block_size as u64;
-        let mut done = 0usize;
-        while done < buf.len() {
-            let pos = off + done as u64;
-            let blk = (pos / bs) as usize;
-            let in_blk = (pos % bs) as usize;
-            let n = (bs as usize - in_blk).min(buf.len() - done);
-            let id = base.get(blk).copied().unwrap_or(ChunkId::ZERO);
-            if id.is_zero() {
-                buf[done..done + n].fill(0);
-            } else {
-                let b = self.block(&id)?;
-                let avail = b.len().saturating_sub(in_blk).min(n);
-                buf[done..done + avail].copy_from_slice(&b[in_blk..in_blk + avail]);
-                buf[done + avail..done + n].fill(0);
-            }
-            done += n;
-        }
-        Ok(())
-    }
-
     pub fn read(&self, off: u64, buf: &mut [u8]) -> Result<()> {
         self.bounds("read", off, buf.len() as u64)?;
-        let st = self.state.read();
-        for (p, len, src) in st.overlay.lookup(off, buf.len() as u64) {
-            let b = &mut buf[(p - off) as usize..(p - off + len) as usize];
-            match src {
-                None => self.read_base(&st.base, p, b)?,
-                Some(Src::Zero) => b.fill(0),
-                Some(Src::Log { log, pos }) => {
-                    let f = self.files.read().get(&log).cloned().ok_or_else(|| DiskError::Log(format!("log {log} is not open")))?;
-                    log::read_at(&f, pos, b).map_err(|e| io_err("read", &self.dir, e))?;
+        let mut pieces = Vec::new();
+        {
+            let st = self.state.read();
+            let (both, one);
+            let layers: &[&ExtentMap] = match st.frozen.as_deref() {
+                Some(f) => {
+                    both = [&st.active, f];
+                    &both
                 }
-            }
+                None => {
+                    one = [&st.active];
+                    &one
+                }
+            };
+            plan(layers, &st.base, &st.files, self.meta.block_size as u64, off, buf.len() as u64, &mut pieces)?;
         }
-        Ok(())
+        fetch(&self.store, &self.dir, off, &pieces, buf)
     }
 
     fn append(&self, kind: RecKind, off: u64, len: u64, data: &[u8]) -> Result<()> {
@@ -317,10 +366,10 @@ impl Volume {
             let mut w = self.log.lock();
             let rec = w.append(kind, off, len, data)?;
             let src = match kind {
-                RecKind::Write => Src::Log { log: self.log_id.load(Ordering::Relaxed) as u32, pos: rec.data_pos },
+                RecKind::Write => Src::Log { log: w.header.file_seq as u32, pos: rec.data_pos },
                 _ => Src::Zero,
             };
-            self.state.write().overlay.insert(off, len, src);
+            self.state.write().active.insert(off, len, src);
             self.appended.fetch_add(1, Ordering::Release);
             self.stats.log_bytes_written.fetch_add(log::REC_HEADER_LEN + data.len() as u64, Ordering::Relaxed);
             w.pos
@@ -330,8 +379,7 @@ impl Volume {
             self.stats.guest_bytes_written.fetch_add(len, Ordering::Relaxed);
         }
         if grown > self.compact_at.load(Ordering::Relaxed) {
-            self.flush()?;
-            self.compact()?;
+            self.compact_in_background(grown)?;
         }
         Ok(())
     }
@@ -360,7 +408,13 @@ impl Volume {
         Ok(())
     }
 
-    /// Make every completed write durable: at most one fdatasync, shared by concurrent callers.
+    fn sync_file(&self, f: &File, path: &std::path::Path) -> Result<()> {
+        self.hook(SyncEvent::LogSync(path.to_path_buf())).map_err(|e| io_err("fdatasync", path, e))?;
+        self.stats.fdatasyncs.fetch_add(1, Ordering::Relaxed);
+        f.sync_data().map_err(|e| io_err("fdatasync", path, e))
+    }
+
+    /// Make every completed write durable: one fdatasync, shared by concurrent callers.
     pub fn flush(&self) -> Result<()> {
         self.check_failed()?;
         self.stats.flushes.fetch_add(1, Ordering::Relaxed);
@@ -376,15 +430,22 @@ impl Volume {
             if !s.syncing {
                 s.syncing = true;
                 drop(s);
-                let (upto, file, path) = {
+                // Under the append lock: what is appended so far lies in the active file and,
+                // if a compaction has not folded it yet, the frozen one.
+                let (upto, file, path, frozen) = {
                     let w = self.log.lock();
-                    (self.appended.load(Ordering::Acquire), w.file_handle(), w.path.clone())
+                    let frozen = self.frozen_log.lock().as_ref().filter(|f| !f.synced).map(|f| (f.seq, f.file.clone(), f.path.clone()));
+                    (self.appended.load(Ordering::Acquire), w.file_handle(), w.path.clone(), frozen)
                 };
-                let res = file.map_err(DiskError::from).and_then(|f| {
-                    self.hook(SyncEvent::LogSync(path.clone())).map_err(|e| io_err("fdatasync", &path, e))?;
-                    self.stats.fdatasyncs.fetch_add(1, Ordering::Relaxed);
-                    f.sync_data().map_err(|e| io_err("fdatasync", &path, e))
-                });
+                let res = (|| -> Result<()> {
+                    if let Some((seq, f, p)) = frozen {
+                        self.sync_file(&f, &p)?;
+                        if let Some(fl) = self.frozen_log.lock().as_mut().filter(|fl| fl.seq == seq) {
+                            fl.synced = true;
+                        }
+                    }
+                    self.sync_file(&file?, &path)
+                })();
                 s = self.sync.lock();
                 s.syncing = false;
                 self.sync_cv.notify_all();
@@ -401,85 +462,10 @@ impl Volume {
         }
     }
 
-    /// Fold the log into the base map and start a new log. Returns the new generation.
-    pub fn compact(&self) -> Result<u64> {
-        let r = self.compact_inner();
-        if let Err(e) = &r {
-            // The base and the log may now disagree about which is current; reopening resolves
-            // it from the ref generation, so refuse I/O until then.
-            *self.failed.lock() = Some(format!("compaction failed: {e}"));
-        }
-        r
-    }
-
-    fn compact_inner(&self) -> Result<u64> {
-        self.check_failed()?;
-        let mut w = self.log.lock();
-        let (gen, root) = {
-            let st = self.state.read();
-            if st.overlay.is_empty() {
-                return Ok(st.generation);
-            }
-            let bs = self.meta.block_size as u64;
-            let mut touched = HashSet::new();
-            for (off, len, _) in st.overlay.iter() {
-                for b in off / bs..(off + len).div_ceil(bs) {
-                    touched.insert(b);
-                }
-            }
-            let mut touched: Vec<u64> = touched.into_iter().collect();
-            touched.sort_unstable();
-            drop(st);
-            let ses = self.store.session();
-            let mut new_base = self.state.read().base.clone();
-            let mut buf = vec![0u8; bs as usize];
-            for b in touched {
-                let off = b * bs;
-                let n = (self.meta.size - off).min(bs) as usize;
-                self.read(off, &mut buf[..n])?;
-                buf[n..].fill(0);
-                let id = if buf.iter().all(|&x| x == 0) {
-                    ChunkId::ZERO
-                } else {
-                    self.stats.compaction_bytes.fetch_add(bs, Ordering::Relaxed);
-                    ses.put(&buf, ChunkKind::Data)?
-                };
-                new_base[b as usize] = id;
-            }
-            let root = map::write_map(&ses, &new_base)?;
-            let payload = serde_json::to_vec(&self.meta).expect("json");
-            ses.commit_ref(&ref_name(&self.name), Ref::new(vec![root], payload))?;
-            let gen = self.store.get_ref(&ref_name(&self.name))?.map(|r| r.generation).unwrap_or(0);
-            self.state.write().base = new_base;
-            (gen, root)
-        };
-        // Switch to a fresh log that applies on the new generation, then drop the old one.
-        let next = w.header.file_seq + 1;
-        let nw = LogWriter::create(
-            &self.dir.join(format!("log.{next}")),
-            LogHeader { disk_id: w.header.disk_id, base_generation: gen, file_seq: next },
-        )?;
-        let _ = self.hook(SyncEvent::LogCreated(nw.path.clone()));
-        let old_path = w.path.clone();
-        let old_id = w.header.file_seq as u32;
-        self.files.write().insert(next as u32, Arc::new(nw.file_handle()?));
-        {
-            let mut st = self.state.write();
-            st.generation = gen;
-            st.overlay = ExtentMap::new();
-        }
-        *w = nw;
-        self.log_id.store(next, Ordering::Relaxed);
-        {
-            // Everything appended so far is in the committed base now.
-            let mut s = self.sync.lock();
-            s.synced_seq = s.synced_seq.max(self.appended.load(Ordering::Acquire));
-        }
-        self.files.write().remove(&old_id);
-        std::fs::remove_file(&old_path).map_err(|e| io_err("remove", &old_path, e))?;
-        self.stats.compactions.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(target: "strata::disk", disk = %self.name, generation = gen, root = %root, "compacted");
-        Ok(gen)
+    /// Record that every record appended before `upto` is durable (a compaction committed it).
+    pub(super) fn mark_durable(&self, upto: u64) {
+        let mut s = self.sync.lock();
+        s.synced_seq = s.synced_seq.max(upto);
     }
 
     /// Block status for NBD: (length, allocated) runs over [off, off+len).
@@ -491,27 +477,31 @@ impl Volume {
             Some((pl, pa)) if *pa == a => *pl += l,
             _ => out.push((l, a)),
         };
-        for (p, l, src) in st.overlay.lookup(off, len) {
-            match src {
-                Some(Src::Log { .. }) => push(l, true),
-                Some(Src::Zero) => push(l, false),
-                None => {
-                    let mut cur = p;
-                    while cur < p + l {
-                        let blk = cur / bs;
-                        let end = ((blk + 1) * bs).min(p + l);
-                        let alloc = st.base.get(blk as usize).is_some_and(|id| !id.is_zero());
-                        push(end - cur, alloc);
-                        cur = end;
-                    }
-                }
+        let mut pieces = Vec::new();
+        let (both, one);
+        let layers: &[&ExtentMap] = match st.frozen.as_deref() {
+            Some(f) => {
+                both = [&st.active, f];
+                &both
             }
+            None => {
+                one = [&st.active];
+                &one
+            }
+        };
+        // Planning only resolves log handles, which are open for every extent; it cannot fail.
+        if plan(layers, &st.base, &st.files, bs, off, len, &mut pieces).is_err() {
+            return vec![(len, true)];
+        }
+        for (_, l, piece) in &pieces {
+            push(*l, !matches!(piece, Piece::Zero));
         }
         out
     }
 
     /// Flush and fold the log into the base (e.g. before a snapshot or on shutdown).
     pub fn close(&self) -> Result<()> {
+        self.wait_compaction();
         self.flush()?;
         self.compact()?;
         Ok(())

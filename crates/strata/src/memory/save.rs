@@ -254,6 +254,8 @@ pub fn save(
         return Err(MemError::BadName { name: name.into() });
     }
     let rname = ref_name(name);
+    // One writer per checkpoint name, across hosts (docs/backends.md), from before the first page.
+    let _lease = store.lease_if_needed(&rname).map_err(MemError::store("lease", name))?;
     let exists = store
         .get_ref(&rname)
         .map_err(MemError::store("lookup", name))?

@@ -23,6 +23,7 @@ pub mod lease;
 pub mod meta;
 pub mod objects;
 pub mod pack;
+pub mod slice;
 mod writer;
 
 use crate::backend::{local::LocalBackend, BackendError, DynBackend, ErrorKind};
@@ -174,6 +175,8 @@ pub(crate) struct Inner {
     pub(crate) leases: Arc<lease::Leases>,
     pub location: String,
     pub local_dir: PathBuf,
+    /// Verified piece CVs and decompressed chunks, shared by every reader (`slice.rs`).
+    pub slices: slice::SliceCache,
 }
 
 /// A handle to an open store; cheap to clone and share between threads.
@@ -275,6 +278,7 @@ impl Store {
                 location,
                 local_dir,
                 leases,
+                slices: slice::SliceCache::default(),
             }),
         })
     }
@@ -373,13 +377,19 @@ impl Store {
     }
 
     fn read_frame(&self, loc: &Loc) -> Result<Vec<u8>> {
+        self.read_frame_range(loc, 0, loc.entry.frame_len as u64)
+    }
+
+    /// Bytes `[start, start + len)` of a chunk's stored frame (unverified; callers verify).
+    fn read_frame_range(&self, loc: &Loc, start: u64, len: u64) -> Result<Vec<u8>> {
         let e = &loc.entry;
         let (pid, mem, durable) = {
             let idx = self.inner.sh.index.read();
             let slot = idx.slot(loc.pack).ok_or(StoreError::PackMissing { id: e.id, pack: PackId::default() })?;
             (slot.id, slot.mem.clone(), slot.durable)
         };
-        let range = e.frame_off as usize..e.frame_off as usize + e.frame_len as usize;
+        let first = e.frame_off as usize + start as usize;
+        let range = first..first + len as usize;
         if let Some(mem) = mem {
             return Ok(mem[range].to_vec());
         }
@@ -398,7 +408,7 @@ impl Store {
         self.inner
             .sh
             .backend
-            .get_range(&pid.pack_key(), e.frame_off, e.frame_len as u64)
+            .get_range(&pid.pack_key(), e.frame_off + start, len)
             .map_err(|err| match err.kind {
                 ErrorKind::NotFound => StoreError::PackMissing { id: e.id, pack: pid },
                 _ => StoreError::Backend(err),

@@ -1,8 +1,8 @@
 //! The pack writer thread, and loading the chunk index at open.
 //!
 //! Sealed packs are queued (bounded, so fast producers are throttled by the backend) to one
-//! thread that `put`s them in order. A flush request travels down the same queue, so when the
-//! thread reaches it every earlier pack has been put: it then syncs (packs durable), writes each
+//! thread that `put`s them, [`UPLOADS`] at a time. A flush request travels down the same queue,
+//! so when the thread reaches it every earlier pack has been put: it then syncs (packs durable), writes each
 //! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
 //! records them in the local metadata cache. Any failure poisons the store.
 
@@ -77,23 +77,59 @@ struct Written {
     entries: Vec<PackEntry>,
 }
 
+/// Pack uploads in flight at once. Two keep a network link busy while one request is being
+/// set up or finished by the server (a serial writer idles the link between PUTs), and cost
+/// little on a local disk.
+pub const UPLOADS: usize = 2;
+/// Index objects written at once by a flush (small objects: latency-bound on a remote backend).
+pub const INDEX_PUTS: usize = 8;
+
+type Upload = JoinHandle<std::result::Result<Written, crate::backend::BackendError>>;
+
+/// Wait for the oldest upload; record it, or poison the store.
+fn reap(sh: &Shared, inflight: &mut std::collections::VecDeque<Upload>, written: &mut Vec<Written>) {
+    if let Some(h) = inflight.pop_front() {
+        match h.join() {
+            Ok(Ok(w)) => {
+                sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
+                written.push(w);
+            }
+            Ok(Err(e)) => sh.poison(&e),
+            Err(_) => sh.poison(&crate::backend::BackendError::with_source(
+                crate::backend::ErrorKind::Other,
+                "put",
+                "packs/",
+                std::io::Error::other("pack upload thread panicked"),
+            )),
+        }
+    }
+}
+
 fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
     let mut written: Vec<Written> = Vec::new();
+    let mut inflight: std::collections::VecDeque<Upload> = std::collections::VecDeque::new();
     for job in rx {
         match job {
             Job::Pack { no, id, bytes, entries } => {
                 if sh.poison.lock().is_some() {
                     continue;
                 }
-                match sh.backend.put(&id.pack_key(), &bytes) {
-                    Ok(()) => {
-                        sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
-                        written.push(Written { no, id, size: bytes.len() as u64, entries });
-                    }
-                    Err(e) => sh.poison(&e),
+                while inflight.len() >= UPLOADS {
+                    reap(&sh, &mut inflight, &mut written);
+                }
+                let sh2 = sh.clone();
+                let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
+                    sh2.backend.put(&id.pack_key(), &bytes).map(|()| Written { no, id, size: bytes.len() as u64, entries })
+                });
+                match spawned {
+                    Ok(h) => inflight.push_back(h),
+                    Err(e) => sh.poison(&crate::backend::BackendError::from_io("put", id.pack_key(), e)),
                 }
             }
             Job::Flush(reply) => {
+                while !inflight.is_empty() {
+                    reap(&sh, &mut inflight, &mut written);
+                }
                 let r = commit(&sh, &mut written).map_err(|e| match e {
                     StoreError::Poisoned { reason } => reason,
                     other => other.to_string(),
@@ -101,6 +137,9 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
                 let _ = reply.send(r);
             }
         }
+    }
+    while !inflight.is_empty() {
+        reap(&sh, &mut inflight, &mut written);
     }
 }
 
@@ -111,12 +150,29 @@ fn commit(sh: &Shared, written: &mut Vec<Written>) -> Result<()> {
         return Ok(());
     }
     sh.sync()?;
-    for w in written.iter() {
-        let obj = IndexObject { pack: w.id, pack_size: w.size, entries: w.entries.clone() };
-        sh.backend.put(&w.id.index_key(), &obj.encode()).map_err(|e| {
-            sh.poison(&e);
-            StoreError::Backend(e)
-        })?;
+    // Index objects are independent: put them concurrently (a flush after a large save has
+    // one per pack, and each is a round trip on a remote backend).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed: Mutex<Option<crate::backend::BackendError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..INDEX_PUTS.min(written.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(w) = written.get(i) else { return };
+                if failed.lock().is_some() {
+                    return;
+                }
+                let obj = IndexObject { pack: w.id, pack_size: w.size, entries: w.entries.clone() };
+                if let Err(e) = sh.backend.put(&w.id.index_key(), &obj.encode()) {
+                    failed.lock().get_or_insert(e);
+                    return;
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner() {
+        sh.poison(&e);
+        return Err(StoreError::Backend(e));
     }
     sh.sync()?;
     {

@@ -1,0 +1,334 @@
+//! The storage host of the remote benchmarks (issue 5): `bench io --remote`, `clone --remote`,
+//! `save-restore --remote` and `live --redis` all run against a network namespace holding
+//! versitygw (S3) and redis-server behind a veth pair shaped to 1 Gbit/s with `tbf`, built by
+//! `scripts/storage-host.sh` (embedded in the binary, so the benchmark works from any
+//! directory).
+//!
+//! [`StorageHost::up`] creates it and [`Drop`] removes it, also when the benchmark fails, so no
+//! namespace, veth or server is left behind. Every benchmark reports the bytes that crossed the
+//! link beside its times: [`StorageHost::link`] reads the host end's veth counters (`tx` =
+//! host to storage, `rx` = storage to host; Ethernet frames, so TCP/IP headers included).
+//!
+//! Baselines that need a file on the storage host (QEMU migration streams, raw images) use
+//! [`Relay`]: a thread of this process that enters the namespace with `setns(CLONE_NEWNET)`
+//! (a per-thread switch) and receives a TCP stream into a file there (then fsyncs it), or
+//! serves a file from there. Neither socat nor a full netcat is installed on these hosts,
+//! and busybox nc copies in pieces too small to fill the link on 2 busy cores.
+
+use anyhow::{bail, ensure, Context, Result};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+use strata::backend::cache::{CacheBackend, CacheOptions, Splitter};
+use strata::backend::open::open_location;
+use strata::backend::retry::RetryPolicy;
+use strata::backend::DynBackend;
+use strata::store::{InitOptions, Store};
+use strata::Codec;
+
+const SCRIPT: &str = include_str!("../../../scripts/storage-host.sh");
+/// This benchmark's own namespace and subnet, apart from other users of the script.
+pub const NS: &str = "strata-remote";
+pub const NET: &str = "10.212.0";
+pub const BUCKET: &str = "strata";
+
+/// Bytes through the link so far: host to storage, storage to host.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Link {
+    pub to_storage: u64,
+    pub from_storage: u64,
+}
+
+impl Link {
+    pub fn since(self, before: Link) -> Link {
+        Link { to_storage: self.to_storage - before.to_storage, from_storage: self.from_storage - before.from_storage }
+    }
+    pub fn total(self) -> u64 {
+        self.to_storage + self.from_storage
+    }
+}
+
+/// The emulated storage host; removed on drop.
+pub struct StorageHost {
+    script: PathBuf,
+    dir: PathBuf,
+    veth: String,
+    pub ip: String,
+    pub s3_url: String,
+    pub redis_url: String,
+    up: bool,
+}
+
+impl StorageHost {
+    /// Build the namespace with its servers under `scratch` and export the `AWS_*` variables
+    /// the S3 backend reads.
+    pub fn up(scratch: &Path) -> Result<StorageHost> {
+        ensure!(unsafe { libc::geteuid() } == 0, "The remote benchmarks need root (ip netns, tc): run them as root");
+        let script = scratch.join("storage-host.sh");
+        std::fs::write(&script, SCRIPT)?;
+        let dir = scratch.join("storage");
+        let run = |arg: &str| {
+            Command::new("bash")
+                .arg(&script)
+                .arg(arg)
+                .env("STRATA_NS", NS)
+                .env("STRATA_NET", NET)
+                .env("STRATA_DIR", &dir)
+                .env("STRATA_BUCKET", BUCKET)
+                .output()
+                .context("running scripts/storage-host.sh")
+        };
+        // A namespace left by a killed earlier run of this benchmark is ours: remove it.
+        if Command::new("ip").args(["netns", "list"]).output()?.stdout.split(|&b| b == b'\n').any(|l| l.starts_with(NS.as_bytes())) {
+            let _ = run("down");
+        }
+        let tag = Command::new("sh").arg("-c").arg(format!("printf '%s' {NS} | cksum | cut -c1-6")).output()?;
+        let veth = format!("sh{}", String::from_utf8_lossy(&tag.stdout).trim());
+        let mut host = StorageHost {
+            script: script.clone(),
+            dir: dir.clone(),
+            veth,
+            ip: format!("{NET}.2"),
+            s3_url: String::new(),
+            redis_url: String::new(),
+            up: true,
+        };
+        let o = run("up")?;
+        if !o.status.success() {
+            bail!("Cannot start the storage host: {}", String::from_utf8_lossy(&o.stderr).trim());
+        }
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            let Some((k, v)) = line.strip_prefix("export ").and_then(|l| l.split_once('=')) else { continue };
+            match k {
+                "STRATA_S3_URL" => host.s3_url = v.to_string(),
+                "STRATA_REDIS_URL" => host.redis_url = v.to_string(),
+                _ if k.starts_with("AWS_") => std::env::set_var(k, v),
+                _ => {}
+            }
+        }
+        ensure!(!host.s3_url.is_empty(), "storage-host.sh printed no S3 URL");
+        eprintln!("  storage host: namespace {NS}, 1 Gbit/s tbf, S3 {} (bucket {BUCKET}), {}", std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(), host.redis_url);
+        Ok(host)
+    }
+
+    /// The servers' data directory (versitygw's bucket is `s3/<bucket>` in it).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn bucket_dir(&self) -> PathBuf {
+        self.dir.join("s3").join(BUCKET)
+    }
+
+    pub fn link(&self) -> Link {
+        let rd = |f: &str| -> u64 {
+            std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{f}", self.veth)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+        };
+        Link { to_storage: rd("tx_bytes"), from_storage: rd("rx_bytes") }
+    }
+
+    /// A command run inside the namespace.
+    pub fn exec(&self, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", NS, program]);
+        c
+    }
+
+    /// The S3 backend at `prefix` behind retries, optionally under an SSD cache.
+    pub fn s3(&self, prefix: &str, cache: Option<(&Path, u64)>) -> Result<(DynBackend, Option<Arc<CacheBackend>>)> {
+        let b = open_location(&format!("{}/{prefix}", self.s3_url), Some(RetryPolicy::default()))?;
+        Ok(match cache {
+            None => (b, None),
+            Some((dir, size)) => {
+                let mut opts = CacheOptions::new(size);
+                opts.splitter = Some(pack_splitter());
+                let c = Arc::new(CacheBackend::open(b, dir, opts)?);
+                (c.clone() as DynBackend, Some(c))
+            }
+        })
+    }
+
+    /// A fresh store in `backend` (pack size as the backend prefers), metadata under `local`.
+    pub fn init_store(backend: DynBackend, local: &Path, codec: Codec) -> Result<Store> {
+        std::fs::create_dir_all(local)?;
+        let pack_size = backend.capabilities().preferred_pack_size;
+        Ok(Store::init(backend, &local.join("meta.redb"), InitOptions { pack_size, default_codec: codec })?)
+    }
+
+    /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
+    /// fsync its objects; the file baselines are fsynced, so strata's objects are too).
+    pub fn fsync_tree(dir: &Path) -> Result<u64> {
+        let mut n = 0;
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            let Ok(rd) = std::fs::read_dir(&d) else { continue };
+            for e in rd.flatten() {
+                let ft = e.file_type()?;
+                if ft.is_dir() {
+                    stack.push(e.path());
+                } else if ft.is_file() {
+                    std::fs::File::open(e.path())?.sync_all()?;
+                    n += 1;
+                }
+            }
+            std::fs::File::open(&d)?.sync_all()?;
+        }
+        Ok(n)
+    }
+
+    fn down(&mut self) {
+        if !self.up {
+            return;
+        }
+        self.up = false;
+        let o = Command::new("bash")
+            .arg(&self.script)
+            .arg("down")
+            .env("STRATA_NS", NS)
+            .env("STRATA_NET", NET)
+            .env("STRATA_DIR", &self.dir)
+            .output();
+        if let Err(e) = o {
+            eprintln!("  storage host: cannot remove namespace {NS}: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for StorageHost {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
+/// The splitter the cache needs to fill a new pack's frames on write-through.
+pub fn pack_splitter() -> Splitter {
+    Arc::new(|_key: &str, bytes: &[u8]| match strata::store::pack::parse_pack(bytes) {
+        Ok((_, entries)) => {
+            let mut v: Vec<(u64, u64)> = entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        }
+        Err(_) => Vec::new(),
+    })
+}
+
+/// Run `f` on a thread inside the storage host's network namespace.
+fn in_namespace<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> JoinHandle<Result<T>> {
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(format!("/var/run/netns/{NS}")).context("the storage host's namespace is gone")?;
+        // SAFETY: setns on a valid namespace fd; it changes this thread's namespace only.
+        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+        ensure!(rc == 0, "setns into {NS}: {}", std::io::Error::last_os_error());
+        f()
+    })
+}
+
+/// One TCP transfer to or from a file on the storage host.
+pub struct Relay {
+    pub addr: SocketAddr,
+    thread: Option<JoinHandle<Result<(u64, Instant)>>>,
+}
+
+impl Relay {
+    fn listen(host: &StorageHost, port: u16, work: impl FnOnce(std::net::TcpStream) -> Result<u64> + Send + 'static) -> Result<Relay> {
+        let addr: SocketAddr = format!("{}:{port}", host.ip).parse()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = in_namespace(move || {
+            let l = match TcpListener::bind(addr) {
+                Ok(l) => {
+                    let _ = tx.send(Ok(()));
+                    l
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e.to_string()));
+                    bail!("bind {addr}: {e}");
+                }
+            };
+            let (s, _) = l.accept()?;
+            let n = work(s)?;
+            Ok((n, Instant::now()))
+        });
+        match rx.recv() {
+            Ok(Ok(())) => Ok(Relay { addr, thread: Some(thread) }),
+            Ok(Err(e)) => bail!("Cannot listen on the storage host at {addr}: {e}"),
+            Err(_) => Err(thread.join().map_err(|_| anyhow::anyhow!("relay thread panicked"))?.err().unwrap_or_else(|| anyhow::anyhow!("relay failed"))),
+        }
+    }
+
+    /// Receive one connection's bytes into `file` (on the storage host's disk), then fsync it.
+    pub fn receive(host: &StorageHost, port: u16, file: PathBuf) -> Result<Relay> {
+        Relay::listen(host, port, move |mut s| {
+            let mut f = std::fs::File::create(&file)?;
+            let mut buf = vec![0u8; 1 << 20];
+            let mut n = 0u64;
+            loop {
+                let k = s.read(&mut buf)?;
+                if k == 0 {
+                    break;
+                }
+                f.write_all(&buf[..k])?;
+                n += k as u64;
+            }
+            f.sync_all()?;
+            Ok(n)
+        })
+    }
+
+    /// Send `file` to the one client that connects, then close.
+    pub fn send(host: &StorageHost, port: u16, file: PathBuf) -> Result<Relay> {
+        Relay::listen(host, port, move |mut s| {
+            let mut f = std::fs::File::open(&file)?;
+            let n = std::io::copy(&mut f, &mut s)?;
+            s.shutdown(std::net::Shutdown::Both).ok();
+            Ok(n)
+        })
+    }
+
+    /// Wait for the transfer; returns its bytes and when it ended (after the fsync).
+    pub fn wait(mut self) -> Result<(u64, Instant)> {
+        let t = self.thread.take().context("relay waited twice")?;
+        t.join().map_err(|_| anyhow::anyhow!("relay thread panicked"))?
+    }
+
+    /// A shell command for QEMU's `exec:` migration that pipes through `filter` ("" for none)
+    /// to or from this relay (bash's /dev/tcp: QEMU runs `exec:` commands with /bin/sh).
+    pub fn exec_save(&self, filter: &str) -> String {
+        let dst = format!("/dev/tcp/{}/{}", self.addr.ip(), self.addr.port());
+        if filter.is_empty() {
+            format!("exec:bash -c 'cat > {dst}'")
+        } else {
+            format!("exec:bash -c '{filter} > {dst}'")
+        }
+    }
+
+    pub fn exec_restore(&self, filter: &str) -> String {
+        let src = format!("/dev/tcp/{}/{}", self.addr.ip(), self.addr.port());
+        if filter.is_empty() {
+            format!("exec:bash -c 'cat < {src}'")
+        } else {
+            format!("exec:bash -c '{filter} < {src}'")
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        // Unblock a relay still waiting in accept() so its thread ends.
+        if let Some(t) = self.thread.take() {
+            let addr = self.addr;
+            let _ = in_namespace(move || Ok(std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(1)).map(|_| ())?)).join();
+            let _ = t.join();
+        }
+    }
+}
+
+pub fn mb(b: u64) -> f64 {
+    b as f64 / 1e6
+}

@@ -1,0 +1,279 @@
+//! Compaction: folding a frozen log file into the disk's base map, in the background.
+//!
+//! When the active log passes the threshold, the appending thread *freezes* it: a new, empty
+//! log file N+1 is created durably and takes every later append, and file N with its overlay
+//! becomes read-only. A background thread then assembles every block file N touched (base +
+//! N's overlay, never N+1's), stores the blocks as chunks on all cores, writes the new map
+//! and commits the disk's ref with `log_folded = N`; only then does it swap in the new base,
+//! drop N's overlay and unlink the logs up to N. Reads meanwhile see active over frozen over
+//! base, and writes go on into N+1.
+//!
+//! Crash safety (`docs/durability.md`): the ref commit is the one switch. Before it is
+//! durable, recovery replays N and then N+1 on the old base; after it, recovery removes the
+//! logs up to N and replays N+1 on the new base. The frozen file's records are not durable
+//! until the fold commits, so the first guest flush after a freeze fdatasyncs the frozen file
+//! as well as the active one (one extra fdatasync per rollover, once per threshold of
+//! writes); later flushes sync only the active file.
+//!
+//! Back-pressure: while a fold runs, appends go on until the active log reaches twice the
+//! threshold; past that, writers wait for the fold, so the log (and what recovery replays)
+//! stays bounded. Explicit `compact()` (snapshots, clones, exports, shutdown) waits for a
+//! running fold and then folds the active log in the calling thread.
+
+use super::extent::ExtentMap;
+use super::log::{LogHeader, LogWriter};
+use super::volume::{fetch, io_err, plan, FrozenLog, SyncEvent, Volume};
+use super::{block_codec, map, ref_name, Result};
+use crate::id::ChunkId;
+use crate::store::objects::Ref;
+use crate::store::pack::ChunkKind;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A frozen log file waiting to be folded.
+pub(super) struct Segment {
+    /// File number of the frozen log; every log up to it is folded by this segment.
+    seq: u64,
+    /// Its writes (and those of older unfolded logs replayed at open).
+    map: Arc<ExtentMap>,
+    /// Records appended (volume-wide count) when it was frozen.
+    upto: u64,
+}
+
+impl Volume {
+    /// Called by a writer once the active log passed the threshold.
+    pub(super) fn compact_in_background(&self, grown: u64) -> Result<()> {
+        let limit = self.compact_at.load(Ordering::Relaxed);
+        let mut c = self.compaction.lock();
+        if c.running {
+            if grown <= limit.saturating_mul(2) {
+                return Ok(());
+            }
+            self.stats.compaction_waits.fetch_add(1, Ordering::Relaxed);
+            while c.running {
+                self.compaction_cv.wait(&mut c);
+            }
+            self.check_failed()?;
+        }
+        // Another writer may have frozen the log meanwhile.
+        if self.log.lock().pos <= limit {
+            return Ok(());
+        }
+        let Some(me) = self.me.upgrade() else { return Ok(()) };
+        c.running = true;
+        if let Some(t) = c.thread.take() {
+            // It already cleared `running`, so it is finishing.
+            let _ = t.join();
+        }
+        drop(c);
+        let seg = match self.freeze() {
+            Ok(Some(seg)) => seg,
+            other => {
+                let r = other.map(|_| 0);
+                self.finish_compaction(&r);
+                return r.map(|_| ());
+            }
+        };
+        let spawned = std::thread::Builder::new().name("disk-compact".into()).spawn(move || {
+            let r = me.fold(seg);
+            me.finish_compaction(&r);
+        });
+        match spawned {
+            Ok(h) => self.compaction.lock().thread = Some(h),
+            Err(e) => {
+                // The closure (and the segment) are gone, but the frozen overlay is still in
+                // the state: fold it here.
+                tracing::warn!(target: "strata::disk", error = %e, "cannot start a compaction thread; compacting inline");
+                let r = self.fold_frozen();
+                self.finish_compaction(&r);
+                r?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fold the frozen overlay, if any, in this thread.
+    fn fold_frozen(&self) -> Result<u64> {
+        let (map, gen) = {
+            let st = self.state.read();
+            (st.frozen.clone(), st.generation)
+        };
+        let (Some(map), Some(seq)) = (map, self.frozen_log.lock().as_ref().map(|f| f.seq)) else { return Ok(gen) };
+        // `upto` 0: nothing is marked durable beyond what flushes synced (conservative).
+        self.fold(Segment { seq, map, upto: 0 })
+    }
+
+    fn finish_compaction(&self, r: &Result<u64>) {
+        if let Err(e) = r {
+            // The base and the logs may now disagree about which is current; reopening
+            // resolves it from the ref, so refuse I/O until then.
+            tracing::error!(target: "strata::disk", disk = %self.name, error = %e, "compaction failed");
+            *self.failed.lock() = Some(format!("compaction failed: {e}"));
+        }
+        let mut c = self.compaction.lock();
+        c.running = false;
+        self.compaction_cv.notify_all();
+    }
+
+    /// Wait until no compaction runs (and reap its thread).
+    pub fn wait_compaction(&self) {
+        let mut c = self.compaction.lock();
+        while c.running {
+            self.compaction_cv.wait(&mut c);
+        }
+        let t = c.thread.take();
+        drop(c);
+        if let Some(t) = t {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// Fold the whole log into the base map now and start a new log. Returns the new
+    /// generation. Waits for a background fold first.
+    pub fn compact(&self) -> Result<u64> {
+        let mut c = self.compaction.lock();
+        while c.running {
+            self.compaction_cv.wait(&mut c);
+        }
+        self.check_failed()?;
+        c.running = true;
+        drop(c);
+        let r = match self.freeze() {
+            Ok(Some(seg)) => self.fold(seg),
+            Ok(None) => Ok(self.state.read().generation),
+            Err(e) => Err(e),
+        };
+        self.finish_compaction(&r);
+        r
+    }
+
+    /// Switch appends to a new log file and freeze the current one. `None` if it is empty.
+    fn freeze(&self) -> Result<Option<Segment>> {
+        self.check_failed()?;
+        let mut w = self.log.lock();
+        let gen = {
+            let st = self.state.read();
+            if w.next_seq == 1 && st.active.is_empty() && st.files.len() <= 1 {
+                return Ok(None);
+            }
+            st.generation
+        };
+        let seq = w.header.file_seq;
+        let next = seq + 1;
+        let nw = LogWriter::create(&self.dir.join(format!("log.{next}")), LogHeader::new(w.header.disk_id, gen, next))?;
+        let _ = self.hook(SyncEvent::LogCreated(nw.path.clone()));
+        let handle = Arc::new(nw.file_handle()?);
+        let old = std::mem::replace(&mut *w, nw);
+        let upto = self.appended.load(Ordering::Acquire);
+        let (map, file) = {
+            let mut st = self.state.write();
+            st.files.insert(next as u32, handle);
+            let m = Arc::new(std::mem::take(&mut st.active));
+            st.frozen = Some(m.clone());
+            (m, st.files.get(&(seq as u32)).cloned())
+        };
+        if let Some(file) = file {
+            *self.frozen_log.lock() = Some(FrozenLog { seq, file, path: old.path.clone(), synced: false });
+        }
+        drop(w);
+        Ok(Some(Segment { seq, map, upto }))
+    }
+
+    /// Fold a frozen segment into the base and commit it (see the module comment).
+    fn fold(&self, seg: Segment) -> Result<u64> {
+        let frozen_path = self.dir.join(format!("log.{}", seg.seq));
+        self.hook(SyncEvent::FoldStart(frozen_path.clone())).map_err(|e| io_err("fold", &frozen_path, e))?;
+        let (base, files) = {
+            let st = self.state.read();
+            (st.base.clone(), st.files.clone())
+        };
+        let bs = self.meta.block_size as u64;
+        let mut touched: Vec<u64> = Vec::new();
+        for (off, len, _) in seg.map.iter() {
+            let (first, end) = (off / bs, (off + len).div_ceil(bs));
+            let from = touched.last().map_or(first, |&l| first.max(l + 1));
+            touched.extend(from..end);
+        }
+        let ses = self.store.session();
+        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 4);
+        let next = AtomicUsize::new(0);
+        let stop = AtomicBool::new(false);
+        let layers = [&*seg.map];
+        let assembled: Vec<Result<Vec<(u64, ChunkId)>>> = std::thread::scope(|sc| {
+            let work = || -> Result<Vec<(u64, ChunkId)>> {
+                let mut out = Vec::new();
+                let mut buf = vec![0u8; bs as usize];
+                let mut pieces = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&b) = touched.get(i) else { break };
+                    let off = b * bs;
+                    let n = (self.meta.size - off).min(bs);
+                    pieces.clear();
+                    let r = plan(&layers, &base, &files, bs, off, n, &mut pieces)
+                        .and_then(|_| fetch(&self.store, &self.dir, off, &pieces, &mut buf[..n as usize]));
+                    if let Err(e) = r {
+                        stop.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                    buf[n as usize..].fill(0);
+                    let id = if buf.iter().all(|&x| x == 0) {
+                        ChunkId::ZERO
+                    } else {
+                        self.stats.compaction_bytes.fetch_add(bs, Ordering::Relaxed);
+                        match ses.put_with(&buf, ChunkKind::Data, block_codec(&buf, self.store.default_codec())) {
+                            Ok(id) => id,
+                            Err(e) => {
+                                stop.store(true, Ordering::Relaxed);
+                                return Err(e.into());
+                            }
+                        }
+                    };
+                    out.push((b, id));
+                }
+                Ok(out)
+            };
+            let hs: Vec<_> = (1..threads).map(|_| sc.spawn(work)).collect();
+            let mut all = vec![work()];
+            all.extend(hs.into_iter().map(|h| h.join().expect("compaction worker")));
+            all
+        });
+        let mut new_base = (*base).clone();
+        for part in assembled {
+            for (b, id) in part? {
+                new_base[b as usize] = id;
+            }
+        }
+        let root = map::write_map(&ses, &new_base)?;
+        let mut meta = self.meta.clone();
+        meta.log_folded = Some(seg.seq);
+        ses.commit_ref(&ref_name(&self.name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
+        let gen = self.store.get_ref(&ref_name(&self.name))?.map(|r| r.generation).unwrap_or(0);
+        // Committed: readers switch to the new base, and the folded logs go.
+        let dead: Vec<u32> = {
+            let mut st = self.state.write();
+            st.base = Arc::new(new_base);
+            st.frozen = None;
+            st.generation = gen;
+            let dead: Vec<u32> = st.files.keys().copied().filter(|k| *k as u64 <= seg.seq).collect();
+            for k in &dead {
+                st.files.remove(k);
+            }
+            dead
+        };
+        *self.frozen_log.lock() = None;
+        self.mark_durable(seg.upto);
+        for k in dead {
+            let p = self.dir.join(format!("log.{k}"));
+            match std::fs::remove_file(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err("remove", &p, e)),
+                _ => {}
+            }
+        }
+        self.stats.compactions.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(target: "strata::disk", disk = %self.name, generation = gen, root = %root, folded = seg.seq, "compacted");
+        Ok(gen)
+    }
+}
