@@ -80,6 +80,38 @@ pub enum BenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    /// Boot storm (004 Fig 8): 1, 2, 5, 10 TCG guests boot together from clones of a golden
+    /// image on an emulated storage host (1 Gbit/s link): strata with a cold cache, without
+    /// it, and qemu-nbd qcow2 with overlays; plus the recorded boot trace replayed by N NBD
+    /// clients, and one warmed-cache row. Needs root.
+    Storm {
+        #[arg(long, default_value = "1,2,5,10")]
+        guests: String,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 224)]
+        memory: u32,
+        /// Requests in flight per replay client (0: the recorded boot's mean).
+        #[arg(long, default_value_t = 0)]
+        depth: usize,
+        /// SSD cache size of each strata host.
+        #[arg(long, default_value = "1G")]
+        cache_size: String,
+        /// Only the trace replay, no guest storms.
+        #[arg(long)]
+        no_guests: bool,
+        /// Replay this trace (CSV from an earlier run) instead of recording one.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// Network namespace and /24 of the storage host.
+        #[arg(long, default_value = "strata-storm")]
+        ns: String,
+        #[arg(long, default_value = "10.211.0")]
+        net: String,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
     #[command(flatten)]
     Mem(crate::bench_mem::MemBenchCmd),
 }
@@ -96,6 +128,20 @@ pub fn run(cmd: &BenchCmd) -> Result<()> {
                 return crate::bench_remote_disk::bench_clone_remote(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref());
             }
             crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())
+        }
+        BenchCmd::Storm { guests, memory, depth, cache_size, no_guests, trace, ns, net, out, scratch } => {
+            crate::bench_storm::bench_storm(&crate::bench_storm::StormOpts {
+                guests: guests.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--guests: e.g. 1,2,5,10")?,
+                memory_mib: *memory,
+                depth: *depth,
+                cache_size: parse_size(cache_size)?,
+                no_guests: *no_guests,
+                trace: trace.clone(),
+                ns: ns.clone(),
+                net: net.clone(),
+                out: out.clone(),
+                scratch: scratch.clone(),
+            })
         }
         BenchCmd::Mem(c) => crate::bench_mem::run(c),
     }

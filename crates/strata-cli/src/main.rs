@@ -12,6 +12,8 @@ mod bench_mem;
 mod bench_remote;
 mod bench_remote_disk;
 mod bench_remote_mem;
+mod bench_storm;
+mod boot_cmd;
 mod bench_sync;
 mod chart;
 mod inspect;
@@ -157,6 +159,28 @@ enum DiskCmd {
     Info { name: String },
     /// Remove a disk (space is reclaimed by `strata gc`).
     Rm { name: String },
+    /// Record the boot working set of image NAME: serve a temporary clone of it over NBD,
+    /// boot a guest from it, and when the guest disconnects (or on Ctrl-C) store the chunks
+    /// its boot read as `bootsets/NAME` in the backend.
+    RecordBoot {
+        name: String,
+        /// Unix socket to serve on (default STORE/.meta/record-boot.sock).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Also write the block trace (CSV) here.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// Stop recording after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+    },
+    /// Prefetch the recorded boot working set of NAME (or of its parent image) into the cache.
+    Warm {
+        name: String,
+        /// Parallel reads.
+        #[arg(long, default_value_t = 16)]
+        parallel: usize,
+    },
 }
 
 fn main() {
@@ -332,8 +356,8 @@ fn run(cli: Cli) -> Result<()> {
             ui::emit(cli.json, &refs, || refs.join("\n"));
         }
         Cmd::Disk { cmd } => {
-            let s = open(&cli)?;
-            disk_cmd(&s, cmd, cli.json)?;
+            let h = open_host(&cli, false)?;
+            disk_cmd(&h.store, h.cache.as_deref(), cmd, cli.json)?;
         }
         Cmd::Serve { socket, tcp, no_cache } => serve(&cli, socket.clone(), *tcp, *no_cache)?,
         Cmd::Bench { which } => bench::run(which)?,
@@ -342,7 +366,7 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
+fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd: &DiskCmd, json: bool) -> Result<()> {
     use strata::disk;
     match cmd {
         DiskCmd::Import { name, file, codec } => {
@@ -408,6 +432,8 @@ fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
             let i = disk::info(s, name)?;
             ui::emit(json, &i, || format!("{}: {} bytes, block {} bytes, {} blocks allocated, root {}", i.name, i.size, i.block_size, i.allocated_blocks, i.root));
         }
+        DiskCmd::RecordBoot { name, socket, trace, timeout } => boot_cmd::record_boot(s, name, socket.as_deref(), trace.as_deref(), *timeout, json)?,
+        DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, cache, name, *parallel, json)?,
         DiskCmd::Rm { name } => {
             disk::remove(s, name)?;
             ui::emit(json, &serde_json::json!({"removed": name}), || format!("Removed disk '{name}' (run `strata gc` to reclaim space)"));

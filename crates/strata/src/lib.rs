@@ -5,6 +5,7 @@
 //! `store/mod.rs`; `ARCHITECTURE.md` has the map.
 
 pub mod backend;
+pub mod boot;
 pub mod codec;
 pub mod disk;
 pub mod fixtures;

@@ -556,9 +556,22 @@ impl Shared {
     }
 
     /// Look the range up; on a hit, bump it in the LRU and return where it is.
+    /// An exact entry wins; else an entry of the same object that contains the range (the
+    /// store reads 4 KiB pieces of a frame once it has verified the whole frame, see
+    /// `store/slice.rs`: those must hit the cached frame). Frames do not overlap, so only the
+    /// few entries starting at or just before the range's offset can contain it.
     fn lookup(&self, rk: &RangeKey) -> Lookup {
         let mut st = self.state.lock();
-        if let Some(&block) = st.by_range.get(rk) {
+        let found = st.by_range.get(rk).map(|&b| (b, 0)).or_else(|| {
+            let (k, off, len) = (rk.0.clone(), rk.1, rk.2);
+            st.by_range
+                .range((k.clone(), 0, 0)..=(k, off, u64::MAX))
+                .rev()
+                .take(4)
+                .find(|(ek, _)| ek.1 + ek.2 >= off + len)
+                .map(|(ek, &b)| (b, (off - ek.1) as usize))
+        });
+        if let Some((block, at)) = found {
             let tick = st.tick;
             st.tick += 1;
             let e = st.by_block.get_mut(&block).expect("by_range and by_block agree");
@@ -566,17 +579,24 @@ impl Shared {
             let e = e.clone();
             st.lru.remove(&old);
             st.lru.insert(tick, block);
-            return Lookup::Block(block, e);
+            return Lookup::Block(block, e, at);
         }
         if let Some(s) = st.staged.get(rk) {
             return Lookup::Staged(s.bytes().to_vec());
+        }
+        let (k, off, len) = (rk.0.clone(), rk.1, rk.2);
+        let within = st.staged.range((k.clone(), 0, 0)..=(k, off, u64::MAX)).rev().take(4).find(|(ek, _)| ek.1 + ek.2 >= off + len);
+        if let Some((ek, s)) = within {
+            let at = (off - ek.1) as usize;
+            return Lookup::Staged(s.bytes()[at..at + len as usize].to_vec());
         }
         Lookup::Miss
     }
 }
 
 enum Lookup {
-    Block(u64, Entry),
+    /// A cached entry, and where the requested range starts inside it.
+    Block(u64, Entry, usize),
     Staged(Vec<u8>),
     Miss,
 }
@@ -625,11 +645,14 @@ impl Backend for CacheBackend {
         let rk: RangeKey = (Arc::from(key), offset, len);
         loop {
             match sh.lookup(&rk) {
-                Lookup::Block(block, e) => {
+                Lookup::Block(block, e, at) => {
                     if let Some(v) = sh.read_block(block, &e) {
                         bump(&sh.stats.hits, 1);
                         bump(&sh.stats.hit_bytes, len);
-                        return Ok(v);
+                        if at == 0 && v.len() as u64 == len {
+                            return Ok(v);
+                        }
+                        return Ok(v[at..at + len as usize].to_vec());
                     }
                     sh.drop_if_same(block, &e.hash);
                 }

@@ -6,11 +6,13 @@
 //! - `export`: the `Export`/`ExportSet` traits, the seam where copy-on-write disks plug in;
 //! - `handshake`: the fixed-newstyle negotiation as a socket-free state machine;
 //! - `transmission`: request validation (pure) and the pipelined reader/worker engine;
-//! - `server`: listeners, per-connection threads and graceful shutdown.
+//! - `server`: listeners, per-connection threads and graceful shutdown;
+//! - `client`: a small blocking client (benchmarks replay block traces with it).
 //!
 //! Blocking threads, no async runtime (the library's design choice). See `docs/nbd.md` for
 //! what is supported, the caps, and measured performance.
 
+pub mod client;
 pub mod export;
 pub mod handshake;
 pub mod proto;

@@ -1,0 +1,17 @@
+//! Boot storms: record which blocks a guest's boot reads, keep that as a working set in the
+//! backend, warm a host's SSD cache with it, and replay the block trace with many NBD clients.
+//!
+//! - `trace`: a recording wrapper around any NBD export set, and the trace's CSV form;
+//! - `workset`: the persisted boot working set (`bootsets/<image>`, `docs/format-bootset.md`)
+//!   and `warm`, which prefetches it into the cache (`strata disk warm`);
+//! - `replay`: N concurrent NBD clients replaying a trace's reads (`strata bench storm`).
+//!
+//! This sits above `serve`/`nbd` and `disk`: it wraps exports and reads block maps, and never
+//! changes how either works.
+
+pub mod replay;
+pub mod trace;
+pub mod workset;
+
+pub use trace::{Recorder, Trace, TracingExports};
+pub use workset::{warm, BootError, WarmReport, WorkingSet};
