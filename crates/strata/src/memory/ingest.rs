@@ -113,6 +113,8 @@ pub struct Ingested {
     /// Per ramblock, pages no record covered (0 for a complete stream) and the first one.
     pub missing: Vec<(u64, u64)>,
     pub counters: IngestCounters,
+    /// From the stream's last byte until every batch was stored, ms.
+    pub drain_ms: f64,
 }
 
 struct Batch {
@@ -479,6 +481,7 @@ pub fn ingest<R: Read>(
     let (tx, rx) = mpsc::sync_channel::<Batch>(workers * 2);
     let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(workers * 2 + 2);
     let rx = Mutex::new(rx);
+    let drain = Mutex::new(0.0f64);
 
     let parsed: Result<(StreamInfo, u64, u64), IngestError> = std::thread::scope(|s| {
         let flusher = {
@@ -549,10 +552,12 @@ pub fn ingest<R: Read>(
         let superseded = d.superseded;
         progress.advance(d.pending_progress);
         drop(d); // closes the batch channel: workers drain it and exit
+        let t_drain = std::time::Instant::now();
         let mut panicked = false;
         for h in handles {
             panicked |= h.join().is_err();
         }
+        *drain.lock() = t_drain.elapsed().as_secs_f64() * 1e3;
         sh.flush_tx.lock().take(); // ends the flusher
         panicked |= flusher.join().is_err();
         if panicked {
@@ -589,6 +594,7 @@ pub fn ingest<R: Read>(
         maps: map.ids,
         missing,
         counters,
+        drain_ms: drain.into_inner(),
     })
 }
 

@@ -109,6 +109,23 @@ pub struct SaveReport {
     pub zero_pages: u64,
     pub unique_pages: u64,
     pub codec: CodecReport,
+    /// Where the time went.
+    pub stages: SaveStages,
+}
+
+/// Wall time of each step of a save, ms (they add up to about `total_ms`).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SaveStages {
+    /// Name check, QMP queries, capability check, backend probe, QEMU settings.
+    pub setup_ms: f64,
+    /// `migrate` until the stream ended and every page was stored (= `migrate_ms`).
+    pub stream_ms: f64,
+    /// Of `stream_ms`: from the stream's last byte until the pool had stored every page.
+    pub drain_ms: f64,
+    /// Page maps and tail chunks.
+    pub maps_ms: f64,
+    /// Final flush of packs and index objects, then the ref (`commit_ref`).
+    pub commit_ref_ms: f64,
 }
 
 fn now_unix() -> u64 {
@@ -366,6 +383,7 @@ pub fn save(
             missing,
         });
     }
+    let t_maps = Instant::now();
     let mut map_roots = Vec::with_capacity(ingested.maps.len());
     let mut blocks = Vec::with_capacity(ingested.maps.len());
     let mut all_unique = std::collections::HashSet::new();
@@ -460,8 +478,11 @@ pub fn save(
     {
         return Err(MemError::Exists { name: name.into() });
     }
+    let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;
+    let t_ref = Instant::now();
     ses.commit_ref(&rname, ckpt.to_ref())
         .map_err(MemError::store("commit", name))?;
+    let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
     progress.finish();
     let total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let m = &ckpt.manifest;
@@ -487,6 +508,13 @@ pub fn save(
         zero_pages,
         unique_pages: m.stats.unique_pages,
         codec: m.codec.clone(),
+        stages: SaveStages {
+            setup_ms: timing.setup_ms,
+            stream_ms: timing.migrate_ms,
+            drain_ms: ingested.drain_ms,
+            maps_ms,
+            commit_ref_ms,
+        },
     };
     tracing::info!(target: TARGET, name, mode = opts.mode.as_str(), total_ms, stored_bytes, "checkpoint committed");
     Ok(report)
@@ -499,6 +527,7 @@ struct Timing {
     downtime_ms: f64,
     pause_ms: Option<f64>,
     migrate_ms: f64,
+    setup_ms: f64,
 }
 
 /// Steps 3 and 4: migrate into the socket while the pipeline stores what arrives.
@@ -544,6 +573,7 @@ fn run(
         t_stop = Some(Instant::now());
     }
     let t_migrate = Instant::now();
+    let setup_ms = t_migrate.duration_since(t0).as_secs_f64() * 1e3;
     let outcome = std::thread::scope(|s| {
         let rx = std::thread::Builder::new()
             .name("strata-mem-parse".into())
@@ -618,6 +648,7 @@ fn run(
             downtime_ms,
             pause_ms,
             migrate_ms,
+            setup_ms,
         },
     ))
 }
