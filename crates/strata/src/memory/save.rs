@@ -122,6 +122,9 @@ pub struct SaveStages {
     pub stream_ms: f64,
     /// Of `stream_ms`: from the stream's last byte until the pool had stored every page.
     pub drain_ms: f64,
+    /// CPU time of the parse thread and of the pool during the stream.
+    pub parse_cpu_ms: f64,
+    pub pool_cpu_ms: f64,
     /// Page maps and tail chunks.
     pub maps_ms: f64,
     /// Final flush of packs and index objects, then the ref (`commit_ref`).
@@ -280,6 +283,11 @@ pub fn save(
     }
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
+    // The backend probe (step 2) runs while the QMP queries below go back and forth.
+    let probe = (opts.codec == CodecPolicy::Auto).then(|| {
+        let backend = store.backend().clone();
+        std::thread::spawn(move || probe_backend(&*backend, PROBE_BYTES))
+    });
 
     // 1. The source, and what it would send.
     let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
@@ -302,9 +310,9 @@ pub fn save(
 
     // 2. Codec inputs and QEMU settings.
     let workers = opts.ingest.workers.max(1);
-    let backend_bps = match opts.codec {
-        CodecPolicy::Auto => {
-            let bps = probe_backend(&**store.backend(), PROBE_BYTES).map_err(|e| MemError::Store {
+    let backend_bps = match probe {
+        Some(probe) => {
+            let bps = probe.join().map_err(|_| MemError::Panic { what: "backend probe" })?.map_err(|e| MemError::Store {
                 op: "backend probe",
                 name: name.into(),
                 source: e.into(),
@@ -316,7 +324,7 @@ pub fn save(
             ));
             bps
         }
-        CodecPolicy::Fixed(_) => 0.0,
+        None => 0.0,
     };
     let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers));
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
@@ -384,26 +392,39 @@ pub fn save(
         });
     }
     let t_maps = Instant::now();
-    let mut map_roots = Vec::with_capacity(ingested.maps.len());
-    let mut blocks = Vec::with_capacity(ingested.maps.len());
-    let mut all_unique = std::collections::HashSet::new();
-    let (mut zero_pages, mut data_pages) = (0u64, 0u64);
-    for (b, ids) in layout.blocks.iter().zip(&ingested.maps) {
-        map_roots.push(write_map(ses, ids).map_err(MemError::store("page map write", name))?);
-        let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
-        let z = ids.len() as u64 - uniq.len() as u64;
-        zero_pages += z;
-        data_pages += uniq.len() as u64;
-        all_unique.extend(uniq.iter().copied());
-        uniq.sort_unstable();
-        uniq.dedup();
-        blocks.push(BlockMeta {
-            name: b.name.clone(),
-            used_len: b.used_len,
-            zero_pages: z,
-            unique_pages: uniq.len() as u64,
+    // The page maps are written on a helper thread while this one counts pages (sorting
+    // instead of hashing: 200k+ ids per GiB).
+    let (map_roots, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
+        let maps = &ingested.maps;
+        let writer = s.spawn(move || -> Result<Vec<ChunkId>, MemError> {
+            maps.iter()
+                .map(|ids| write_map(ses, ids).map_err(MemError::store("page map write", name)))
+                .collect()
         });
-    }
+        let mut blocks = Vec::with_capacity(maps.len());
+        let mut all: Vec<ChunkId> = Vec::new();
+        let (mut zero_pages, mut data_pages) = (0u64, 0u64);
+        for (b, ids) in layout.blocks.iter().zip(maps) {
+            let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
+            let z = ids.len() as u64 - uniq.len() as u64;
+            zero_pages += z;
+            data_pages += uniq.len() as u64;
+            uniq.sort_unstable();
+            uniq.dedup();
+            all.extend_from_slice(&uniq);
+            blocks.push(BlockMeta {
+                name: b.name.clone(),
+                used_len: b.used_len,
+                zero_pages: z,
+                unique_pages: uniq.len() as u64,
+            });
+        }
+        all.sort_unstable();
+        all.dedup();
+        let roots = writer.join().map_err(|_| MemError::Panic { what: "page map writer" });
+        (roots, blocks, all.len() as u64, zero_pages, data_pages)
+    });
+    let map_roots = map_roots??;
     let tail = &ingested.info.tail;
     let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
     for piece in tail.chunks(TAIL_CHUNK) {
@@ -426,7 +447,7 @@ pub fn save(
         pages_sent: c.page_records + c.zero_records,
         zero_pages,
         data_pages,
-        unique_pages: all_unique.len() as u64,
+        unique_pages: unique_total,
         pages_stored: c.new_chunks,
         pages_deduped: data_records.saturating_sub(c.new_chunks),
         new_bytes,
@@ -512,6 +533,8 @@ pub fn save(
             setup_ms: timing.setup_ms,
             stream_ms: timing.migrate_ms,
             drain_ms: ingested.drain_ms,
+            parse_cpu_ms: ingested.parse_cpu_ms,
+            pool_cpu_ms: ingested.pool_cpu_ms,
             maps_ms,
             commit_ref_ms,
         },

@@ -143,7 +143,13 @@ pub struct FrameChunk<'a> {
 
 impl PackBuilder {
     pub fn new(id: PackId) -> PackBuilder {
-        let mut buf = Vec::with_capacity(1 << 20);
+        PackBuilder::with_capacity(id, 1 << 20)
+    }
+
+    /// A builder whose buffer is reserved for `cap` bytes up front (the store reserves a
+    /// whole pack, so growing never copies it; untouched capacity costs no memory).
+    pub fn with_capacity(id: PackId, cap: usize) -> PackBuilder {
+        let mut buf = Vec::with_capacity(cap.max(PACK_HEADER_LEN));
         buf.extend_from_slice(PACK_MAGIC);
         buf.u16le(FORMAT_VERSION);
         buf.u16le(0);
@@ -186,6 +192,37 @@ impl PackBuilder {
             })
             .collect();
         self.add_frame_at(stored, codec, frame_raw_len, &placed)
+    }
+
+    /// Append an uncompressed frame given as consecutive parts (one per chunk, in order),
+    /// copied straight into the pack: the same bytes as `add_frame` of the joined parts with
+    /// `Codec::None`, without joining them first.
+    pub fn add_frame_parts(&mut self, parts: &[&[u8]], chunks: &[(ChunkId, u32, ChunkKind)]) -> &[PackEntry] {
+        debug_assert_eq!(parts.len(), chunks.len());
+        let frame_off = self.buf.len() as u64;
+        let mut frame_crc = 0u32;
+        for p in parts {
+            frame_crc = crc32c::crc32c_append(frame_crc, p);
+            self.buf.extend_from_slice(p);
+        }
+        let frame_len = (self.buf.len() as u64 - frame_off) as u32;
+        let first = self.entries.len();
+        let mut off = 0u32;
+        for &(id, raw_len, kind) in chunks {
+            self.entries.push(PackEntry {
+                id,
+                frame_off,
+                frame_len,
+                frame_raw_len: frame_len,
+                off_in_frame: off,
+                raw_len,
+                codec: Codec::None,
+                kind,
+                frame_crc,
+            });
+            off += raw_len;
+        }
+        &self.entries[first..]
     }
 
     /// Append a frame whose chunks sit at explicit offsets (id, offset, length, kind) inside

@@ -4,7 +4,14 @@
 //! thread that `put`s them in order. A flush request travels down the same queue, so when the
 //! thread reaches it every earlier pack has been put: it then syncs (packs durable), writes each
 //! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
-//! records them in the local metadata cache. Any failure poisons the store.
+//! hands them to the metadata-cache thread. Any failure poisons the store.
+//!
+//! The metadata cache (redb) is only a cache of the index objects (a store opens without it,
+//! reading index objects instead), so updating it is off the commit path: a low-priority
+//! thread applies the rows of durable packs in order, after `flush` has returned. Inserting a
+//! save's ~100k chunk rows cost ~0.1 s per 30k rows inside every flush before; now a flush
+//! waits only for the data. The thread is joined (and the cache persisted) when the store
+//! closes; a crash before that only means the next open reads those index objects.
 
 use super::meta::Meta;
 use super::pack::{IndexObject, PackEntry};
@@ -26,18 +33,33 @@ pub enum Job {
 pub(crate) struct WriterHandle {
     tx: Mutex<Option<SyncSender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    meta_thread: Mutex<Option<JoinHandle<()>>>,
     sh: Arc<Shared>,
 }
+
+/// Rows for the metadata cache: pack id, size, entries.
+type MetaRows = Vec<(PackId, u64, Vec<PackEntry>)>;
 
 impl WriterHandle {
     pub fn spawn(sh: Arc<Shared>) -> WriterHandle {
         let (tx, rx) = mpsc::sync_channel(2);
+        let (meta_tx, meta_rx) = mpsc::channel::<MetaRows>();
         let sh2 = sh.clone();
         let thread = std::thread::Builder::new()
             .name("strata-pack-writer".into())
-            .spawn(move || run(sh2, rx))
+            .spawn(move || run(sh2, rx, meta_tx))
             .expect("spawn pack writer");
-        WriterHandle { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)), sh }
+        let sh3 = sh.clone();
+        let meta_thread = std::thread::Builder::new()
+            .name("strata-meta".into())
+            .spawn(move || run_meta(sh3, meta_rx))
+            .expect("spawn metadata cache writer");
+        WriterHandle {
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            meta_thread: Mutex::new(Some(meta_thread)),
+            sh,
+        }
     }
 
     fn gone(&self) -> StoreError {
@@ -66,6 +88,10 @@ impl Drop for WriterHandle {
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
         }
+        // The writer's exit closed the metadata channel: wait for the rows still queued.
+        if let Some(t) = self.meta_thread.lock().take() {
+            let _ = t.join();
+        }
         let _ = self.sh.meta.persist();
     }
 }
@@ -77,7 +103,22 @@ struct Written {
     entries: Vec<PackEntry>,
 }
 
-fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
+/// Apply metadata-cache rows in order, at low CPU priority (it only speeds up the next open).
+fn run_meta(sh: Arc<Shared>, rx: Receiver<MetaRows>) {
+    // SAFETY: plain syscalls on the calling thread; failure only leaves the priority as is.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
+    for rows in rx {
+        let refs: Vec<(PackId, u64, &[PackEntry])> = rows.iter().map(|(p, s, e)| (*p, *s, &e[..])).collect();
+        if let Err(e) = sh.meta.add_packs(&refs, false) {
+            tracing::warn!(target: "strata::store", error = %e, "metadata cache update failed; it will be rebuilt");
+        }
+    }
+}
+
+fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
     let mut written: Vec<Written> = Vec::new();
     for job in rx {
         match job {
@@ -85,7 +126,10 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
                 if sh.poison.lock().is_some() {
                     continue;
                 }
-                match sh.backend.put(&id.pack_key(), &bytes) {
+                let t0 = std::time::Instant::now();
+                let r = sh.backend.put(&id.pack_key(), &bytes);
+                tracing::trace!(target: "strata::store", bytes = bytes.len(), ms = t0.elapsed().as_secs_f64() * 1e3, "pack put");
+                match r {
                     Ok(()) => {
                         sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
                         written.push(Written { no, id, size: bytes.len() as u64, entries });
@@ -94,7 +138,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
                 }
             }
             Job::Flush(reply) => {
-                let r = commit(&sh, &mut written).map_err(|e| e.to_string());
+                let r = commit(&sh, &mut written, &meta).map_err(|e| e.to_string());
                 let _ = reply.send(r);
             }
         }
@@ -102,12 +146,14 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>) {
 }
 
 /// Make the written packs durable, then their index objects.
-fn commit(sh: &Shared, written: &mut Vec<Written>) -> Result<()> {
+fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>) -> Result<()> {
     sh.check_poison()?;
     if written.is_empty() {
         return Ok(());
     }
+    let t0 = std::time::Instant::now();
     sh.sync()?;
+    let t_sync = t0.elapsed();
     for w in written.iter() {
         let obj = IndexObject { pack: w.id, pack_size: w.size, entries: w.entries.clone() };
         sh.backend.put(&w.id.index_key(), &obj.encode()).map_err(|e| {
@@ -116,6 +162,7 @@ fn commit(sh: &Shared, written: &mut Vec<Written>) -> Result<()> {
         })?;
     }
     sh.sync()?;
+    let t_index = t0.elapsed();
     {
         let mut idx = sh.index.write();
         for w in written.iter() {
@@ -125,11 +172,15 @@ fn commit(sh: &Shared, written: &mut Vec<Written>) -> Result<()> {
             }
         }
     }
-    let rows: Vec<(PackId, u64, &[PackEntry])> = written.iter().map(|w| (w.id, w.size, &w.entries[..])).collect();
-    if let Err(e) = sh.meta.add_packs(&rows, false) {
-        tracing::warn!(target: "strata::store", error = %e, "metadata cache update failed; it will be rebuilt");
-    }
-    written.clear();
+    tracing::debug!(
+        target: "strata::store",
+        packs = written.len(),
+        sync_ms = t_sync.as_secs_f64() * 1e3,
+        index_ms = (t_index - t_sync).as_secs_f64() * 1e3,
+        "packs and index objects durable"
+    );
+    let rows: MetaRows = written.drain(..).map(|w| (w.id, w.size, w.entries)).collect();
+    let _ = meta.send(rows);
     Ok(())
 }
 
