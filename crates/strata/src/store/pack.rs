@@ -397,6 +397,21 @@ impl IndexObject {
 mod tests {
     use super::*;
 
+    #[test]
+    fn frame_from_parts_is_the_joined_raw_frame() {
+        let (a, b2, c) = (vec![1u8; 4096], vec![2u8; 4096], vec![3u8; 100]);
+        let chunks = [
+            (ChunkId::of(&a), 4096, ChunkKind::Data),
+            (ChunkId::of(&b2), 4096, ChunkKind::Data),
+            (ChunkId::of(&c), 100, ChunkKind::Tree),
+        ];
+        let mut joined = PackBuilder::new(PackId([9; 16]));
+        joined.add_frame(&[a.clone(), b2.clone(), c.clone()].concat(), Codec::None, &chunks);
+        let mut parts = PackBuilder::with_capacity(PackId([9; 16]), 1 << 16);
+        parts.add_frame_parts(&[&a, &b2, &c], &chunks);
+        assert_eq!(joined.finish(), parts.finish());
+    }
+
     fn sample_pack() -> (Vec<u8>, Vec<PackEntry>) {
         let mut b = PackBuilder::new(PackId([7; 16]));
         let a = vec![1u8; 4096];
