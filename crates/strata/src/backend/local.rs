@@ -6,10 +6,17 @@
 //! adds is the directory entries: every directory touched since the last sync is `fsync`ed, which
 //! makes the renames and unlinks durable. `put_if_absent` uses `link(2)`, which fails atomically
 //! with EEXIST, so two writers racing for a lease cannot both win.
+//!
+//! Large objects (packs, ≥ [`DIRECT_MIN`]) are written with `O_DIRECT` from a reused aligned
+//! buffer: the bytes go from that buffer to the device without a copy into the page cache.
+//! On these hosts, copying into fresh page-cache pages ran at 0.35–0.6 GB/s and took a whole
+//! core, while a direct write made 1 GiB durable at 1.2–1.8 GB/s with almost no CPU. A
+//! filesystem without `O_DIRECT` (tmpfs) falls back to buffered writes for good.
 
 use super::{validate_key, BResult, Backend, BackendError, Capabilities, ErrorKind, ObjectInfo};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind as IoKind, Write};
@@ -23,6 +30,51 @@ pub struct LocalBackend {
     /// Open handles of immutable objects (`packs/`) for range reads: opening a file per 4 KiB
     /// disk read costs more than the read itself.
     handles: RwLock<HashMap<String, Arc<File>>>,
+    /// Aligned staging buffer for `O_DIRECT` writes (reused; only big puts take it).
+    direct_buf: Mutex<Option<AlignedBuf>>,
+    /// Cleared for good once the filesystem refuses `O_DIRECT`.
+    direct_ok: AtomicBool,
+}
+
+/// Objects at least this big are written with `O_DIRECT`.
+pub const DIRECT_MIN: usize = 1 << 20;
+const DIRECT_ALIGN: usize = 4096;
+
+/// A zero-initialised, 4096-byte aligned heap buffer (what `O_DIRECT` needs).
+struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.cap)
+    }
+}
+
+// SAFETY: the buffer is plain owned memory; access is serialised by the Mutex around it.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    fn new(cap: usize) -> Option<AlignedBuf> {
+        let cap = cap.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
+        let layout = std::alloc::Layout::from_size_align(cap, DIRECT_ALIGN).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        std::ptr::NonNull::new(ptr).map(|ptr| AlignedBuf { ptr, cap })
+    }
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `cap` initialised bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
 }
 
 /// How many pack files `get_range` keeps open.
@@ -41,7 +93,13 @@ impl LocalBackend {
                 let _ = fs::remove_file(e.path());
             }
         }
-        Ok(LocalBackend { root, dirty_dirs: Mutex::new(HashSet::new()), handles: RwLock::new(HashMap::new()) })
+        Ok(LocalBackend {
+            root,
+            dirty_dirs: Mutex::new(HashSet::new()),
+            handles: RwLock::new(HashMap::new()),
+            direct_buf: Mutex::new(None),
+            direct_ok: AtomicBool::new(true),
+        })
     }
 
     pub fn root(&self) -> &Path {
@@ -60,6 +118,19 @@ impl LocalBackend {
 
     fn write_tmp_with(&self, op: &'static str, key: &str, data: &[u8], sync: bool) -> BResult<PathBuf> {
         let tmp = self.root.join(TMP).join(format!("{:016x}", rand::random::<u64>()));
+        if data.len() >= DIRECT_MIN && self.direct_ok.load(Ordering::Relaxed) {
+            match self.write_direct(&tmp, data) {
+                Ok(()) => return Ok(tmp),
+                Err(e) => {
+                    let _ = fs::remove_file(&tmp);
+                    if e.raw_os_error() != Some(libc::EINVAL) {
+                        return Err(BackendError::from_io(op, key, e));
+                    }
+                    // The filesystem does not do O_DIRECT: buffered writes from now on.
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+            }
+        }
         let res = (|| {
             let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
             f.write_all(data)?;
@@ -73,6 +144,35 @@ impl LocalBackend {
             return Err(BackendError::from_io(op, key, e));
         }
         Ok(tmp)
+    }
+
+    /// Write `data` to the new file `tmp` with `O_DIRECT` (padded to the alignment, then
+    /// truncated to its length) and make it durable.
+    fn write_direct(&self, tmp: &Path, data: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let padded = data.len().div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        let mut slot = self.direct_buf.lock();
+        if slot.as_ref().is_none_or(|b| b.cap < padded) {
+            *slot = None;
+            *slot = Some(AlignedBuf::new(padded).ok_or_else(|| std::io::Error::from(IoKind::OutOfMemory))?);
+        }
+        let buf = slot.as_mut().expect("allocated above").as_mut();
+        buf[..data.len()].copy_from_slice(data);
+        buf[data.len()..padded].fill(0);
+        let f = OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_DIRECT).open(tmp)?;
+        let mut off = 0;
+        while off < padded {
+            match f.write_at(&buf[off..padded], off as u64) {
+                Ok(0) => return Err(IoKind::WriteZero.into()),
+                Ok(n) => off += n,
+                Err(e) if e.kind() == IoKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if padded != data.len() {
+            f.set_len(data.len() as u64)?;
+        }
+        f.sync_data()
     }
 
     fn ensure_parent(&self, op: &'static str, key: &str, path: &Path) -> BResult<PathBuf> {

@@ -188,7 +188,7 @@ pub fn probe_backend(backend: &dyn Backend, bytes: usize) -> Result<f64, Backend
 }
 
 /// CPU time of the calling thread, in nanoseconds (wall clock if unavailable).
-fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };

@@ -32,7 +32,7 @@ use std::sync::mpsc::{self, Receiver, SyncSender};
 
 use parking_lot::Mutex;
 
-use super::codec_choice::Chooser;
+use super::codec_choice::{thread_cpu_ns, Chooser};
 use super::stream::{Event, Limits, Parser, SinkError, StreamError, StreamInfo, StreamSink, PAGE_SIZE};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
@@ -41,6 +41,8 @@ use crate::store::{Session, StoreError};
 
 const TARGET: &str = "strata::memory";
 const READ_BYTES: usize = 1 << 20;
+/// Batches queued between the parse thread and the pool, in bytes.
+const QUEUE_BYTES: usize = 32 << 20;
 
 /// Tuning of the pipeline.
 #[derive(Debug, Clone)]
@@ -113,6 +115,12 @@ pub struct Ingested {
     /// Per ramblock, pages no record covered (0 for a complete stream) and the first one.
     pub missing: Vec<(u64, u64)>,
     pub counters: IngestCounters,
+    /// From the stream's last byte until every batch was stored, ms.
+    pub drain_ms: f64,
+    /// CPU time of the parse thread (reading the socket, parsing, batching), ms.
+    pub parse_cpu_ms: f64,
+    /// CPU time of the pool (hashing, dedup, compression, packing), ms.
+    pub pool_cpu_ms: f64,
 }
 
 struct Batch {
@@ -148,6 +156,8 @@ struct Shared<'a> {
     new_chunks: AtomicU64,
     zero_content: AtomicU64,
     frames: AtomicU64,
+    /// CPU time the pool's threads used.
+    worker_cpu_ns: AtomicU64,
     frame_pages: usize,
     /// Store-wide stored-bytes counter value at which the next background flush is due.
     next_flush: AtomicU64,
@@ -469,6 +479,7 @@ pub fn ingest<R: Read>(
         new_chunks: AtomicU64::new(0),
         zero_content: AtomicU64::new(0),
         frames: AtomicU64::new(0),
+        worker_cpu_ns: AtomicU64::new(0),
         frame_pages,
         next_flush: AtomicU64::new(session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every),
         flush_every: opts.flush_every,
@@ -476,9 +487,15 @@ pub fn ingest<R: Read>(
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
-    let (tx, rx) = mpsc::sync_channel::<Batch>(workers * 2);
-    let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(workers * 2 + 2);
+    // A deep queue (QUEUE_BYTES of batches) rides out short stalls of the pool (a pack write,
+    // a background flush) without QEMU's sender blocking on the socket.
+    let depth = (QUEUE_BYTES / (batch_pages * PAGE_SIZE)).max(workers * 2);
+    let (tx, rx) = mpsc::sync_channel::<Batch>(depth);
+    let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(depth + workers + 2);
     let rx = Mutex::new(rx);
+    let drain = Mutex::new(0.0f64);
+    let parse_cpu_start = thread_cpu_ns();
+    let parse_cpu = Mutex::new(0u64);
 
     let parsed: Result<(StreamInfo, u64, u64), IngestError> = std::thread::scope(|s| {
         let flusher = {
@@ -502,7 +519,10 @@ pub fn ingest<R: Read>(
                 let (sh, rx, free) = (&sh, &rx, free_tx.clone());
                 std::thread::Builder::new()
                     .name(format!("strata-mem-{i}"))
-                    .spawn_scoped(s, move || worker(sh, rx, &free))
+                    .spawn_scoped(s, move || {
+                        worker(sh, rx, &free);
+                        sh.worker_cpu_ns.fetch_add(thread_cpu_ns(), Ordering::Relaxed);
+                    })
                     .expect("spawn pipeline worker")
             })
             .collect();
@@ -545,14 +565,17 @@ pub fn ingest<R: Read>(
             d.flush_hot().and_then(|_| d.send()).map_err(|_| IngestError::Panic)?;
             Ok(info)
         })();
+        *parse_cpu.lock() = thread_cpu_ns();
         let rec = d.rec;
         let superseded = d.superseded;
         progress.advance(d.pending_progress);
         drop(d); // closes the batch channel: workers drain it and exit
+        let t_drain = std::time::Instant::now();
         let mut panicked = false;
         for h in handles {
             panicked |= h.join().is_err();
         }
+        *drain.lock() = t_drain.elapsed().as_secs_f64() * 1e3;
         sh.flush_tx.lock().take(); // ends the flusher
         panicked |= flusher.join().is_err();
         if panicked {
@@ -589,6 +612,9 @@ pub fn ingest<R: Read>(
         maps: map.ids,
         missing,
         counters,
+        drain_ms: drain.into_inner(),
+        parse_cpu_ms: parse_cpu.into_inner().saturating_sub(parse_cpu_start) as f64 / 1e6,
+        pool_cpu_ms: sh.worker_cpu_ns.load(Ordering::Relaxed) as f64 / 1e6,
     })
 }
 

@@ -109,6 +109,26 @@ pub struct SaveReport {
     pub zero_pages: u64,
     pub unique_pages: u64,
     pub codec: CodecReport,
+    /// Where the time went.
+    pub stages: SaveStages,
+}
+
+/// Wall time of each step of a save, ms (they add up to about `total_ms`).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SaveStages {
+    /// Name check, QMP queries, capability check, backend probe, QEMU settings.
+    pub setup_ms: f64,
+    /// `migrate` until the stream ended and every page was stored (= `migrate_ms`).
+    pub stream_ms: f64,
+    /// Of `stream_ms`: from the stream's last byte until the pool had stored every page.
+    pub drain_ms: f64,
+    /// CPU time of the parse thread and of the pool during the stream.
+    pub parse_cpu_ms: f64,
+    pub pool_cpu_ms: f64,
+    /// Page maps and tail chunks.
+    pub maps_ms: f64,
+    /// Final flush of packs and index objects, then the ref (`commit_ref`).
+    pub commit_ref_ms: f64,
 }
 
 fn now_unix() -> u64 {
@@ -265,6 +285,11 @@ pub fn save(
     }
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
+    // The backend probe (step 2) runs while the QMP queries below go back and forth.
+    let probe = (opts.codec == CodecPolicy::Auto).then(|| {
+        let backend = store.backend().clone();
+        std::thread::spawn(move || probe_backend(&*backend, PROBE_BYTES))
+    });
 
     // 1. The source, and what it would send.
     let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
@@ -287,9 +312,9 @@ pub fn save(
 
     // 2. Codec inputs and QEMU settings.
     let workers = opts.ingest.workers.max(1);
-    let backend_bps = match opts.codec {
-        CodecPolicy::Auto => {
-            let bps = probe_backend(&**store.backend(), PROBE_BYTES).map_err(|e| MemError::Store {
+    let backend_bps = match probe {
+        Some(probe) => {
+            let bps = probe.join().map_err(|_| MemError::Panic { what: "backend probe" })?.map_err(|e| MemError::Store {
                 op: "backend probe",
                 name: name.into(),
                 source: e.into(),
@@ -301,7 +326,7 @@ pub fn save(
             ));
             bps
         }
-        CodecPolicy::Fixed(_) => 0.0,
+        None => 0.0,
     };
     let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers));
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
@@ -368,26 +393,40 @@ pub fn save(
             missing,
         });
     }
-    let mut map_roots = Vec::with_capacity(ingested.maps.len());
-    let mut blocks = Vec::with_capacity(ingested.maps.len());
-    let mut all_unique = std::collections::HashSet::new();
-    let (mut zero_pages, mut data_pages) = (0u64, 0u64);
-    for (b, ids) in layout.blocks.iter().zip(&ingested.maps) {
-        map_roots.push(write_map(ses, ids).map_err(MemError::store("page map write", name))?);
-        let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
-        let z = ids.len() as u64 - uniq.len() as u64;
-        zero_pages += z;
-        data_pages += uniq.len() as u64;
-        all_unique.extend(uniq.iter().copied());
-        uniq.sort_unstable();
-        uniq.dedup();
-        blocks.push(BlockMeta {
-            name: b.name.clone(),
-            used_len: b.used_len,
-            zero_pages: z,
-            unique_pages: uniq.len() as u64,
+    let t_maps = Instant::now();
+    // The page maps are written on a helper thread while this one counts pages (sorting
+    // instead of hashing: 200k+ ids per GiB).
+    let (map_roots, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
+        let maps = &ingested.maps;
+        let writer = s.spawn(move || -> Result<Vec<ChunkId>, MemError> {
+            maps.iter()
+                .map(|ids| write_map(ses, ids).map_err(MemError::store("page map write", name)))
+                .collect()
         });
-    }
+        let mut blocks = Vec::with_capacity(maps.len());
+        let mut all: Vec<ChunkId> = Vec::new();
+        let (mut zero_pages, mut data_pages) = (0u64, 0u64);
+        for (b, ids) in layout.blocks.iter().zip(maps) {
+            let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
+            let z = ids.len() as u64 - uniq.len() as u64;
+            zero_pages += z;
+            data_pages += uniq.len() as u64;
+            uniq.sort_unstable();
+            uniq.dedup();
+            all.extend_from_slice(&uniq);
+            blocks.push(BlockMeta {
+                name: b.name.clone(),
+                used_len: b.used_len,
+                zero_pages: z,
+                unique_pages: uniq.len() as u64,
+            });
+        }
+        all.sort_unstable();
+        all.dedup();
+        let roots = writer.join().map_err(|_| MemError::Panic { what: "page map writer" });
+        (roots, blocks, all.len() as u64, zero_pages, data_pages)
+    });
+    let map_roots = map_roots??;
     let tail = &ingested.info.tail;
     let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
     for piece in tail.chunks(TAIL_CHUNK) {
@@ -410,7 +449,7 @@ pub fn save(
         pages_sent: c.page_records + c.zero_records,
         zero_pages,
         data_pages,
-        unique_pages: all_unique.len() as u64,
+        unique_pages: unique_total,
         pages_stored: c.new_chunks,
         pages_deduped: data_records.saturating_sub(c.new_chunks),
         new_bytes,
@@ -462,8 +501,11 @@ pub fn save(
     {
         return Err(MemError::Exists { name: name.into() });
     }
+    let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;
+    let t_ref = Instant::now();
     ses.commit_ref(&rname, ckpt.to_ref())
         .map_err(MemError::store("commit", name))?;
+    let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
     progress.finish();
     let total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let m = &ckpt.manifest;
@@ -489,6 +531,15 @@ pub fn save(
         zero_pages,
         unique_pages: m.stats.unique_pages,
         codec: m.codec.clone(),
+        stages: SaveStages {
+            setup_ms: timing.setup_ms,
+            stream_ms: timing.migrate_ms,
+            drain_ms: ingested.drain_ms,
+            parse_cpu_ms: ingested.parse_cpu_ms,
+            pool_cpu_ms: ingested.pool_cpu_ms,
+            maps_ms,
+            commit_ref_ms,
+        },
     };
     tracing::info!(target: TARGET, name, mode = opts.mode.as_str(), total_ms, stored_bytes, "checkpoint committed");
     Ok(report)
@@ -501,6 +552,7 @@ struct Timing {
     downtime_ms: f64,
     pause_ms: Option<f64>,
     migrate_ms: f64,
+    setup_ms: f64,
 }
 
 /// Steps 3 and 4: migrate into the socket while the pipeline stores what arrives.
@@ -546,6 +598,7 @@ fn run(
         t_stop = Some(Instant::now());
     }
     let t_migrate = Instant::now();
+    let setup_ms = t_migrate.duration_since(t0).as_secs_f64() * 1e3;
     let outcome = std::thread::scope(|s| {
         let rx = std::thread::Builder::new()
             .name("strata-mem-parse".into())
@@ -620,6 +673,7 @@ fn run(
             downtime_ms,
             pause_ms,
             migrate_ms,
+            setup_ms,
         },
     ))
 }

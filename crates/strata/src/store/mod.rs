@@ -478,8 +478,14 @@ impl Store {
         let sh = &self.inner.sh;
         let fresh: Vec<(ChunkId, &[u8])> = {
             let idx = sh.index.read();
-            let mut seen = HashSet::new();
-            items.iter().filter(|(id, _)| !idx.chunks.contains_key(id) && seen.insert(*id)).copied().collect()
+            let mut fresh: Vec<(ChunkId, &[u8])> = Vec::with_capacity(items.len());
+            for &(id, d) in items {
+                // Frames are small (<= 16 chunks): a linear scan finds repeats within one.
+                if !idx.chunks.contains_key(&id) && !fresh.iter().any(|(f, _)| *f == id) {
+                    fresh.push((id, d));
+                }
+            }
+            fresh
         };
         let dups = (items.len() - fresh.len()) as u64;
         sh.stats.chunks_dedup.fetch_add(dups, Ordering::Relaxed);
@@ -490,21 +496,20 @@ impl Store {
         if raw_total > MAX_FRAME_RAW {
             return Err(StoreError::TooLarge { size: raw_total });
         }
-        let joined;
-        let raw: &[u8] = if fresh.len() == 1 {
-            fresh[0].1
+        // Compressed frames need their chunks joined; raw ones are copied part by part
+        // straight into the pack.
+        let compressed: Option<Vec<u8>> = if codec == Codec::None {
+            None
+        } else if fresh.len() == 1 {
+            codec.compress(fresh[0].1)
         } else {
             let mut j = Vec::with_capacity(raw_total);
             for (_, d) in &fresh {
                 j.extend_from_slice(d);
             }
-            joined = j;
-            &joined
+            codec.compress(&j)
         };
-        let (stored, used_codec) = match codec.compress(raw) {
-            Some(z) => (std::borrow::Cow::Owned(z), codec),
-            None => (std::borrow::Cow::Borrowed(raw), Codec::None),
-        };
+        let stored_len = compressed.as_ref().map_or(raw_total, Vec::len);
         let job = {
             let mut open = self.inner.open.lock();
             sh.check_poison()?;
@@ -520,13 +525,19 @@ impl Store {
             if open.builder.is_none() {
                 let id = PackId::random();
                 open.no = sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
-                open.builder = Some(PackBuilder::new(id));
+                open.builder = Some(PackBuilder::with_capacity(id, self.pack_reserve()));
             }
             let no = open.no;
             let b = open.builder.as_mut().unwrap();
             let chunks: Vec<(ChunkId, u32, ChunkKind)> =
                 fresh.iter().map(|(id, d)| (*id, d.len() as u32, kind)).collect();
-            let entries = b.add_frame(&stored, used_codec, &chunks).to_vec();
+            let entries = match &compressed {
+                Some(z) => b.add_frame(z, codec, &chunks).to_vec(),
+                None => {
+                    let parts: Vec<&[u8]> = fresh.iter().map(|(_, d)| *d).collect();
+                    b.add_frame_parts(&parts, &chunks).to_vec()
+                }
+            };
             {
                 let mut idx = sh.index.write();
                 for (e, a) in entries.iter().zip(&absent) {
@@ -538,7 +549,7 @@ impl Store {
             let n_new = absent.iter().filter(|a| **a).count();
             sh.stats.chunks_new.fetch_add(n_new as u64, Ordering::Relaxed);
             sh.stats.raw_bytes_new.fetch_add(raw_total as u64, Ordering::Relaxed);
-            sh.stats.stored_bytes_new.fetch_add(stored.len() as u64, Ordering::Relaxed);
+            sh.stats.stored_bytes_new.fetch_add(stored_len as u64, Ordering::Relaxed);
             let sealed = if b.len() >= self.inner.pack_size { self.seal_locked(&mut open) } else { None };
             (sealed, n_new)
         };
@@ -547,6 +558,13 @@ impl Store {
             self.inner.writer.send(job)?;
         }
         Ok(n_new)
+    }
+
+    /// Bytes reserved for an open pack: a full pack, its largest last frame and its trailer
+    /// (64-byte entries per chunk of at least 4 KiB).
+    fn pack_reserve(&self) -> usize {
+        let p = self.inner.pack_size as usize;
+        p + p / 32 + MAX_FRAME_RAW + (1 << 16)
     }
 
     /// Copy an existing stored frame into the open pack (GC repacking): the chunks listed
@@ -761,7 +779,9 @@ impl Session {
         }
         // One writer per name: commit under our lease, or take one for this commit alone.
         let _tmp = self.store.lease_for_commit(name)?;
+        let t0 = std::time::Instant::now();
         self.store.flush()?;
+        tracing::debug!(target: "strata::store", name, flush_ms = t0.elapsed().as_secs_f64() * 1e3, "flushed for a ref");
         let old = self.store.get_ref(name).ok().flatten();
         r.generation = old.map(|o| o.generation + 1).unwrap_or(1);
         let key = format!("refs/{name}");

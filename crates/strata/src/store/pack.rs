@@ -143,7 +143,13 @@ pub struct FrameChunk<'a> {
 
 impl PackBuilder {
     pub fn new(id: PackId) -> PackBuilder {
-        let mut buf = Vec::with_capacity(1 << 20);
+        PackBuilder::with_capacity(id, 1 << 20)
+    }
+
+    /// A builder whose buffer is reserved for `cap` bytes up front (the store reserves a
+    /// whole pack, so growing never copies it; untouched capacity costs no memory).
+    pub fn with_capacity(id: PackId, cap: usize) -> PackBuilder {
+        let mut buf = Vec::with_capacity(cap.max(PACK_HEADER_LEN));
         buf.extend_from_slice(PACK_MAGIC);
         buf.u16le(FORMAT_VERSION);
         buf.u16le(0);
@@ -186,6 +192,37 @@ impl PackBuilder {
             })
             .collect();
         self.add_frame_at(stored, codec, frame_raw_len, &placed)
+    }
+
+    /// Append an uncompressed frame given as consecutive parts (one per chunk, in order),
+    /// copied straight into the pack: the same bytes as `add_frame` of the joined parts with
+    /// `Codec::None`, without joining them first.
+    pub fn add_frame_parts(&mut self, parts: &[&[u8]], chunks: &[(ChunkId, u32, ChunkKind)]) -> &[PackEntry] {
+        debug_assert_eq!(parts.len(), chunks.len());
+        let frame_off = self.buf.len() as u64;
+        let mut frame_crc = 0u32;
+        for p in parts {
+            frame_crc = crc32c::crc32c_append(frame_crc, p);
+            self.buf.extend_from_slice(p);
+        }
+        let frame_len = (self.buf.len() as u64 - frame_off) as u32;
+        let first = self.entries.len();
+        let mut off = 0u32;
+        for &(id, raw_len, kind) in chunks {
+            self.entries.push(PackEntry {
+                id,
+                frame_off,
+                frame_len,
+                frame_raw_len: frame_len,
+                off_in_frame: off,
+                raw_len,
+                codec: Codec::None,
+                kind,
+                frame_crc,
+            });
+            off += raw_len;
+        }
+        &self.entries[first..]
     }
 
     /// Append a frame whose chunks sit at explicit offsets (id, offset, length, kind) inside
@@ -359,6 +396,21 @@ impl IndexObject {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frame_from_parts_is_the_joined_raw_frame() {
+        let (a, b2, c) = (vec![1u8; 4096], vec![2u8; 4096], vec![3u8; 100]);
+        let chunks = [
+            (ChunkId::of(&a), 4096, ChunkKind::Data),
+            (ChunkId::of(&b2), 4096, ChunkKind::Data),
+            (ChunkId::of(&c), 100, ChunkKind::Tree),
+        ];
+        let mut joined = PackBuilder::new(PackId([9; 16]));
+        joined.add_frame(&[a.clone(), b2.clone(), c.clone()].concat(), Codec::None, &chunks);
+        let mut parts = PackBuilder::with_capacity(PackId([9; 16]), 1 << 16);
+        parts.add_frame_parts(&[&a, &b2, &c], &chunks);
+        assert_eq!(joined.finish(), parts.finish());
+    }
 
     fn sample_pack() -> (Vec<u8>, Vec<PackEntry>) {
         let mut b = PackBuilder::new(PackId([7; 16]));
