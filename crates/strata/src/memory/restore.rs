@@ -837,3 +837,50 @@ impl Drop for Remove {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::disk::map::{read_map, write_map};
+    use crate::store::pack::ChunkKind;
+    use crate::store::InitOptions;
+    use std::sync::Arc;
+
+    #[test]
+    fn concurrent_map_reads_match_read_map() {
+        let d = tempfile::tempdir().unwrap();
+        let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+        let ses = store.session();
+        let ids: Vec<ChunkId> = (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
+        // Map 0: a full leaf, an all-zero leaf, a partial leaf. Map 1: one short leaf. Map 2: empty.
+        let mut m0: Vec<ChunkId> = (0..LEAF_IDS).map(|i| ids[i % 40]).collect();
+        m0.extend(std::iter::repeat_n(ChunkId::ZERO, LEAF_IDS));
+        m0.extend((0..123).map(|i| ids[(i * 7) % 40]));
+        let m1: Vec<ChunkId> = ids[..5].to_vec();
+        let maps = [m0, m1, Vec::new()];
+        let roots: Vec<ChunkId> = maps.iter().map(|m| write_map(&ses, m).unwrap()).collect();
+        store.flush().unwrap();
+        for threads in [1, 3, MAP_READERS] {
+            let got = read_maps(&store, &roots, threads).unwrap();
+            for (i, (g, want)) in got.iter().zip(&maps).enumerate() {
+                assert_eq!(g, want, "map {i} with {threads} threads");
+                assert_eq!(g, &read_map(&store, &roots[i]).unwrap());
+            }
+        }
+        // A root that is not stored: the error names the map (ramblock) it belongs to.
+        let bad = [roots[0], ids[0], ChunkId::of(b"not stored")];
+        let (i, _) = read_maps(&store, &bad, 4).unwrap_err();
+        assert!(i == 1 || i == 2, "failing map index {i}");
+    }
+
+    #[test]
+    fn par_map_keeps_order_and_reports_the_first_failure() {
+        let items: Vec<u32> = (0..100).collect();
+        let out = par_map(&items, 7, |x| Ok::<u32, ()>(x * 2)).unwrap();
+        assert_eq!(out, items.iter().map(|x| x * 2).collect::<Vec<_>>());
+        let err = par_map(&items, 1, |x| if *x >= 40 { Err(*x) } else { Ok(*x) }).unwrap_err();
+        assert_eq!(err, (40, 40));
+        assert!(par_map(&[] as &[u32], 4, |x| Ok::<u32, ()>(*x)).unwrap().is_empty());
+    }
+}
