@@ -74,7 +74,7 @@ pub enum MemBenchCmd {
         #[arg(long)]
         remote: bool,
         /// Restore threads for --remote (each has one ranged GET in flight).
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 12)]
         restore_workers: usize,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,

@@ -125,6 +125,13 @@ impl StorageHost {
         self.dir.join("s3").join(BUCKET)
     }
 
+    /// CPU seconds (user + system) versitygw has used so far: the storage host's share of the
+    /// 2 cores, which the emulated storage host takes from this host's.
+    pub fn s3_cpu_s(&self) -> f64 {
+        let pid = std::fs::read_to_string(self.dir.join("versitygw.pid")).unwrap_or_default();
+        proc_cpu_s(&format!("/proc/{}/stat", pid.trim()))
+    }
+
     pub fn link(&self) -> Link {
         let rd = |f: &str| -> u64 {
             std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{f}", self.veth)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
@@ -163,7 +170,8 @@ impl StorageHost {
     /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
     /// fsync its objects; the file baselines are fsynced, so strata's objects are too).
     pub fn fsync_tree(dir: &Path) -> Result<u64> {
-        let mut n = 0;
+        let mut files = Vec::new();
+        let mut dirs = Vec::new();
         let mut stack = vec![dir.to_path_buf()];
         while let Some(d) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(&d) else { continue };
@@ -172,13 +180,34 @@ impl StorageHost {
                 if ft.is_dir() {
                     stack.push(e.path());
                 } else if ft.is_file() {
-                    std::fs::File::open(e.path())?.sync_all()?;
-                    n += 1;
+                    files.push(e.path());
                 }
             }
-            std::fs::File::open(&d)?.sync_all()?;
+            dirs.push(d);
         }
-        Ok(n)
+        // Concurrently, as a server that fsyncs each object would (the objects are independent):
+        // a serial loop made this a series of disk flushes (0.7 s for a 2 GiB save's 92 objects).
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let failed = std::sync::Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(f) = files.get(i) else { return };
+                    if let Err(e) = std::fs::File::open(f).and_then(|f| f.sync_all()) {
+                        failed.lock().unwrap().get_or_insert(e);
+                        return;
+                    }
+                });
+            }
+        });
+        if let Some(e) = failed.into_inner().unwrap() {
+            return Err(e.into());
+        }
+        for d in dirs.iter().rev() {
+            std::fs::File::open(d)?.sync_all()?;
+        }
+        Ok(files.len() as u64)
     }
 
     fn down(&mut self) {
@@ -327,6 +356,18 @@ impl Drop for Relay {
             let _ = t.join();
         }
     }
+}
+
+/// utime + stime of a `/proc/PID/stat` (or `/proc/self/stat`) in seconds; 0 if unreadable.
+pub fn proc_cpu_s(stat: &str) -> f64 {
+    let text = std::fs::read_to_string(stat).unwrap_or_default();
+    // Fields after the ")" that closes the command name: state is field 3, utime 14, stime 15.
+    let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / hz
 }
 
 pub fn mb(b: u64) -> f64 {

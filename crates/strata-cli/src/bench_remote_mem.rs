@@ -31,7 +31,7 @@ use strata::store::Store;
 use strata::Codec;
 
 use crate::bench_mem::{boot, console_command, env_json, load_workload, machine, qmp_of, qemu_restore, scratch_dir, stack, start_dest, write_outputs};
-use crate::bench_remote::{mb, Link, Relay, StorageHost};
+use crate::bench_remote::{mb, proc_cpu_s, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -59,6 +59,9 @@ fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> 
     q.cont()?;
     Ok((end.duration_since(t).as_secs_f64(), n))
 }
+
+/// Largest range GET of the strata restore over the link (the local default is 4 MiB).
+const RESTORE_READ_BYTES: u64 = 8 << 20;
 
 pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
     let m = machine(mach)?;
@@ -98,15 +101,17 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         let (backend, _) = host.s3(&prefix, None)?;
         let store = StorageHost::init_store(backend, &dir.join("strata-meta"), Codec::Lz4)?;
         let l0 = host.link();
+        let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
         let r: SaveReport = save(&store, &mut q, "bench", &SaveOptions::new(Mode::Save), &NoProgress)?;
         let t = Instant::now();
         let files = StorageHost::fsync_tree(&host.bucket_dir().join(&prefix))?;
         let fsync_s = t.elapsed().as_secs_f64();
         let save_link = host.link().since(l0);
+        let (save_s3_cpu, save_own_cpu) = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
         q.cont()?;
         let strata_save = r.total_ms / 1e3 + fsync_s;
         eprintln!(
-            "  {:<14} save {strata_save:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (codec {}: {}; fsync of {files} objects {fsync_s:.2} s)",
+            "  {:<14} save {strata_save:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {save_s3_cpu:.1}, strata {save_own_cpu:.1}; codec {}: {}; fsync of {files} objects {fsync_s:.2} s)",
             "strata",
             mb(r.stored_bytes),
             mb(save_link.total()),
@@ -146,12 +151,19 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         // strata restore: the index is local (this host saved it), the pages come over the link.
         let mut d = start_dest(&g, &dir, "dst-strata")?;
         let l0 = host.link();
-        let rr = restore(&store, "bench", &mut d.qmp, &RestoreOptions { resume: true, workers, ..Default::default() }, &NoProgress)?;
+        let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
+        let rr = restore(&store, "bench", &mut d.qmp, &RestoreOptions { resume: true, workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() }, &NoProgress)?;
         let restore_link = host.link().since(l0);
+        let (restore_s3_cpu, restore_own_cpu) = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
         let t = rr.total_ms / 1e3;
         let sum = console_command(&d.console, "sum")?;
         anyhow::ensure!(sum == w.sum, "restored guest's memwork sum differs: {sum} vs {}", w.sum);
-        eprintln!("  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (memwork sum verified)", "strata", mb(restore_link.total()));
+        eprintln!(
+            "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {restore_s3_cpu:.1}, strata {restore_own_cpu:.1}; memwork sum verified)",
+            "strata",
+            mb(restore_link.total()),
+            rr.plan_ms / 1e3
+        );
         rows.push(Row {
             mem_mib: mem,
             method: "strata".into(),
@@ -165,7 +177,10 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
             codec: r.codec.chosen.to_string(),
             verified: true,
         });
-        reports.push(serde_json::json!({"mem_mib": mem, "save": r, "save_fsync_s": fsync_s, "restore": rr}));
+        reports.push(serde_json::json!({
+            "mem_mib": mem, "save": r, "save_fsync_s": fsync_s, "restore": rr,
+            "cpu_s": {"save_versitygw": save_s3_cpu, "save_strata": save_own_cpu, "restore_versitygw": restore_s3_cpu, "restore_strata": restore_own_cpu},
+        }));
         workloads.push(serde_json::json!({"mem_mib": mem, "workload": w}));
         drop(d);
         drop(store);
@@ -224,6 +239,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         "how": "QEMU baselines: stopped guest, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file and fsyncs it; save time = migrate to fsync. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
         "restore_workers": workers,
+        "restore_read_bytes": RESTORE_READ_BYTES,
         "targets": targets,
         "workloads": workloads,
         "strata_reports": reports,

@@ -27,7 +27,7 @@
 //!   is also how much data waits for the link at the end of a save (64 MiB packs left a
 //!   256 MiB save's whole upload after the stream, measured by `bench save-restore
 //!   --remote`); a PUT's fixed cost (a round trip plus the server's request overhead) is
-//!   hidden by the store writer keeping two uploads in flight. Reads are range GETs, so the
+//!   hidden by the store writer keeping several uploads in flight (`store::writer::UPLOADS`). Reads are range GETs, so the
 //!   pack size costs nothing on the read path.
 //! - Errors at open name the fix: missing credentials, a missing bucket, wrong credentials, an
 //!   unreachable endpoint, an `http://` endpoint without `AWS_ALLOW_HTTP=true`.
