@@ -60,7 +60,7 @@ ser=target/demo-serial
 rm -f "$ser.in" "$ser.out" "$qmp"; mkfifo "$ser.in" "$ser.out"
 qemu-system-x86_64 -accel tcg -machine q35 -m 512 -nodefaults -no-user-config -display none \
   -kernel "$fx/vmlinux" -initrd "$fx/initramfs.cpio.gz" \
-  -append "console=ttyS0 strata.mode=root panic=-1" \
+  -append "console=ttyS0 strata.mode=root panic=-1 no_timer_check" \
   -drive "file=nbd:unix:$sock:exportname=desk6,if=virtio,format=raw" \
   -serial "pipe:$ser" -qmp "unix:$qmp,server=on,wait=off" -no-reboot > target/demo-qemu.log 2>&1 &
 qemu_pid=$!
