@@ -225,8 +225,13 @@ fn receive(
         let _ = s.shutdown(std::net::Shutdown::Both);
     }
     let mut src = Counting { s: &s, n: &conn.bytes };
-    ingest(&mut src, session, chooser, opts, progress)
-        .map_err(|e| RxError::Ingest(e, conn.bytes.load(Ordering::Relaxed)))
+    ingest(&mut src, session, chooser, opts, progress).map_err(|e| {
+        // Stop QEMU at once: a stop-and-copy source writes its last pass holding the big
+        // QEMU lock, so if nobody reads (the store failed) its monitor hangs until the socket
+        // goes away.
+        let _ = s.shutdown(std::net::Shutdown::Both);
+        RxError::Ingest(e, conn.bytes.load(Ordering::Relaxed))
+    })
 }
 
 /// Settings changed for the save, put back afterwards.
@@ -626,6 +631,8 @@ fn run(
     let rx = rx.map_err(|_| MemError::Panic { what: "parse" })?;
     let info = match (src, rx) {
         (Ok(info), Ok(ing)) => (info, ing),
+        // The store failed first and we cut the stream: QEMU's failure is only the echo.
+        (Err(_), Err(RxError::Ingest(e @ IngestError::Store(_), bytes))) => return Err(ingest_error(e, name, bytes)),
         (Err(e), _) => return Err(e),
         (Ok(_), Err(RxError::NoConnection)) => {
             return Err(MemError::NoConnection {

@@ -57,8 +57,9 @@ pub enum LeaseError {
     GcRunning { holder: String, expires_in_s: u64 },
     #[error("'{name}' is already held by this store instance")]
     AlreadyHeld { name: String },
-    #[error("Lease {op} failed for '{name}'")]
-    Backend { op: &'static str, name: String, #[source] source: BackendError },
+    /// The backend error names the operation and the lease key.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 pub type Result<T> = std::result::Result<T, LeaseError>;
@@ -263,8 +264,8 @@ impl Leases {
         }
     }
 
-    fn be<T>(&self, op: &'static str, name: &str, r: std::result::Result<T, BackendError>) -> Result<T> {
-        r.map_err(|source| LeaseError::Backend { op, name: name.to_string(), source })
+    fn be<T>(&self, _op: &'static str, _name: &str, r: std::result::Result<T, BackendError>) -> Result<T> {
+        r.map_err(LeaseError::Backend)
     }
 
     /// Generations under `dir`, ascending.
@@ -295,7 +296,7 @@ impl Leases {
                 },
                 // Cleaned up between list and get: a newer one exists; look again.
                 Err(e) if e.is_not_found() => continue,
-                Err(e) => return Err(LeaseError::Backend { op: "get", name: name.into(), source: e }),
+                Err(e) => return Err(LeaseError::Backend(e)),
             }
         }
         Ok((0, None))
