@@ -1,6 +1,9 @@
 //! The Redis backend against Debian's redis-server, single node and a 3-master cluster, each
 //! started on free loopback ports and killed by the test.
 
+#[path = "backend_common/mod.rs"]
+mod backend_common;
+use backend_common::CrashRun;
 use strata::backend::redis::{Durability, RedisBackend, RedisConfig, RedisError, REDIS_PACK_SIZE};
 use strata::backend::servers::{free_port, raw_command, RedisCluster, RedisServer};
 use strata::backend::{conformance, Backend, DynBackend, ErrorKind};
@@ -8,7 +11,7 @@ use strata::progress::NoProgress;
 use strata::store::check::CheckOptions;
 use strata::store::objects::{Ref, Tree};
 use strata::store::pack::ChunkKind;
-use strata::store::{InitOptions, Store, StoreError};
+use strata::store::{InitOptions, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,15 +20,7 @@ fn open(url: &str) -> RedisBackend {
 }
 
 fn chunk(i: u64, len: usize) -> Vec<u8> {
-    let mut x = i.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 5) as u8
-        })
-        .collect()
+    backend_common::chunk(i, len, 5)
 }
 
 #[test]
@@ -139,61 +134,10 @@ fn killing_redis_mid_write_loses_nothing_acknowledged() {
     let s = Arc::new(std::sync::Mutex::new(RedisServer::start(&d.path().join("redis"), true).unwrap()));
     let url = s.lock().unwrap().url();
     let store = Store::init(Arc::new(open(&url)), &d.path().join("a.redb"), InitOptions { pack_size: 128 << 10, ..Default::default() }).unwrap();
-    let committed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let killer = {
-        let (s, committed) = (s.clone(), committed.clone());
-        std::thread::spawn(move || {
-            while committed.load(std::sync::atomic::Ordering::SeqCst) < 5 {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(rand::random::<u64>() % 20));
-            s.lock().unwrap().kill();
-        })
-    };
-    let mut acknowledged: Vec<(String, Vec<u64>)> = Vec::new();
-    let mut n = 0u64;
-    let mut failure = None;
-    for round in 0..100_000 {
-        let ses = store.session();
-        let seeds: Vec<u64> = (0..32)
-            .map(|_| {
-                n += 1;
-                n
-            })
-            .collect();
-        let res = (|| -> Result<(), StoreError> {
-            let ids: Vec<_> = seeds.iter().map(|&i| ses.put(&chunk(i, 8192), ChunkKind::Data)).collect::<Result<_, _>>()?;
-            let root = ses.put_tree(&Tree { children: ids, payload: vec![] })?;
-            ses.commit_ref(&format!("ckpt/{round}"), Ref::new(vec![root], vec![]))
-        })();
-        match res {
-            Ok(()) => {
-                acknowledged.push((format!("ckpt/{round}"), seeds));
-                committed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-            Err(e) => {
-                failure = Some((round, e));
-                break;
-            }
-        }
-    }
-    killer.join().unwrap();
-    if let Some((round, e)) = &failure {
-        eprintln!("redis killed: {} commits acknowledged, round {round} failed with: {e}", acknowledged.len());
-    }
-    let (failed_round, e) = failure.expect("writes fail once the server is dead");
-    assert!(e.to_string().to_lowercase().contains("unavailable"), "{e}");
-    drop(store);
-    s.lock().unwrap().restart().unwrap();
-    let store = Store::open(Arc::new(open(&url)), &d.path().join("b.redb")).unwrap();
-    assert!(store.get_ref(&format!("ckpt/{failed_round}")).unwrap().is_none());
-    for (name, seeds) in &acknowledged {
-        let r = store.get_ref(name).unwrap().unwrap_or_else(|| panic!("acknowledged {name} lost"));
-        let tree = Tree::decode(&store.get(&r.roots[0]).unwrap()).unwrap();
-        for (id, &seed) in tree.children.iter().zip(seeds) {
-            assert_eq!(store.get(id).unwrap(), chunk(seed, 8192));
-        }
-    }
-    let rep = store.check(CheckOptions::default(), &NoProgress).unwrap();
-    assert_eq!(rep.errors(), 0, "{:?}", rep.problems);
+    let run = CrashRun { chunks: 32, chunk_len: 8192, alphabet: 5, jitter_ms: 20 };
+    let killer = s.clone();
+    backend_common::kill_mid_write(store, &run, move || killer.lock().unwrap().kill(), || {
+        s.lock().unwrap().restart().unwrap();
+        Store::open(Arc::new(open(&url)), &d.path().join("b.redb")).unwrap()
+    });
 }

@@ -1,6 +1,9 @@
 //! The S3 backend against a real S3 server: versitygw v1.8.0 (posix backend) on loopback,
 //! started and killed by each test. Needs `versitygw` (scripts/setup.sh installs it).
 
+#[path = "backend_common/mod.rs"]
+mod backend_common;
+use backend_common::CrashRun;
 use strata::backend::cache::{CacheBackend, CacheOptions};
 use strata::backend::retry::{RetryBackend, RetryPolicy};
 use strata::backend::s3::{S3Backend, S3Error, S3_PACK_SIZE};
@@ -33,15 +36,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 fn chunk(i: u64, len: usize) -> Vec<u8> {
-    let mut x = i.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 7) as u8 // compressible, like real disk data
-        })
-        .collect()
+    backend_common::chunk(i, len, 7) // compressible, like real disk data
 }
 
 #[test]
@@ -153,69 +148,14 @@ fn killing_the_server_mid_write_loses_nothing_acknowledged() {
     let url = "s3://strata-test/crash";
     let be: DynBackend = Arc::new(S3Backend::open(s.lock().unwrap().config(url).unwrap()).unwrap());
     let store = Store::init(be, &d.path().join("a.redb"), InitOptions { pack_size: 256 << 10, ..Default::default() }).unwrap();
-    let committed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    // Kill while the writer is busy: after 5 commits, at a moment the test does not choose.
-    let killer = {
-        let (s, committed) = (s.clone(), committed.clone());
-        std::thread::spawn(move || {
-            while committed.load(std::sync::atomic::Ordering::SeqCst) < 5 {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            std::thread::sleep(Duration::from_millis(rand::random::<u64>() % 40));
-            s.lock().unwrap().kill();
-        })
-    };
-    let mut acknowledged: Vec<(String, Vec<u64>)> = Vec::new();
-    let mut n = 0u64;
-    let mut failure = None;
-    for round in 0..100_000 {
-        let ses = store.session();
-        let seeds: Vec<u64> = (0..40)
-            .map(|_| {
-                n += 1;
-                n
-            })
-            .collect();
-        let res = (|| -> Result<(), StoreError> {
-            let ids: Vec<_> = seeds.iter().map(|&i| ses.put(&chunk(i, 16384), ChunkKind::Data)).collect::<Result<_, _>>()?;
-            let root = ses.put_tree(&Tree { children: ids, payload: vec![] })?;
-            ses.commit_ref(&format!("ckpt/{round}"), Ref::new(vec![root], vec![]))
-        })();
-        match res {
-            Ok(()) => {
-                acknowledged.push((format!("ckpt/{round}"), seeds));
-                committed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-            Err(e) => {
-                failure = Some((round, e));
-                break;
-            }
-        }
-    }
-    killer.join().unwrap();
-    if let Some((round, e)) = &failure {
-        eprintln!("s3 killed: {} commits acknowledged, round {round} failed with: {e}", acknowledged.len());
-    }
-    let (failed_round, e) = failure.expect("writes must fail once the server is dead");
-    let text = format!("{e}");
-    assert!(text.contains("unavailable") || text.contains("Unavailable"), "the error says what happened: {text}");
-    assert!(acknowledged.len() >= 5, "commits before the kill were acknowledged");
-    drop(store);
-
-    let mut s = s.lock().unwrap();
-    s.restart().unwrap();
-    let be: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
-    let store = Store::open(be, &d.path().join("b.redb")).unwrap();
-    assert!(store.get_ref(&format!("ckpt/{failed_round}")).unwrap().is_none(), "the interrupted commit is not visible");
-    for (name, seeds) in &acknowledged {
-        let r = store.get_ref(name).unwrap().unwrap_or_else(|| panic!("acknowledged {name} lost"));
-        let tree = Tree::decode(&store.get(&r.roots[0]).unwrap()).unwrap();
-        for (id, &seed) in tree.children.iter().zip(seeds) {
-            assert_eq!(store.get(id).unwrap(), chunk(seed, 16384));
-        }
-    }
-    let rep = store.check(CheckOptions::default(), &NoProgress).unwrap();
-    assert_eq!(rep.errors(), 0, "{:?}", rep.problems);
+    let run = CrashRun { chunks: 40, chunk_len: 16384, alphabet: 7, jitter_ms: 40 };
+    let killer = s.clone();
+    backend_common::kill_mid_write(store, &run, move || killer.lock().unwrap().kill(), || {
+        let mut s = s.lock().unwrap();
+        s.restart().unwrap();
+        let be: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
+        Store::open(be, &d.path().join("b.redb")).unwrap()
+    });
 }
 
 /// With the retry decorator, a server that dies and comes back within the retry budget is
