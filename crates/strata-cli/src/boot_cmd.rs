@@ -23,15 +23,7 @@ use strata::{disk, Store};
 
 pub fn record_boot(s: &Store, name: &str, socket: Option<&Path>, trace_out: Option<&Path>, timeout: u64, json: bool) -> Result<()> {
     // Block SIGINT/SIGTERM in every thread; the wait loop below polls for them.
-    // SAFETY: plain libc signal-mask calls with a properly initialised set.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let set = crate::block_stop_signals();
     disk::info(s, name)?;
     let tmp = format!("{}.record-{:08x}", name.replace('@', "-"), rand_u32());
     disk::clone(s, name, &tmp, false)?;

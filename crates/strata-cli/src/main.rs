@@ -442,18 +442,24 @@ fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd
     Ok(())
 }
 
-fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool) -> Result<()> {
-    use strata::nbd::Server;
-    // Block SIGINT/SIGTERM in every thread; one thread waits for them.
+/// Block SIGINT and SIGTERM in this thread and every thread it starts afterwards, so one
+/// thread can wait for them (sigtimedwait) and stop cleanly. Returns the blocked set.
+pub(crate) fn block_stop_signals() -> libc::sigset_t {
     // SAFETY: plain libc signal-mask calls with a properly initialised set.
-    let set = unsafe {
+    unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
-    };
+    }
+}
+
+fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool) -> Result<()> {
+    use strata::nbd::Server;
+    // Block SIGINT/SIGTERM in every thread; one thread waits for them.
+    let set = block_stop_signals();
     let host = open_host(cli, no_cache)?;
     let s = host.store.clone();
     let exports = strata::serve::DiskExports::new(s.clone());
