@@ -84,23 +84,20 @@ guest write /root/hello written-by-the-demo-guest >/dev/null
 guest sync >/dev/null
 
 step "Live-checkpoint the running desktop's memory (background snapshot; the guest keeps running)"
-# `strata serve` holds the disk store open (one strata process per store), so the memory
-# checkpoints go to a second store next to it.
-mem_store="$STRATA_STORE.mem"
-rm -rf "$mem_store"
-strata --store "$mem_store" init --codec lz4 >/dev/null
+# The checkpoint goes into the same store `strata serve` is serving the disk from: a second
+# strata process on the host works beside the daemon (with its own metadata cache).
 token="demo-$RANDOM$RANDOM"
 # A value that lives only in the guest's memory (a devtmpfs file), and the guest's boot id.
 guest sh "echo $token > /dev/strata-demo-token" >/dev/null
 boot_id=$(guest sh cat /proc/sys/kernel/random/boot_id | cut -d' ' -f2)
 uptime0=$(guest sh cat /proc/uptime | cut -d' ' -f2)
 echo "  in guest memory: token $token, boot id $boot_id; guest uptime $uptime0 s"
-strata --store "$mem_store" vm checkpoint --qmp "$qmp" demo@1
+strata vm checkpoint --qmp "$qmp" demo@1
 echo "  guest still running after the checkpoint: it answers, uptime now $(guest sh cat /proc/uptime | cut -d' ' -f2) s"
 guest sh "echo changed-after-the-checkpoint > /dev/strata-demo-token" >/dev/null
 echo "  token changed in the guest to: $(guest sh cat /dev/strata-demo-token | cut -d' ' -f2)"
-strata --store "$mem_store" vm list
-strata --store "$mem_store" vm inspect demo@1 | sed -n '1,12p'
+strata vm list
+strata vm inspect demo@1 | sed -n '1,12p'
 
 step "Stop the desktop (power cut), then restore it from the checkpoint with its recorded command line"
 # Nothing was written to the disk after the checkpoint (the guest synced before it), so the
@@ -108,7 +105,7 @@ step "Stop the desktop (power cut), then restore it from the checkpoint with its
 kill -KILL "$qemu_pid"; wait "$qemu_pid" 2>/dev/null || true
 qemu_pid=
 exec 3<&- 4>&-
-out=$(strata --store "$mem_store" vm restore demo@1 --launch --run-dir target/demo-run --json)
+out=$(strata vm restore demo@1 --launch --run-dir target/demo-run --json)
 qemu_pid=$(printf '%s' "$out" | sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' | head -n1)
 echo "  restored QEMU pid $qemu_pid, resumed"
 exec 3<"$ser.out" 4>"$ser.in"
@@ -128,6 +125,5 @@ kill -INT "$serve_pid"; wait "$serve_pid" || true
 serve_pid=
 echo "  guest wrote /root/hello on desk6 and powered off; strata flushed and compacted the disk"
 strata check
-strata --store "$mem_store" check
 
 step "Demo done"

@@ -158,8 +158,20 @@ fn stack(config: &HostConfig, no_cache: bool) -> Result<(DynBackend, Option<Arc<
         (Some(c), false) => {
             let mut opts = CacheOptions::new(c.size);
             opts.splitter = Some(pack_splitter());
-            let cache = Arc::new(CacheBackend::open(remote, &c.dir, opts)?);
-            Ok((cache.clone() as DynBackend, Some(cache)))
+            match CacheBackend::open(remote.clone(), &c.dir, opts) {
+                Ok(cache) => {
+                    let cache = Arc::new(cache);
+                    Ok((cache.clone() as DynBackend, Some(cache)))
+                }
+                // One process per cache file: a second strata command beside `strata serve`
+                // goes to the backend directly (reads miss, writes were write-through anyway).
+                Err(CacheError::InUse { dir }) => {
+                    tracing::info!(target: "strata::host", dir = %dir.display(),
+                        "cache in use by another strata process; this one reads the backend directly");
+                    Ok((remote, None))
+                }
+                Err(e) => Err(e.into()),
+            }
         }
         _ => Ok((remote, None)),
     }

@@ -82,15 +82,28 @@ const MAX_HANDLES: usize = 256;
 
 const TMP: &str = ".tmp";
 
+/// Whether process `pid` exists (on this host).
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
 impl LocalBackend {
-    /// Open (creating if needed) a backend rooted at `root`. Stale temporaries from a crash are removed.
+    /// Open (creating if needed) a backend rooted at `root`. Stale temporaries from a crash are
+    /// removed: those of processes that are gone. A temporary is named `<pid>.<random>`, so a
+    /// second process on the same store (another strata command beside `strata serve`) never
+    /// removes the files the first is still writing.
     pub fn open(root: impl AsRef<Path>) -> BResult<LocalBackend> {
         let root = root.as_ref().to_path_buf();
         let tmp = root.join(TMP);
         fs::create_dir_all(&tmp).map_err(|e| BackendError::from_io("open", root.display().to_string(), e))?;
         if let Ok(rd) = fs::read_dir(&tmp) {
             for e in rd.flatten() {
-                let _ = fs::remove_file(e.path());
+                let name = e.file_name();
+                let owner = name.to_str().and_then(|n| n.split_once('.')).and_then(|(p, _)| p.parse::<i32>().ok());
+                if !owner.is_some_and(pid_alive) {
+                    let _ = fs::remove_file(e.path());
+                }
             }
         }
         Ok(LocalBackend {
@@ -117,7 +130,7 @@ impl LocalBackend {
     }
 
     fn write_tmp_with(&self, op: &'static str, key: &str, data: &[u8], sync: bool) -> BResult<PathBuf> {
-        let tmp = self.root.join(TMP).join(format!("{:016x}", rand::random::<u64>()));
+        let tmp = self.root.join(TMP).join(format!("{}.{:016x}", std::process::id(), rand::random::<u64>()));
         if data.len() >= DIRECT_MIN && self.direct_ok.load(Ordering::Relaxed) {
             match self.write_direct(&tmp, data) {
                 Ok(()) => return Ok(tmp),

@@ -4,7 +4,10 @@
 //! from re-reading every index object at each open. It can always be deleted and rebuilt, so it
 //! is committed with `Durability::None` on the hot path and made durable at close. On open the
 //! store reconciles it with the backend's `index/` listing (packs added or removed by another
-//! host, or lost by a crash of this one). One process at a time may open it (redb's file lock).
+//! host, or lost by a crash of this one). One process at a time may open it (redb's file lock):
+//! a second strata process on the same host (say `strata vm checkpoint` while `strata serve`
+//! runs) gets a private cache instead ([`Meta::open_or_private`]), rebuilt from the backend like
+//! a second host's, and unlinked as soon as it is open so no crash can leave it behind.
 //!
 //! Tables (schema version 1, key `schema` in `meta`):
 //! - `chunks`: chunk id (32 bytes) -> location (48 bytes, see [`encode_loc`]).
@@ -125,6 +128,25 @@ impl Meta {
             tx.commit().map_err(db("commit"))?;
         }
         Ok(meta)
+    }
+
+    /// Open the cache at `path`; if another process holds it, open a private one next to it
+    /// (in `private/`, unlinked at once: it lives as long as this process holds it). Returns
+    /// the cache and whether it is private.
+    pub fn open_or_private(path: &Path, store_id: &[u8; 16]) -> Result<(Meta, bool), MetaError> {
+        match Meta::open(path, store_id) {
+            Err(MetaError::InUse { .. }) => {
+                let dir = path.parent().unwrap_or(Path::new(".")).join("private");
+                std::fs::create_dir_all(&dir).map_err(|e| MetaError::Db { op: "create_dir", source: Box::new(e) })?;
+                let p = dir.join(format!("{}-{:016x}.redb", std::process::id(), rand::random::<u64>()));
+                let meta = Meta::open(&p, store_id)?;
+                let _ = std::fs::remove_file(&p);
+                tracing::info!(target: "strata::store", path = %path.display(),
+                    "metadata cache in use by another strata process; using a private one rebuilt from the backend");
+                Ok((meta, true))
+            }
+            other => other.map(|m| (m, false)),
+        }
     }
 
     /// All known packs with their sizes.

@@ -241,7 +241,7 @@ impl Store {
             Err(e) => return Err(e.into()),
         };
         let config = StoreConfig::decode(&raw).map_err(|source| StoreError::Format { key: "config".into(), source })?;
-        let meta = Meta::open(meta_path, &config.store_id)?;
+        let (meta, _private) = Meta::open_or_private(meta_path, &config.store_id)?;
         // Announce this instance before trusting the index: a GC elsewhere must see us (and we
         // must not open while one runs), see `lease.rs`.
         let leases = lease::Leases::new(backend.clone());
