@@ -16,6 +16,7 @@ mod bench_storm;
 mod boot_cmd;
 mod bench_sync;
 mod chart;
+mod control;
 mod inspect;
 mod ui;
 mod vm;
@@ -335,18 +336,27 @@ fn run(cli: Cli) -> Result<()> {
             });
         }
         Cmd::Gc => {
-            let s = open(&cli)?;
-            let p = ui::bar(cli.json);
-            let r = s.gc(&p)?;
-            drop(p);
+            // A running `strata serve` keeps the store open, so it runs the GC itself.
+            let local = store_location(&cli.store).join(".meta");
+            let r = match control::request(&local, "gc")? {
+                Some(r) => r,
+                None => {
+                    let s = open(&cli)?;
+                    let p = ui::bar(cli.json);
+                    let r = s.gc(&p)?;
+                    drop(p);
+                    serde_json::to_value(r)?
+                }
+            };
+            let n = |k: &str| r[k].as_u64().unwrap_or(0);
             ui::emit(cli.json, &r, || {
                 format!(
                     "Collected {} dead chunks: {} packs deleted, {} repacked, {} orphan packs removed, {} freed",
-                    r.dead_chunks,
-                    r.packs_deleted,
-                    r.packs_repacked,
-                    r.orphan_packs_deleted,
-                    ui::human(r.bytes_freed)
+                    n("dead_chunks"),
+                    n("packs_deleted"),
+                    n("packs_repacked"),
+                    n("orphan_packs_deleted"),
+                    ui::human(n("bytes_freed"))
                 )
             });
         }
@@ -479,6 +489,7 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
         }
     };
     let handle = server.serve(exports.clone())?;
+    let control = control::Control::start(s.clone())?;
     let disks: Vec<String> = strata::disk::list(&s)?.into_iter().map(|d| d.name).collect();
     ui::emit(cli.json, &serde_json::json!({"uri": handle.uri(""), "exports": disks}), || {
         format!("Serving {} disk(s) at {} (export name = disk name); Ctrl-C to stop", disks.len(), handle.uri("NAME"))
@@ -505,6 +516,7 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
     let _ = std::fs::remove_file(&stats_path);
     eprintln!("strata serve: signal {sig}, stopping");
     handle.shutdown();
+    drop(control);
     // Fold every open disk's log into its map, then report per-disk I/O counters (flushes vs
     // host fdatasyncs, guest/log/compaction bytes) for operators and benchmarks.
     let vols: Vec<(String, std::sync::Arc<strata::disk::volume::Volume>)> =

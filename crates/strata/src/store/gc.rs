@@ -51,7 +51,8 @@ impl Store {
                     stack.extend(t.children.iter().filter(|c| !c.is_zero() && !marked.contains(c)));
                 }
                 Some(_) => {}
-                None => tracing::warn!(target: "strata::gc", chunk = %id, "reachable chunk is missing (run `strata check`)"),
+                // It could be a tree whose children are live: refuse to sweep rather than guess.
+                None => return Err(StoreError::GcMissingChunk { chunk: id }),
             }
         }
         Ok(())
@@ -63,6 +64,11 @@ impl Store {
         // Across processes and hosts: GC runs only when no other store instance is open.
         let _gc_lease = self.inner.leases.acquire_gc()?;
         self.flush()?;
+        // Learn every pack other instances wrote since we opened (a daemon opens once and runs
+        // for weeks). Their refs may reach our chunks through trees only their packs hold;
+        // marking without those trees would sweep live chunks. No other instance is open now,
+        // so the listing is complete.
+        super::writer::refresh_index(&self.inner.sh)?;
         let mut report = GcReport::default();
         let mut marked = HashSet::new();
         progress.phase("marking", None, Unit::Items);

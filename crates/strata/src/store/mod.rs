@@ -47,6 +47,8 @@ pub enum StoreError {
     NotAStore { location: String },
     #[error("A strata store already exists at {location}")]
     AlreadyExists { location: String },
+    #[error("GC refused: chunk {chunk} is reachable from a ref but in no pack; nothing was deleted. Run `strata check` to find the damage, then remove or restore the refs it names")]
+    GcMissingChunk { chunk: ChunkId },
     #[error("Object '{key}' is unreadable")]
     Format { key: String, #[source] source: FormatError },
     #[error(transparent)]

@@ -294,3 +294,40 @@ fn full_backend_is_reported_and_poisons() {
     let e = err.expect("a full backend must fail");
     assert!(e.to_string().contains("out of space"), "{e}");
 }
+
+/// A long-open instance (a serving daemon) runs GC after another instance wrote a ref whose
+/// tree it has never seen, deduplicated against chunks it knows: GC must learn the other's
+/// packs first, or it would treat those chunks as dead and break the other's ref.
+#[test]
+fn gc_learns_packs_written_by_other_instances_first() {
+    let d = tempfile::tempdir().unwrap();
+    let b = MemoryBackend::new();
+    let opts = InitOptions { pack_size: 64 << 10, default_codec: Codec::Lz4 };
+    let a = Store::init(Arc::new(b.clone()), &d.path().join("a.redb"), opts).unwrap();
+    let ses = a.session();
+    let ids: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
+    ses.commit_ref("disk/x", Ref::new(vec![root], vec![])).unwrap();
+    drop(ses);
+    a.flush().unwrap();
+    {
+        let other = Store::open(Arc::new(b.clone()), &d.path().join("b.redb")).unwrap();
+        let ses = other.session();
+        let same: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+        assert_eq!(same, ids);
+        let root = ses.put_tree(&Tree { children: same, payload: b"y".to_vec() }).unwrap();
+        ses.commit_ref("disk/y", Ref::new(vec![root], vec![])).unwrap();
+        drop(ses);
+        other.close().unwrap();
+    }
+    a.delete_ref("disk/x").unwrap();
+    let r = a.gc(&NoProgress).unwrap();
+    assert!(r.dead_chunks <= 1, "at most x's tree is dead (its pack may be kept): {r:?}");
+    let fresh = Store::open(Arc::new(b.clone()), &d.path().join("c.redb")).unwrap();
+    let y = fresh.get_ref("disk/y").unwrap().unwrap();
+    let t = Tree::decode(&fresh.get(&y.roots[0]).unwrap()).unwrap();
+    for (i, id) in t.children.iter().enumerate() {
+        assert_eq!(fresh.get(id).unwrap(), data(i as u64, 8192));
+    }
+    assert!(!fresh.check(CheckOptions::default(), &NoProgress).unwrap().is_damaged());
+}
