@@ -15,6 +15,12 @@
 //! clone served by one process shares them: clones of one golden image read its blocks once.
 //! A chunk id names its content forever, so entries never go stale; they are only evicted
 //! (first in, first out) to stay within their byte budgets.
+//!
+//! `read_ranges` does the same for all the chunks one disk read touches at once: the byte
+//! ranges it needs are grouped by pack and each group is one `Backend::get_ranges` call
+//! (merged into few requests by S3), different packs concurrently; each chunk is then
+//! verified exactly as `read_range` would, and anything unusual (a chunk still in memory, a
+//! failed pack read, a piece that does not match) falls back to `read_range`.
 
 use super::{decode_chunk, Loc, Result, Store, StoreError};
 use crate::codec::Codec;
