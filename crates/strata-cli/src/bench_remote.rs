@@ -9,6 +9,8 @@
 //! link beside its times: [`StorageHost::link`] reads the host end's veth counters (`tx` =
 //! host to storage, `rx` = storage to host; Ethernet frames, so TCP/IP headers included).
 //!
+//! `bench storm` uses the same driver under its own namespace and subnet ([`StorageHost::up_named`]).
+//!
 //! Baselines that need a file on the storage host (QEMU migration streams, raw images) use
 //! [`Relay`]: a thread of this process that enters the namespace with `setns(CLONE_NEWNET)`
 //! (a per-thread switch) and receives a TCP stream into a file there (then fsyncs it), or
@@ -58,6 +60,9 @@ pub struct StorageHost {
     script: PathBuf,
     dir: PathBuf,
     veth: String,
+    /// The namespace's name.
+    pub ns: String,
+    net: String,
     pub ip: String,
     pub s3_url: String,
     pub redis_url: String,
@@ -68,32 +73,32 @@ impl StorageHost {
     /// Build the namespace with its servers under `scratch` and export the `AWS_*` variables
     /// the S3 backend reads.
     pub fn up(scratch: &Path) -> Result<StorageHost> {
+        StorageHost::up_named(scratch, NS, NET)
+    }
+
+    /// As [`StorageHost::up`], in namespace `ns` on subnet `net` (first three octets), so that
+    /// benchmarks with their own namespace share this driver.
+    pub fn up_named(scratch: &Path, ns: &str, net: &str) -> Result<StorageHost> {
         ensure!(unsafe { libc::geteuid() } == 0, "The remote benchmarks need root (ip netns, tc): run them as root");
         let script = scratch.join("storage-host.sh");
         std::fs::write(&script, SCRIPT)?;
         let dir = scratch.join("storage");
-        let run = |arg: &str| {
-            Command::new("bash")
-                .arg(&script)
-                .arg(arg)
-                .env("STRATA_NS", NS)
-                .env("STRATA_NET", NET)
-                .env("STRATA_DIR", &dir)
-                .env("STRATA_BUCKET", BUCKET)
-                .output()
-                .context("running scripts/storage-host.sh")
-        };
+        let run = |arg: &str| script_cmd(&script, ns, net, &dir, arg).output().context("running scripts/storage-host.sh");
         // A namespace left by a killed earlier run of this benchmark is ours: remove it.
-        if Command::new("ip").args(["netns", "list"]).output()?.stdout.split(|&b| b == b'\n').any(|l| l.starts_with(NS.as_bytes())) {
+        let listed = Command::new("ip").args(["netns", "list"]).output()?.stdout;
+        if String::from_utf8_lossy(&listed).split_whitespace().any(|w| w == ns) {
+            eprintln!("  namespace {ns} left over from an earlier run: removing it");
             let _ = run("down");
         }
-        let tag = Command::new("sh").arg("-c").arg(format!("printf '%s' {NS} | cksum | cut -c1-6")).output()?;
+        let tag = Command::new("sh").arg("-c").arg("printf '%s' \"$1\" | cksum | cut -c1-6").arg("sh").arg(ns).output()?;
         let veth = format!("sh{}", String::from_utf8_lossy(&tag.stdout).trim());
         let mut host = StorageHost {
             script: script.clone(),
             dir: dir.clone(),
             veth,
-            ip: format!("{NET}.2"),
+            ns: ns.to_string(),
+            net: net.to_string(),
+            ip: format!("{net}.2"),
             s3_url: String::new(),
             redis_url: String::new(),
             up: true,
@@ -112,7 +117,8 @@ impl StorageHost {
             }
         }
         ensure!(!host.s3_url.is_empty(), "storage-host.sh printed no S3 URL");
-        eprintln!("  storage host: namespace {NS}, 1 Gbit/s tbf, S3 {} (bucket {BUCKET}), {}", std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(), host.redis_url);
+        ensure!(Path::new("/sys/class/net").join(&host.veth).exists(), "veth {} not found after setup", host.veth);
+        eprintln!("  storage host: namespace {ns}, 1 Gbit/s tbf, S3 {} (bucket {BUCKET}), {}", std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(), host.redis_url);
         Ok(host)
     }
 
@@ -142,13 +148,18 @@ impl StorageHost {
     /// A command run inside the namespace.
     pub fn exec(&self, program: &str) -> Command {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", NS, program]);
+        c.args(["netns", "exec", &self.ns, program]);
         c
+    }
+
+    /// The S3 backend at `prefix` of the bucket, behind retries.
+    pub fn s3_backend(&self, prefix: &str) -> Result<DynBackend> {
+        Ok(open_location(&format!("{}/{prefix}", self.s3_url), Some(RetryPolicy::default()))?)
     }
 
     /// The S3 backend at `prefix` behind retries, optionally under an SSD cache.
     pub fn s3(&self, prefix: &str, cache: Option<(&Path, u64)>) -> Result<(DynBackend, Option<Arc<CacheBackend>>)> {
-        let b = open_location(&format!("{}/{prefix}", self.s3_url), Some(RetryPolicy::default()))?;
+        let b = self.s3_backend(prefix)?;
         Ok(match cache {
             None => (b, None),
             Some((dir, size)) => {
@@ -215,15 +226,8 @@ impl StorageHost {
             return;
         }
         self.up = false;
-        let o = Command::new("bash")
-            .arg(&self.script)
-            .arg("down")
-            .env("STRATA_NS", NS)
-            .env("STRATA_NET", NET)
-            .env("STRATA_DIR", &self.dir)
-            .output();
-        if let Err(e) = o {
-            eprintln!("  storage host: cannot remove namespace {NS}: {e}");
+        if let Err(e) = script_cmd(&self.script, &self.ns, &self.net, &self.dir, "down").output() {
+            eprintln!("  storage host: cannot remove namespace {}: {e}", self.ns);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -233,6 +237,13 @@ impl Drop for StorageHost {
     fn drop(&mut self) {
         self.down();
     }
+}
+
+/// `scripts/storage-host.sh VERB` for namespace `ns`.
+fn script_cmd(script: &Path, ns: &str, net: &str, dir: &Path, verb: &str) -> Command {
+    let mut c = Command::new("bash");
+    c.arg(script).arg(verb).env("STRATA_NS", ns).env("STRATA_NET", net).env("STRATA_DIR", dir).env("STRATA_BUCKET", BUCKET);
+    c
 }
 
 /// The splitter the cache needs to fill a new pack's frames on write-through.

@@ -3,7 +3,8 @@
 //!
 //! Setup, all made and removed by the benchmark:
 //! - The storage host: `scripts/storage-host.sh` (network namespace, versitygw + redis, veth
-//!   shaped with tbf to 1 Gbit/s), with this benchmark's own namespace name and subnet.
+//!   shaped with tbf to 1 Gbit/s), through the remote benchmarks' driver
+//!   (`bench_remote::StorageHost`), with this benchmark's own namespace name and subnet.
 //! - Host A (its own metadata directory) imports the golden image into the S3 bucket there.
 //! - The qcow2 baseline: the golden image as qcow2 on the storage host, served by qemu-nbd
 //!   inside the namespace over TCP; every guest gets its own qcow2 overlay on this host whose
@@ -20,6 +21,7 @@
 //! extra guest row warms the cache with `disk warm`'s code path before the largest storm.
 
 use crate::bench_disk::ensure_tool;
+use crate::bench_remote::StorageHost;
 use crate::chart::{bars, Series};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
@@ -27,8 +29,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use strata::backend::cache::{CacheBackend, CacheOptions};
-use strata::backend::retry::{RetryBackend, RetryPolicy};
-use strata::backend::s3::{S3Backend, S3Config};
 use strata::backend::DynBackend;
 use strata::boot::{replay, workset, Recorder, Trace, TracingExports};
 use strata::fixtures::{reply_field, Fixtures, GuestMode};
@@ -55,68 +55,10 @@ pub struct StormOpts {
     pub scratch: Option<PathBuf>,
 }
 
-/// The storage-host namespace, removed on drop.
-struct StorageHost {
-    script: PathBuf,
-    ns: String,
-    net: String,
-    dir: PathBuf,
-    env: Vec<(String, String)>,
-    veth: String,
-}
-
-impl StorageHost {
-    fn script_cmd(script: &Path, ns: &str, net: &str, dir: &Path, verb: &str) -> Command {
-        let mut c = Command::new("bash");
-        c.arg(script).arg(verb).env("STRATA_NS", ns).env("STRATA_NET", net).env("STRATA_DIR", dir).env("STRATA_BUCKET", "strata");
-        c
-    }
-
-    fn up(ns: &str, net: &str, dir: &Path) -> Result<StorageHost> {
-        let script = Fixtures::repo_dir().join("scripts/storage-host.sh");
-        ensure!(script.is_file(), "{} is missing: run from a strata checkout (or set STRATA_REPO)", script.display());
-        let exists = Command::new("ip").args(["netns", "list"]).output()?.stdout;
-        if String::from_utf8_lossy(&exists).split_whitespace().any(|w| w == ns) {
-            eprintln!("  namespace {ns} left over from an earlier run: removing it");
-            let _ = Self::script_cmd(&script, ns, net, dir, "down").status();
-        }
-        let o = Self::script_cmd(&script, ns, net, dir, "up").stderr(Stdio::inherit()).output()?;
-        let mut host = StorageHost { script, ns: ns.into(), net: net.into(), dir: dir.into(), env: Vec::new(), veth: String::new() };
-        ensure!(o.status.success(), "scripts/storage-host.sh up failed (see above)");
-        for line in String::from_utf8_lossy(&o.stdout).lines() {
-            if let Some((k, v)) = line.strip_prefix("export ").and_then(|l| l.split_once('=')) {
-                host.env.push((k.to_string(), v.to_string()));
-            }
-        }
-        // The same veth name the script derives from the namespace name.
-        let tag = Command::new("sh").arg("-c").arg("printf '%s' \"$1\" | cksum | cut -c1-6").arg("sh").arg(ns).output()?;
-        host.veth = format!("sh{}", String::from_utf8_lossy(&tag.stdout).trim());
-        ensure!(Path::new("/sys/class/net").join(&host.veth).exists(), "veth {} not found after setup", host.veth);
-        Ok(host)
-    }
-
-    fn storage_ip(&self) -> String {
-        format!("{}.2", self.net)
-    }
-
-    /// Bytes received and sent by this host over the link so far.
-    fn counters(&self) -> (u64, u64) {
-        let read = |f: &str| {
-            std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{f}", self.veth)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
-        };
-        (read("rx_bytes"), read("tx_bytes"))
-    }
-
-    fn s3(&self, url: &str) -> Result<DynBackend> {
-        let cfg = S3Config::from_url_with(url, |k| self.env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))?;
-        Ok(Arc::new(RetryBackend::new(Arc::new(S3Backend::open(cfg)?), RetryPolicy::default())))
-    }
-}
-
-impl Drop for StorageHost {
-    fn drop(&mut self) {
-        let _ = Self::script_cmd(&self.script, &self.ns, &self.net, &self.dir, "down").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    }
+/// Bytes received and sent by this host over the link so far.
+fn counters(sh: &StorageHost) -> (u64, u64) {
+    let l = sh.link();
+    (l.from_storage, l.to_storage)
 }
 
 /// A process we started, killed on drop.
@@ -148,7 +90,7 @@ struct Host {
 fn open_host(sh: &StorageHost, dir: &Path, cache_size: Option<u64>, init: bool) -> Result<Host> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
-    let s3 = sh.s3("s3://strata/storm")?;
+    let s3 = sh.s3_backend("storm")?;
     let cache = match cache_size {
         Some(size) => Some(Arc::new(CacheBackend::open(s3.clone(), &dir.join("cache"), CacheOptions::new(size))?)),
         None => None,
@@ -313,17 +255,17 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
     }
     let (mut warm_s, mut warm_rx) = (None, None);
     if mode == Mode::Warm {
-        let (rx0, _) = ctx.sh.counters();
+        let (rx0, _) = counters(ctx.sh);
         let rep = workset::warm(&host.store, GOLDEN, host.cache.as_deref(), 16)?;
         warm_s = Some(rep.secs);
-        warm_rx = Some(ctx.sh.counters().0 - rx0);
+        warm_rx = Some(counters(ctx.sh).0 - rx0);
         eprintln!("    warm: {} chunks, {} ranges, {:.1} MiB from S3 in {:.2} s", rep.chunks, rep.ranges, rep.backend_bytes as f64 / 1048576.0, rep.secs);
     }
     let exports = DiskExports::new(host.store.clone());
     let sock = dir.join("nbd.sock");
     let handle = Server::bind_unix(&sock)?.serve(exports.clone())?;
     let before = host.cache.as_ref().map(|c| c.counters());
-    let (rx0, tx0) = ctx.sh.counters();
+    let (rx0, tx0) = counters(ctx.sh);
     let result = match reads {
         None => {
             let drives: Vec<Drive> = names.iter().map(|nm| Drive::Nbd(sock.clone(), nm.clone())).collect();
@@ -334,7 +276,7 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
             replay::replay(&clients, reads, depth).map_err(anyhow::Error::from).map(|r| (None, Some(replay_row(mode, n, &r))))
         }
     };
-    let (rx1, tx1) = ctx.sh.counters();
+    let (rx1, tx1) = counters(ctx.sh);
     let figs = cache_delta(&host.cache, &before);
     handle.shutdown();
     exports.close_all()?;
@@ -386,10 +328,10 @@ fn replay_row(mode: Mode, n: usize, r: &[replay::ClientRun]) -> ReplayRow {
 /// The qcow2 baseline: overlays on this host backed by qemu-nbd on the storage host.
 fn qcow2_run(ctx: &mut Ctx, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> Result<(Option<GuestRow>, Option<ReplayRow>)> {
     ctx.run += 1;
-    let url = format!("nbd://{}:{NBD_PORT}/golden", ctx.sh.storage_ip());
+    let url = format!("nbd://{}:{NBD_PORT}/golden", ctx.sh.ip);
     let dir = ctx.scratch.join(format!("qcow2-{}", ctx.run));
     std::fs::create_dir_all(&dir)?;
-    let (rx0, tx0) = ctx.sh.counters();
+    let (rx0, tx0) = counters(ctx.sh);
     let (g, r) = match reads {
         None => {
             let mut drives = Vec::new();
@@ -400,18 +342,18 @@ fn qcow2_run(ctx: &mut Ctx, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> 
                 drives.push(Drive::Qcow2(ovl));
             }
             // Creating overlays probes the backing file over the link: measure the boot only.
-            let (rx0, tx0) = ctx.sh.counters();
+            let (rx0, tx0) = counters(ctx.sh);
             let mut row = guest_row(Mode::Qcow2, n, &boot_guests(ctx, &drives)?);
-            let (rx1, tx1) = ctx.sh.counters();
+            let (rx1, tx1) = counters(ctx.sh);
             (row.link_rx_bytes, row.link_tx_bytes) = (rx1 - rx0, tx1 - tx0);
             (Some(row), None)
         }
         Some((reads, depth)) => {
-            let addr: std::net::SocketAddr = format!("{}:{NBD_PORT}", ctx.sh.storage_ip()).parse()?;
+            let addr: std::net::SocketAddr = format!("{}:{NBD_PORT}", ctx.sh.ip).parse()?;
             let clients: Vec<(Target, String)> = (0..n).map(|_| (Target::Tcp(addr), "golden".to_string())).collect();
             let runs = replay::replay(&clients, reads, depth)?;
             let mut row = replay_row(Mode::Qcow2, n, &runs);
-            let (rx1, tx1) = ctx.sh.counters();
+            let (rx1, tx1) = counters(ctx.sh);
             (row.link_rx_bytes, row.link_tx_bytes) = (rx1 - rx0, tx1 - tx0);
             (None, Some(row))
         }
@@ -469,11 +411,11 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     };
     let scratch = tmp.path();
     eprintln!("bench storm: guests {:?}, {} MiB each, scratch {}", o.guests, o.memory_mib, scratch.display());
-    let sh = StorageHost::up(&o.ns, &o.net, &scratch.join("storage"))?;
+    let sh = StorageHost::up_named(&scratch, &o.ns, &o.net)?;
 
     // Host A imports the golden image into the bucket.
     let t = Instant::now();
-    let (_, tx0) = sh.counters();
+    let (_, tx0) = counters(&sh);
     {
         let a = open_host(&sh, &scratch.join("host-a"), None, true)?;
         disk::import(&a.store, "golden", &fx.golden(), Codec::Lz4, &NoProgress)?;
@@ -481,14 +423,14 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
         a.store.close()?;
     }
     let import_s = t.elapsed().as_secs_f64();
-    let import_tx = sh.counters().1 - tx0;
+    let import_tx = counters(&sh).1 - tx0;
     eprintln!("  host A imported {} in {import_s:.1} s ({:.0} MiB over the link)", fx.golden().display(), import_tx as f64 / 1048576.0);
 
     // The qcow2 golden image on the storage host, served by qemu-nbd there.
-    let qcow = sh.dir.join("golden.qcow2");
+    let qcow = sh.dir().join("golden.qcow2");
     let st = Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2"]).arg(fx.golden()).arg(&qcow).status()?;
     ensure!(st.success(), "qemu-img convert failed");
-    let ip = sh.storage_ip();
+    let ip = sh.ip.clone();
     let _qnbd = Proc(
         Command::new("ip")
             .args(["netns", "exec", &sh.ns, "qemu-nbd", "-f", "qcow2", "-r", "-t", "-e", "64", "-x", "golden", "-b", &ip, "-p"])
@@ -501,7 +443,7 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     );
     wait_tcp(&format!("{ip}:{NBD_PORT}"), "qemu-nbd")?;
     // The storage host's page cache holds both copies, as a busy file server's would.
-    let _ = Command::new("sh").arg("-c").arg(format!("cat {}/golden.qcow2 $(find {}/s3 -type f) > /dev/null", sh.dir.display(), sh.dir.display())).status();
+    let _ = Command::new("sh").arg("-c").arg(format!("cat {}/golden.qcow2 $(find {}/s3 -type f) > /dev/null", sh.dir().display(), sh.dir().display())).status();
 
     let mut ctx = Ctx { fx: &fx, sh: &sh, scratch, opts: o, run: 0 };
     let trace = match &o.trace {

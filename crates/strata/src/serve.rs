@@ -8,6 +8,7 @@
 
 use crate::disk::{self, volume::Volume, DiskError};
 use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -96,21 +97,27 @@ impl Export for SnapshotExport {
         if offset.checked_add(buf.len() as u64).is_none_or(|e| e > self.size) {
             return Err(ExportError::Invalid { op: "read", offset, reason: "beyond the end of the disk".into() });
         }
-        let mut done = 0usize;
-        while done < buf.len() {
-            let pos = offset + done as u64;
+        // The blocks of one read are fetched together (see `Store::read_ranges`).
+        let mut reads = Vec::new();
+        let mut rest: &mut [u8] = buf;
+        let mut pos = offset;
+        while !rest.is_empty() {
             let blk = (pos / self.block_size) as usize;
-            let inb = (pos % self.block_size) as usize;
-            let n = (self.block_size as usize - inb).min(buf.len() - done);
+            let inb = pos % self.block_size;
+            let n = (self.block_size - inb).min(rest.len() as u64) as usize;
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            pos += n as u64;
             let id = self.blocks.get(blk).copied().unwrap_or_default();
             if id.is_zero() {
-                buf[done..done + n].fill(0);
+                part.fill(0);
             } else {
-                let part = &mut buf[done..done + n];
-                let got = self.store.read_range(&id, inb as u64, part).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
-                part[got..].fill(0);
+                reads.push(RangeRead { id, offset: inb, buf: part });
             }
-            done += n;
+        }
+        let got = self.store.read_ranges(&mut reads).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
+        for (r, n) in reads.into_iter().zip(got) {
+            r.buf[n..].fill(0);
         }
         Ok(())
     }

@@ -39,10 +39,15 @@
 //!   Entries are verified lazily, on their first (and every) use. One process owns a cache
 //!   directory at a time (`flock` on the data file).
 //!
+//! - Batched reads (`get_ranges`, `cache/batch.rs`): hits are answered from the cache, and all
+//!   the misses a reader leads go to the backend in one `get_ranges` call (which S3 merges
+//!   into few GETs); each range is still its own entry, coalesced and filled as above.
+//!
 //! Files: this one holds the options, counters and the read/write paths; `cache/index.rs` the
 //! in-memory index, eviction and the index log; `cache/fill.rs` the fill thread;
 //! `cache/buddy.rs` the allocator; `cache/format.rs` the on-disk layout (`docs/format-cache.md`).
 
+mod batch;
 pub mod buddy;
 mod fill;
 pub mod format;
@@ -547,6 +552,32 @@ impl Shared {
         Some(buf)
     }
 
+    /// The range's bytes if the cache (disk or staging) has them, verified; counts the hit.
+    fn hit(&self, rk: &RangeKey) -> Option<Vec<u8>> {
+        let len = rk.2;
+        loop {
+            match self.lookup(rk) {
+                Lookup::Block(block, e, at) => {
+                    if let Some(v) = self.read_block(block, &e) {
+                        bump(&self.stats.hits, 1);
+                        bump(&self.stats.hit_bytes, len);
+                        if at == 0 && v.len() as u64 == len {
+                            return Some(v);
+                        }
+                        return Some(v[at..at + len as usize].to_vec());
+                    }
+                    self.drop_if_same(block, &e.hash);
+                }
+                Lookup::Staged(v) => {
+                    bump(&self.stats.hits, 1);
+                    bump(&self.stats.hit_bytes, len);
+                    return Some(v);
+                }
+                Lookup::Miss => return None,
+            }
+        }
+    }
+
     /// Remove the entry at `block` unless it was replaced meanwhile.
     fn drop_if_same(&self, block: u64, hash: &[u8; HASH_LEN]) {
         let mut st = self.state.lock();
@@ -644,24 +675,8 @@ impl Backend for CacheBackend {
         }
         let rk: RangeKey = (Arc::from(key), offset, len);
         loop {
-            match sh.lookup(&rk) {
-                Lookup::Block(block, e, at) => {
-                    if let Some(v) = sh.read_block(block, &e) {
-                        bump(&sh.stats.hits, 1);
-                        bump(&sh.stats.hit_bytes, len);
-                        if at == 0 && v.len() as u64 == len {
-                            return Ok(v);
-                        }
-                        return Ok(v[at..at + len as usize].to_vec());
-                    }
-                    sh.drop_if_same(block, &e.hash);
-                }
-                Lookup::Staged(v) => {
-                    bump(&sh.stats.hits, 1);
-                    bump(&sh.stats.hit_bytes, len);
-                    return Ok(v);
-                }
-                Lookup::Miss => {}
+            if let Some(v) = sh.hit(&rk) {
+                return Ok(v);
             }
             // Miss: lead the backend read or follow the one in flight.
             let (flight, lead) = {
@@ -676,23 +691,10 @@ impl Backend for CacheBackend {
                 }
             };
             if !lead {
-                let mut done = flight.done.lock();
-                while done.is_none() {
-                    flight.cv.wait(&mut done);
+                match self.follow(key, &flight) {
+                    Some(r) => return r,
+                    None => continue,
                 }
-                return match done.as_ref().expect("set") {
-                    Outcome::Data(v) => {
-                        bump(&sh.stats.coalesced, 1);
-                        Ok((**v).clone())
-                    }
-                    Outcome::Failed(kind, msg) => Err(BackendError::with_source(
-                        *kind,
-                        "get_range",
-                        key,
-                        std::io::Error::other(msg.clone()),
-                    )),
-                    Outcome::Retry => continue,
-                };
             }
             let mut leader = Leader { sh, rk: rk.clone(), flight, result: None };
             // The range may have been filled between our lookup and taking the lead.
@@ -718,6 +720,10 @@ impl Backend for CacheBackend {
                 }
             };
         }
+    }
+
+    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> BResult<Vec<Vec<u8>>> {
+        self.read_batch(key, ranges)
     }
 
     fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {

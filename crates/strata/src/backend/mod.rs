@@ -154,6 +154,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(all[offset as usize..end as usize].to_vec())
     }
 
+    /// Read several ranges of one object: the result holds one buffer per range, in order.
+    /// Backends that pay per request (S3) merge nearby ranges into fewer, concurrent reads;
+    /// decorators forward the call whole so that merging happens. Errors as `get_range`.
+    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> BResult<Vec<Vec<u8>>> {
+        ranges.iter().map(|&(off, len)| self.get_range(key, off, len)).collect()
+    }
+
     /// Create or replace an object, atomically.
     fn put(&self, key: &str, data: &[u8]) -> BResult<()>;
 

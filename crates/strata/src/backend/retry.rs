@@ -161,6 +161,10 @@ impl Backend for RetryBackend {
         self.retry("get_range", key, |_| self.inner.get_range(key, offset, len))
     }
 
+    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> BResult<Vec<Vec<u8>>> {
+        self.retry("get_range", key, |_| self.inner.get_ranges(key, ranges))
+    }
+
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
         self.retry("put", key, |_| self.inner.put(key, data))
     }

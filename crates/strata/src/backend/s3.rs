@@ -314,6 +314,51 @@ impl S3Backend {
     }
 }
 
+/// Servers answer a range past the end with 416 or with a body object_store rejects: both
+/// are the caller's `Invalid` range.
+fn past_end(e: BackendError) -> BackendError {
+    if e.kind == ErrorKind::Other && e.source.as_ref().is_some_and(|s| mentions(&**s, "range")) {
+        return BackendError { kind: ErrorKind::Invalid, ..e };
+    }
+    e
+}
+
+/// Ranges closer than this are read by one GET (the gap is read and dropped): at 1 Gbit/s
+/// 64 KiB take about 0.5 ms, less than a request's fixed cost.
+const MERGE_GAP: u64 = 64 << 10;
+/// Largest merged GET.
+const MERGE_MAX: u64 = 8 << 20;
+/// Merged GETs of one call in flight at once.
+const MERGE_PARALLEL: usize = 8;
+
+/// One GET covering several requested ranges (indexes into the request).
+#[derive(Debug, PartialEq, Eq)]
+struct Span {
+    start: u64,
+    end: u64,
+    members: Vec<usize>,
+}
+
+/// Group ranges into spans: sorted by offset, a range joins the current span if it starts
+/// within `gap` of its end and the span stays within `max` bytes. None on overflow.
+fn merge_ranges(ranges: &[(u64, u64)], gap: u64, max: u64) -> Option<Vec<Span>> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].0);
+    let mut spans: Vec<Span> = Vec::new();
+    for i in order {
+        let (off, len) = ranges[i];
+        let end = off.checked_add(len)?;
+        match spans.last_mut() {
+            Some(s) if off <= s.end.saturating_add(gap) && end.max(s.end) - s.start <= max => {
+                s.end = s.end.max(end);
+                s.members.push(i);
+            }
+            _ => spans.push(Span { start: off, end, members: vec![i] }),
+        }
+    }
+    Some(spans)
+}
+
 /// Does the error chain's text contain `needle` (S3 error codes travel in response bodies)?
 fn mentions(e: &(dyn std::error::Error + 'static), needle: &str) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
@@ -419,12 +464,51 @@ impl Backend for S3Backend {
         match res {
             Ok((size, bytes)) if end <= size && bytes.len() as u64 == len => Ok(bytes.to_vec()),
             Ok(_) => Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
-            // Servers answer a range past the end with 416 or with a body object_store rejects.
-            Err(e) if e.kind == ErrorKind::Other && e.source.as_ref().is_some_and(|s| mentions(&**s, "range")) => {
-                Err(BackendError { kind: ErrorKind::Invalid, ..e })
-            }
-            Err(e) => Err(e),
+            Err(e) => Err(past_end(e)),
         }
+    }
+
+    /// Nearby ranges are merged into one ranged GET (gaps up to [`MERGE_GAP`], at most
+    /// [`MERGE_MAX`] per GET) and the GETs run concurrently: a sequential disk read of 16
+    /// adjacent 64 KiB frames is one request instead of 16 in a row.
+    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> BResult<Vec<Vec<u8>>> {
+        if ranges.len() <= 1 || ranges.iter().any(|&(_, l)| l == 0) {
+            return ranges.iter().map(|&(o, l)| self.get_range(key, o, l)).collect();
+        }
+        let bad = || BackendError::new(ErrorKind::Invalid, "get_range", key);
+        let spans = merge_ranges(ranges, MERGE_GAP, MERGE_MAX).ok_or_else(bad)?;
+        let path = self.path(key)?;
+        let store = self.store.clone();
+        let want: Vec<(u64, u64)> = spans.iter().map(|s| (s.start, s.end)).collect();
+        let got = self.call("get_range", key, async move {
+            futures::stream::iter(want.into_iter().map(|(start, end)| {
+                let (store, path) = (store.clone(), path.clone());
+                async move {
+                    let opts = GetOptions { range: Some(GetRange::Bounded(start..end)), ..GetOptions::default() };
+                    let r = store.get_opts(&path, opts).await?;
+                    let size = r.meta.size;
+                    Ok::<_, object_store::Error>((size, r.bytes().await?))
+                }
+            }))
+            .buffered(MERGE_PARALLEL)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<object_store::Result<Vec<_>>>()
+        })
+        .map_err(past_end)?;
+        let mut out = vec![Vec::new(); ranges.len()];
+        for (span, (size, bytes)) in spans.iter().zip(got) {
+            if span.end > size || bytes.len() as u64 != span.end - span.start {
+                return Err(bad());
+            }
+            for &i in &span.members {
+                let (o, l) = ranges[i];
+                let at = (o - span.start) as usize;
+                out[i] = bytes[at..at + l as usize].to_vec();
+            }
+        }
+        Ok(out)
     }
 
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
@@ -508,6 +592,25 @@ impl Backend for S3Backend {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn nearby_ranges_merge_into_few_gets() {
+        let k = 64 << 10;
+        // Adjacent, out of order, one with a small gap, one far away, one overlapping.
+        let r = [(2 * k, k), (0, k), (k, k), (3 * k + 100, 10), (100 * k, k), (100 * k + 5, 3)];
+        let s = merge_ranges(&r, MERGE_GAP, MERGE_MAX).unwrap();
+        assert_eq!(s, vec![
+            Span { start: 0, end: 3 * k + 110, members: vec![1, 2, 0, 3] },
+            Span { start: 100 * k, end: 101 * k, members: vec![4, 5] },
+        ]);
+        // The size cap splits a long run; a gap beyond the limit splits too.
+        let run: Vec<(u64, u64)> = (0..200).map(|i| (i * k, k)).collect();
+        let s = merge_ranges(&run, 0, MERGE_MAX).unwrap();
+        assert_eq!(s.len(), 2, "12.5 MiB in spans of at most 8 MiB");
+        assert!(s.iter().all(|x| x.end - x.start <= MERGE_MAX));
+        assert_eq!(merge_ranges(&[(0, 10), (10 + MERGE_GAP + 1, 10)], MERGE_GAP, MERGE_MAX).unwrap().len(), 2);
+        assert!(merge_ranges(&[(u64::MAX, 2)], 0, MERGE_MAX).is_none());
+    }
 
     #[test]
     fn urls_parse_to_bucket_and_prefix() {

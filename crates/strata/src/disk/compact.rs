@@ -249,6 +249,7 @@ impl Volume {
         let root = map::write_map(&ses, &new_base)?;
         let mut meta = self.meta.clone();
         meta.log_folded = Some(seg.seq);
+        meta.allocated = Some(new_base.iter().filter(|b| !b.is_zero()).count() as u64);
         ses.commit_ref(&ref_name(&self.name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
         let gen = self.store.get_ref(&ref_name(&self.name))?.map(|r| r.generation).unwrap_or(0);
         // Committed: readers switch to the new base, and the folded logs go.

@@ -21,6 +21,7 @@ use super::extent::{ExtentMap, Src};
 use super::log::{self, LogError, LogHeader, LogWriter, RecKind};
 use super::{map, DiskError, DiskMeta, Result};
 use crate::id::ChunkId;
+use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::HashMap;
@@ -169,20 +170,71 @@ pub(super) fn plan(
     Ok(())
 }
 
-/// Fill `buf` (which starts at disk offset `off`) from planned pieces.
+/// Fill `buf` (which starts at disk offset `off`) from planned pieces. The base chunks of
+/// one read are fetched together (`Store::read_ranges`): adjacent frames of a pack become one
+/// backend request, and different packs are read concurrently.
 pub(super) fn fetch(store: &Store, dir: &std::path::Path, off: u64, pieces: &[(u64, u64, Piece)], buf: &mut [u8]) -> Result<()> {
-    for (p, l, piece) in pieces {
-        let b = &mut buf[(p - off) as usize..(p - off + l) as usize];
+    let mut order: Vec<&(u64, u64, Piece)> = pieces.iter().collect();
+    order.sort_by_key(|(p, _, _)| *p);
+    let mut reads = Vec::new();
+    let mut rest: &mut [u8] = buf;
+    let mut at = off;
+    for (p, l, piece) in order {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((p - at) as usize);
+        let (b, tail) = tail.split_at_mut(*l as usize);
+        rest = tail;
+        at = p + l;
         match piece {
             Piece::Zero => b.fill(0),
             Piece::Log(f, pos) => log::read_at(f, *pos, b).map_err(|e| io_err("read", dir, e))?,
-            Piece::Chunk(id, at) => {
-                let n = store.read_range(id, *at, b)?;
-                b[n..].fill(0);
-            }
+            Piece::Chunk(id, o) => reads.push(RangeRead { id: *id, offset: *o, buf: b }),
         }
     }
+    let got = store.read_ranges(&mut reads)?;
+    for (r, n) in reads.into_iter().zip(got) {
+        r.buf[n..].fill(0);
+    }
     Ok(())
+}
+
+/// Does disk `name` have log records not yet folded into its ref on this host? If not, its
+/// ref alone is its content and snapshot/clone need not open it (which loads the whole map).
+/// Takes and releases what `Volume::open` would: the disk's lock (an error if it is being
+/// served) and its writer lease (an error if another host writes it). Errs towards yes.
+pub(super) fn has_unfolded_log(store: &Store, name: &str, meta: &DiskMeta) -> Result<bool> {
+    let Some(id) = &meta.id else { return Ok(true) };
+    let dir = store.local_dir().join("disks").join(id);
+    let _lease = store.lease_if_needed(&super::ref_name(name))?;
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io_err("list", &dir, e)),
+    };
+    let lock_path = dir.join("lock");
+    if let Ok(lock) = File::open(&lock_path) {
+        // SAFETY: flock on a valid fd; released when `lock` is dropped.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(DiskError::InUse { name: name.into() });
+        }
+    }
+    for e in entries.flatten() {
+        let fname = e.file_name().to_string_lossy().into_owned();
+        let Some(seq) = fname.strip_prefix("log.").and_then(|s| s.parse::<u64>().ok()) else { continue };
+        let mut head = [0u8; (log::LOG_HEADER_LEN + 4) as usize];
+        let f = File::open(e.path()).map_err(|err| io_err("open", &e.path(), err))?;
+        if std::os::unix::fs::FileExt::read_exact_at(&f, &mut head, 0).is_err() {
+            return Ok(true);
+        }
+        let Ok(h) = LogHeader::decode(&head[..log::LOG_HEADER_LEN as usize]) else { return Ok(true) };
+        if h.version >= 2 && meta.log_folded.is_some_and(|f| seq <= f) {
+            continue;
+        }
+        let magic = u32::from_le_bytes(head[log::LOG_HEADER_LEN as usize..].try_into().expect("4 bytes"));
+        if magic == log::REC_MAGIC {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 impl Volume {

@@ -15,6 +15,12 @@
 //! clone served by one process shares them: clones of one golden image read its blocks once.
 //! A chunk id names its content forever, so entries never go stale; they are only evicted
 //! (first in, first out) to stay within their byte budgets.
+//!
+//! `read_ranges` does the same for all the chunks one disk read touches at once: the byte
+//! ranges it needs are grouped by pack and each group is one `Backend::get_ranges` call
+//! (merged into few requests by S3), different packs concurrently; each chunk is then
+//! verified exactly as `read_range` would, and anything unusual (a chunk still in memory, a
+//! failed pack read, a piece that does not match) falls back to `read_range`.
 
 use super::{decode_chunk, Loc, Result, Store, StoreError};
 use crate::codec::Codec;
@@ -154,24 +160,58 @@ impl Store {
     }
 
     fn read_range_at(&self, id: &ChunkId, loc: &Loc, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        if let Want::Pieces { cvs, start, len } = self.want(id, loc, offset, buf.len()) {
+            let bytes = self.read_frame_range(loc, start, len)?;
+            if let Some(n) = self.check_pieces(&cvs, start, &bytes, offset, buf) {
+                return Ok(n);
+            }
+            // A piece failed its CV: read the whole chunk, which names the damage.
+        }
+        let frame = self.read_frame(loc)?;
+        self.finish_frame(id, loc, frame, offset, buf)
+    }
+
+    /// What to fetch for a read of `len` bytes at `offset` of the chunk at `loc`.
+    fn want(&self, id: &ChunkId, loc: &Loc, offset: u64, len: usize) -> Want {
+        let e = &loc.entry;
+        if !(sliceable(e.raw_len as usize) && whole_raw(loc)) {
+            return Want::Frame;
+        }
+        let Some(cvs) = self.inner.slices.cvs.read().get(id) else { return Want::Frame };
+        let end = (offset + len as u64).min(e.raw_len as u64);
+        if offset >= end {
+            return Want::Pieces { cvs, start: offset.min(e.raw_len as u64), len: 0 };
+        }
+        let start = offset / PIECE as u64 * PIECE as u64;
+        let stop = end.div_ceil(PIECE as u64) * PIECE as u64;
+        Want::Pieces { cvs, start, len: stop - start }
+    }
+
+    /// Check fetched pieces (`bytes`, from chunk offset `start`) against their CVs and copy
+    /// the requested part out. `None` if a piece does not match.
+    fn check_pieces(&self, cvs: &[ChainingValue], start: u64, bytes: &[u8], offset: u64, buf: &mut [u8]) -> Option<usize> {
+        let first = (start / PIECE as u64) as usize;
+        for (k, p) in bytes.chunks(PIECE).enumerate() {
+            if piece_cv(first + k, p) != cvs[first + k] {
+                return None;
+            }
+        }
+        self.inner.slices.stats.piece_reads.fetch_add(1, Ordering::Relaxed);
+        let at = (offset - start) as usize;
+        let n = bytes.len().saturating_sub(at).min(buf.len());
+        buf[..n].copy_from_slice(&bytes[at..at + n]);
+        Some(n)
+    }
+
+    /// Verify a whole fetched frame against the chunk id, remember what makes the next read
+    /// cheap (piece CVs, or the decompressed chunk), and copy the requested part out.
+    fn finish_frame(&self, id: &ChunkId, loc: &Loc, frame: Vec<u8>, offset: u64, buf: &mut [u8]) -> Result<usize> {
         let c = &self.inner.slices;
         let e = &loc.entry;
         let len = e.raw_len as usize;
-        let whole_raw = e.codec == Codec::None && e.off_in_frame == 0 && e.raw_len == e.frame_raw_len;
-        if sliceable(len) && whole_raw {
-            let cvs = c.cvs.read().get(id);
-            if let Some(cvs) = cvs {
-                if let Some(n) = self.read_pieces(loc, &cvs, offset, buf)? {
-                    c.stats.piece_reads.fetch_add(1, Ordering::Relaxed);
-                    return Ok(n);
-                }
-                // A piece failed its CV: read the whole chunk, which names the damage.
-            }
-        }
         c.stats.full_reads.fetch_add(1, Ordering::Relaxed);
-        let frame = self.read_frame(loc)?;
         let pack = || self.inner.sh.index.read().slot(loc.pack).map(|s| s.id).unwrap_or_default();
-        if sliceable(len) && whole_raw {
+        if sliceable(len) && whole_raw(loc) {
             // The frame is the chunk: verify it through its pieces (no CRC: the hash covers it).
             let (cvs, root) = piece_cvs(&frame);
             if root != *id {
@@ -180,7 +220,7 @@ impl Store {
             c.cvs.write().insert(*id, Arc::from(cvs.into_boxed_slice()), len / PIECE * 32);
             return Ok(copy_out(&frame, offset, buf));
         }
-        let data = if whole_raw {
+        let data = if whole_raw(loc) {
             if ChunkId::of(&frame) != *id {
                 return Err(corrupt(e.id, pack(), e.frame_off));
             }
@@ -193,32 +233,90 @@ impl Store {
         Ok(n)
     }
 
-    /// Read and check only the pieces covering the range. `None` if a piece does not match.
-    fn read_pieces(&self, loc: &Loc, cvs: &[ChainingValue], offset: u64, buf: &mut [u8]) -> Result<Option<usize>> {
-        let len = loc.entry.raw_len as u64;
-        let end = (offset + buf.len() as u64).min(len);
-        if offset >= end {
-            return Ok(Some(0));
+    /// Several verified range reads at once (a disk read spanning many blocks). Reads of one
+    /// pack go to the backend in one `get_ranges` call (merged into few requests by remote
+    /// backends), and different packs are read concurrently. Every byte is verified as by
+    /// [`Store::read_range`]; returns, per request, how many bytes the chunk had there.
+    pub fn read_ranges(&self, reqs: &mut [RangeRead<'_>]) -> Result<Vec<usize>> {
+        let mut done: Vec<Option<usize>> = vec![None; reqs.len()];
+        // pack key -> (request index, location, what to fetch)
+        let mut by_pack: HashMap<PackId, Vec<(usize, Loc, Want)>> = HashMap::new();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if let Some(d) = self.inner.slices.data.read().get(&r.id) {
+                self.inner.slices.stats.data_hits.fetch_add(1, Ordering::Relaxed);
+                done[i] = Some(copy_out(&d, r.offset, r.buf));
+                continue;
+            }
+            let remote = {
+                let idx = self.inner.sh.index.read();
+                idx.chunks.get(&r.id).copied().and_then(|loc| {
+                    let slot = idx.slot(loc.pack)?;
+                    (slot.durable && slot.mem.is_none()).then_some((slot.id, loc))
+                })
+            };
+            // Missing, or still in memory / the open pack: the one-at-a-time path handles it.
+            let Some((pid, loc)) = remote else { continue };
+            let want = self.want(&r.id, &loc, r.offset, r.buf.len());
+            by_pack.entry(pid).or_default().push((i, loc, want));
         }
-        let first = (offset / PIECE as u64) as usize;
-        let last = (end - 1) as usize / PIECE;
-        let start = (first * PIECE) as u64;
-        let bytes = self.read_frame_range(loc, start, ((last + 1) * PIECE) as u64 - start)?;
-        for (k, p) in bytes.chunks(PIECE).enumerate() {
-            if piece_cv(first + k, p) != cvs[first + k] {
-                return Ok(None);
+        let groups: Vec<(PackId, Vec<(usize, Loc, Want)>)> = by_pack.into_iter().collect();
+        let fetch = |(pid, items): &(PackId, Vec<(usize, Loc, Want)>)| {
+            let ranges: Vec<(u64, u64)> = items
+                .iter()
+                .map(|(_, loc, w)| match w {
+                    Want::Pieces { start, len, .. } => (loc.entry.frame_off + start, *len),
+                    Want::Frame => (loc.entry.frame_off, loc.entry.frame_len as u64),
+                })
+                .collect();
+            self.inner.sh.backend.get_ranges(&pid.pack_key(), &ranges)
+        };
+        let fetched: Vec<_> = if groups.len() <= 1 {
+            groups.iter().map(fetch).collect()
+        } else {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = groups.iter().map(|g| s.spawn(move || fetch(g))).collect();
+                hs.into_iter().map(|h| h.join().expect("pack reader")).collect()
+            })
+        };
+        for ((_, items), got) in groups.into_iter().zip(fetched) {
+            // A failed pack read (GC moved it, or a backend error) is retried one at a time below.
+            let Ok(got) = got else { continue };
+            for ((i, loc, want), bytes) in items.into_iter().zip(got) {
+                let r = &mut reqs[i];
+                done[i] = match want {
+                    Want::Pieces { cvs, start, .. } => self.check_pieces(&cvs, start, &bytes, r.offset, r.buf),
+                    Want::Frame => Some(self.finish_frame(&r.id, &loc, bytes, r.offset, r.buf)?),
+                };
             }
         }
-        let n = (end - offset) as usize;
-        let at = (offset - start) as usize;
-        buf[..n].copy_from_slice(&bytes[at..at + n]);
-        Ok(Some(n))
+        reqs.iter_mut().zip(done).map(|(r, d)| d.map_or_else(|| self.read_range(&r.id, r.offset, r.buf), Ok)).collect()
     }
 
     /// Counters of verified range reads.
     pub fn slice_stats(&self) -> &SliceStats {
         &self.inner.slices.stats
     }
+}
+
+/// One request of [`Store::read_ranges`]: bytes from `offset` of chunk `id`, into `buf`.
+pub struct RangeRead<'a> {
+    pub id: ChunkId,
+    pub offset: u64,
+    pub buf: &'a mut [u8],
+}
+
+/// What a range read fetches from the pack.
+enum Want {
+    /// Pieces `[start, start + len)` of a chunk whose piece CVs are known.
+    Pieces { cvs: Arc<[ChainingValue]>, start: u64, len: u64 },
+    /// The whole frame (first read of a chunk, or a compressed one).
+    Frame,
+}
+
+/// Is the chunk its whole frame, stored uncompressed?
+fn whole_raw(loc: &Loc) -> bool {
+    let e = &loc.entry;
+    e.codec == Codec::None && e.off_in_frame == 0 && e.raw_len == e.frame_raw_len
 }
 
 fn corrupt(id: ChunkId, pack: PackId, offset: u64) -> StoreError {
@@ -254,6 +352,50 @@ mod tests {
         let mut b = [0u8];
         f.read_exact_at(&mut b, e.frame_off + at).unwrap();
         f.write_all_at(&[b[0] ^ 0x40], e.frame_off + at).unwrap();
+    }
+
+    #[test]
+    fn batched_reads_match_single_reads_and_are_verified() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("s");
+        // Small packs, so a batch spans several packs (read concurrently).
+        let s = Store::init_local(&dir, crate::store::InitOptions { pack_size: 200 << 10, ..Default::default() }).unwrap();
+        let ses = s.session();
+        let mut chunks = Vec::new();
+        for k in 0..12u32 {
+            let raw: Vec<u8> = (0..65536u32).map(|i| (i.wrapping_mul(2654435761 + k) >> 13) as u8).collect();
+            let codec = if k % 3 == 0 { Codec::Lz4 } else { Codec::None };
+            let data = if k % 3 == 0 { (0..65536u32).map(|i| (i / 512 + k) as u8).collect() } else { raw };
+            chunks.push((ses.put_with(&data, crate::store::pack::ChunkKind::Data, codec).unwrap(), data));
+        }
+        s.flush().unwrap();
+        drop(ses);
+        let run = |s: &Store, at: u64, len: usize| {
+            let mut bufs: Vec<Vec<u8>> = chunks.iter().map(|_| vec![0u8; len]).collect();
+            let mut reqs: Vec<RangeRead> = chunks.iter().zip(bufs.iter_mut()).map(|((id, _), b)| RangeRead { id: *id, offset: at, buf: b }).collect();
+            let n = s.read_ranges(&mut reqs).unwrap();
+            for ((b, (_, data)), n) in bufs.iter().zip(&chunks).zip(n) {
+                let end = (at as usize + len).min(data.len());
+                assert_eq!(n, end - at as usize);
+                assert_eq!(b[..n], data[at as usize..end]);
+            }
+        };
+        run(&s, 100, 9000); // first reads: whole frames
+        run(&s, 5000, 4096); // pieces (raw) and the data cache (compressed)
+        run(&s, 60000, 8192); // short at the chunks' ends
+        let st = s.slice_stats();
+        assert_eq!(st.full_reads.load(Ordering::Relaxed), 12);
+        assert_eq!(st.piece_reads.load(Ordering::Relaxed), 16);
+        // A damaged piece is refused by a batch too, also before the chunk was ever verified.
+        corrupt_byte(&dir, &s, &chunks[1].0, 4096 + 3);
+        let mut b = vec![0u8; 100];
+        let mut reqs = vec![RangeRead { id: chunks[1].0, offset: 4096, buf: &mut b }];
+        assert!(matches!(s.read_ranges(&mut reqs), Err(StoreError::Corrupt { .. })));
+        s.close().unwrap();
+        let s = Store::open_local(&dir).unwrap();
+        let mut b2 = vec![0u8; 100];
+        let mut reqs = vec![RangeRead { id: chunks[2].0, offset: 0, buf: &mut b }, RangeRead { id: chunks[1].0, offset: 0, buf: &mut b2 }];
+        assert!(matches!(s.read_ranges(&mut reqs), Err(StoreError::Corrupt { .. })));
     }
 
     #[test]
