@@ -606,6 +606,42 @@ mod tests {
     }
 
     #[test]
+    fn remembered_speed_is_per_backend_and_meter_replaces_the_prior() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(remembered_speed(d.path(), "s3://b"), None);
+        remember_speed(d.path(), "s3://b", 111e6);
+        let (bps, age) = remembered_speed(d.path(), "s3://b").unwrap();
+        assert!((bps - 111e6).abs() < 1.0 && age < 60);
+        assert_eq!(remembered_speed(d.path(), "s3://other"), None, "another backend's speed");
+        // Too little uploaded: no reading; then bytes over busy time.
+        assert_eq!(metered_speed(METER_MIN_BYTES - 1, std::time::Duration::from_millis(5)), None);
+        assert_eq!(metered_speed(METER_MIN_BYTES, std::time::Duration::ZERO), None);
+        let m = metered_speed(50_000_000, std::time::Duration::from_secs(1)).unwrap();
+        assert!((m - 50e6).abs() < 1.0);
+        // A chooser whose prior (1 Gbit/s) says zstd pays switches to raw once the meter
+        // reports a backend faster than any codec here.
+        let text: Vec<u8> = (0..65536u32).map(|i| b"strata memory page "[(i % 19) as usize]).collect();
+        let reading = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let r2 = reading.clone();
+        let c = Chooser::new(CodecPolicy::Auto, DEFAULT_NETWORK_BPS, 1).with_meter(
+            Box::new(move || {
+                let v = r2.load(Ordering::Relaxed);
+                (v > 0).then_some(v as f64)
+            }),
+            "assumed 1 Gbit/s",
+        );
+        assert!(c.wants_sample());
+        assert_ne!(c.codec_for(&text), Codec::None);
+        assert_eq!(c.report().backend_speed_from, "assumed 1 Gbit/s");
+        reading.store(1 << 50, Ordering::Relaxed);
+        assert!(c.wants_sample());
+        assert_eq!(c.codec_for(&text), Codec::None);
+        let r = c.report();
+        assert!(r.backend_mb_s > 1e6, "{r:?}");
+        assert_eq!(r.backend_speed_from, "assumed 1 Gbit/s, then measured on this save's uploads");
+    }
+
+    #[test]
     fn probe_measures_something() {
         let b = crate::backend::memory::MemoryBackend::new();
         let bps = probe_backend(&b, 1 << 20).unwrap();

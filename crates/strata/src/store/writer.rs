@@ -131,9 +131,9 @@ impl UploadMeter {
     pub(crate) fn sealed(&self) {
         self.inner.lock().pending += 1;
     }
-    /// Nothing sealed is waiting or uploading.
-    pub(crate) fn idle(&self) -> bool {
-        self.inner.lock().pending == 0
+    /// Fewer than `n` sealed packs are waiting or uploading.
+    pub(crate) fn below(&self, n: usize) -> bool {
+        self.inner.lock().pending < n
     }
     /// A sealed pack that will not be uploaded (store poisoned).
     fn dropped(&self) {
