@@ -345,14 +345,7 @@ fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec
     Ok(maps)
 }
 
-/// Reads per worker a restore aims for at least: a small checkpoint is read in smaller pieces
-/// (down to [`MIN_READ_BYTES`]), so the first pages reach QEMU while the rest is in flight
-/// instead of every read finishing together at the end of the transfer.
-pub const READS_PER_WORKER: u64 = 3;
-/// Smallest read size that planning picks for a small checkpoint.
-pub const MIN_READ_BYTES: u64 = 512 << 10;
-
-fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64, workers: usize) -> Result<Plan, MemError> {
+fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
     let m = &ckpt.manifest;
     let name = &m.name;
     // The device-state tail is a few round trips of its own: fetched while the maps are.
@@ -438,8 +431,6 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64, workers: usize) 
         located.push((pack, e.frame_off, e.off_in_frame, u as u32));
     }
     located.sort_unstable();
-    let stored: u64 = frames_meta.values().map(|f| f.0 as u64).sum();
-    let read_bytes = read_bytes.min((stored / (READS_PER_WORKER * workers.max(1) as u64)).max(MIN_READ_BYTES));
     let mut jobs: Vec<Job> = Vec::new();
     for (pack, off, in_frame, u) in located {
         let (len, raw_len, codec, fcrc) = frames_meta[&(pack, off)];
@@ -615,7 +606,7 @@ pub fn prepare<'a>(store: &'a Store, ckpt: &'a Checkpoint, opts: &RestoreOptions
         name: name.clone(),
         source,
     })?;
-    let plan = make_plan(store, ckpt, opts.read_bytes, opts.workers)?;
+    let plan = make_plan(store, ckpt, opts.read_bytes)?;
     Ok(Prepared {
         store,
         ckpt,

@@ -161,7 +161,7 @@ impl Shared {
 }
 
 /// Smallest pack sealed early (while the uploader has room) on a network backend.
-pub const EARLY_SEAL_BYTES: u64 = 1 << 20;
+pub const EARLY_SEAL_BYTES: u64 = 4 << 20;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).

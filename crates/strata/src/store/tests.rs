@@ -319,8 +319,8 @@ fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
     let b = SlowNetwork(mem.clone());
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
-    // 6 MiB, far below one 16 MiB pack: the first MiB is sealed at once (uploader has room), the
-    // rest in packs sized by what arrived during the previous upload.
+    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_BYTES are sealed at once (the
+    // uploader has room), the rest at the commit.
     let mut ids = Vec::new();
     for i in 0..96u64 {
         ids.push(ses.put(&data(1000 + i, 64 << 10), ChunkKind::Data).unwrap());
