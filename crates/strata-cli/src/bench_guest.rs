@@ -303,6 +303,38 @@ pub(crate) fn dirty_checkpoint(
     Ok((r, written))
 }
 
+/// The columns every live-benchmark row has: one checkpoint's cost.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct CheckpointCost {
+    pub rate_mib_s: u32,
+    pub method: String,
+    pub pause_ms: f64,
+    pub total_ms: f64,
+    pub pages_sent: u64,
+    pub pages_stored: u64,
+    pub pages_deduped: u64,
+    pub zero_pages: u64,
+    pub stored_bytes: u64,
+    pub guest_pages_dirtied: u64,
+}
+
+impl CheckpointCost {
+    pub fn of(rate: u32, label: &str, r: &SaveReport, written: u64) -> CheckpointCost {
+        CheckpointCost {
+            rate_mib_s: rate,
+            method: label.into(),
+            pause_ms: pause_ms(r),
+            total_ms: r.total_ms,
+            pages_sent: r.pages_sent,
+            pages_stored: r.pages_stored,
+            pages_deduped: r.pages_deduped,
+            zero_pages: r.zero_pages,
+            stored_bytes: r.stored_bytes,
+            guest_pages_dirtied: written,
+        }
+    }
+}
+
 /// The three checkpoint modes the live benchmarks compare, with their labels.
 pub(crate) const LIVE_MODES: [(&str, Mode); 3] = [
     ("stop-and-copy", Mode::Save),

@@ -33,7 +33,7 @@ use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
 use crate::bench_guest::{
-    available_mib, boot, desktop_guest, dirty_checkpoint, env_json, machine, pause_ms, qemu_restore, qemu_save, qmp_of,
+    available_mib, CheckpointCost, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, qemu_save, qmp_of,
     restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES,
 };
 use crate::chart::{bars, Series};
@@ -664,18 +664,17 @@ fn bench_save_restore(
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct LiveRow {
-    rate_mib_s: u32,
-    method: String,
-    pause_ms: f64,
-    total_ms: f64,
-    pages_sent: u64,
-    pages_stored: u64,
-    pages_deduped: u64,
-    zero_pages: u64,
-    stored_bytes: u64,
-    guest_pages_dirtied: u64,
+    #[serde(flatten)]
+    cost: CheckpointCost,
     pause_vs_save: f64,
     total_vs_save: f64,
+}
+
+impl std::ops::Deref for LiveRow {
+    type Target = CheckpointCost;
+    fn deref(&self) -> &CheckpointCost {
+        &self.cost
+    }
 }
 
 fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Result<()> {
@@ -685,16 +684,7 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
     let (mut g, w, mut q) = desktop_guest(&fx, mem, Machine::Pc, "live")?;
     let mut rows: Vec<LiveRow> = Vec::new();
     let row = |rate: u32, label: &str, r: &SaveReport, written: u64| LiveRow {
-        rate_mib_s: rate,
-        method: label.into(),
-        pause_ms: pause_ms(r),
-        total_ms: r.total_ms,
-        pages_sent: r.pages_sent,
-        pages_stored: r.pages_stored,
-        pages_deduped: r.pages_deduped,
-        zero_pages: r.zero_pages,
-        stored_bytes: r.stored_bytes,
-        guest_pages_dirtied: written,
+        cost: CheckpointCost::of(rate, label, r, written),
         pause_vs_save: 0.0,
         total_vs_save: 0.0,
     };

@@ -30,7 +30,7 @@ use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{desktop_guest, dirty_checkpoint, env_json, machine, pause_ms, qemu_restore, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
+use crate::bench_guest::{desktop_guest, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
 use crate::bench_remote::{mb, proc_cpu_s, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
@@ -266,18 +266,17 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct LiveRow {
-    rate_mib_s: u32,
-    method: String,
-    pause_ms: f64,
-    total_ms: f64,
-    pages_sent: u64,
-    pages_stored: u64,
-    pages_deduped: u64,
-    zero_pages: u64,
-    stored_bytes: u64,
+    #[serde(flatten)]
+    cost: CheckpointCost,
     link_bytes: u64,
-    guest_pages_dirtied: u64,
     codec: String,
+}
+
+impl std::ops::Deref for LiveRow {
+    type Target = CheckpointCost;
+    fn deref(&self) -> &CheckpointCost {
+        &self.cost
+    }
 }
 
 fn redis_store(host: &StorageHost, prefix: &str, local: &Path) -> Result<Store> {
@@ -304,17 +303,8 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
     let mut rows: Vec<LiveRow> = Vec::new();
     let mut n = 0;
     let row = |rate: u32, label: &str, r: &SaveReport, link: Link, written: u64| LiveRow {
-        rate_mib_s: rate,
-        method: label.into(),
-        pause_ms: pause_ms(r),
-        total_ms: r.total_ms,
-        pages_sent: r.pages_sent,
-        pages_stored: r.pages_stored,
-        pages_deduped: r.pages_deduped,
-        zero_pages: r.zero_pages,
-        stored_bytes: r.stored_bytes,
+        cost: CheckpointCost::of(rate, label, r, written),
         link_bytes: link.total(),
-        guest_pages_dirtied: written,
         codec: r.codec.chosen.to_string(),
     };
     let print = |lr: &LiveRow, label: &str| {
