@@ -17,24 +17,25 @@
 //!
 //! LZO is GPL, so it is only built with the bench-only `lzo` cargo feature.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::Subcommand;
-use strata::fixtures::{Fixtures, Guest, Machine};
-use strata::memory::launch::launch_args;
+use strata::fixtures::{Fixtures, Machine};
 use strata::memory::manifest::Mode;
-use strata::memory::restore::{restore, RestoreOptions};
+use strata::memory::restore::RestoreOptions;
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::memory::stream::{Event, Parser, SinkError};
 use strata::progress::NoProgress;
-use strata::qmp::{MigrateParameters, QmpClient};
+use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
+use crate::bench_guest::{
+    available_mib, CheckpointCost, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, qemu_save, qmp_of,
+    restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES,
+};
 use crate::chart::{bars, Series};
 
 #[derive(Subcommand)]
@@ -140,234 +141,6 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             ..
         } => bench_live(*mem, rates, out, scratch.as_deref()),
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The guest and its workload
-// ---------------------------------------------------------------------------------------------
-
-pub(crate) fn scratch_dir(p: Option<&Path>) -> Result<tempfile::TempDir> {
-    Ok(match p {
-        Some(p) => tempfile::tempdir_in(p)?,
-        None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
-    })
-}
-
-pub(crate) fn machine(s: &str) -> Result<Machine> {
-    match s {
-        "pc" => Ok(Machine::Pc),
-        "q35" => Ok(Machine::Q35),
-        other => bail!("Unknown machine '{other}': use pc or q35"),
-    }
-}
-
-/// What was loaded into the guest.
-#[derive(Debug, Clone, serde::Serialize)]
-pub(crate) struct Workload {
-    pub text_mib: u32,
-    pub fill_mib: u32,
-    zero_pct: u32,
-    repeat_pct: u32,
-    seed: u64,
-    /// memwork's checksum of all its regions afterwards.
-    pub sum: String,
-}
-
-pub(crate) fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
-    let golden = fx.golden();
-    fx.guest()
-        .memory_mib(mem)
-        .machine(m)
-        .qmp(true)
-        .drive(&format!("file={},if=virtio,format=raw,readonly=on", golden.display()))
-        .name(name)
-        .launch()
-        .with_context(|| format!("Cannot boot the {mem} MiB benchmark guest"))
-}
-
-/// Load the desktop workload: golden files (at most one pass of the tree), then anonymous
-/// memory, so that most of RAM is touched.
-/// The guest's free memory in MiB, as memwork reports it when refusing an oversized `fill`
-/// ("... N MiB available; ...").
-pub(crate) fn available_mib(g: &mut Guest) -> Result<u32> {
-    match g.command("fill 65536 0 0 1", Duration::from_secs(60)) {
-        Ok(_) => bail!("memwork accepted a 64 GiB fill"),
-        Err(e) => {
-            let msg = e.to_string();
-            msg.split(" MiB available")
-                .next()
-                .and_then(|h| h.rsplit(' ').next())
-                .and_then(|n| n.parse::<u32>().ok())
-                .with_context(|| format!("cannot read the free memory from: {msg}"))
-        }
-    }
-}
-
-pub(crate) fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
-    // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
-    let usable = available_mib(g)?.saturating_sub(40).max(8);
-    let text_mib = (usable / 2).min(text_cap).max(4);
-    let t = Duration::from_secs(600);
-    g.command(&format!("text {text_mib}"), t).context("text workload")?;
-    let (zero_pct, repeat_pct) = (10, 50);
-    let fill_mib = available_mib(g)?.saturating_sub(40).max(4);
-    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t)
-        .context("fill workload")?;
-    let sum = g.command("sum", t).context("sum")?;
-    Ok(Workload {
-        text_mib,
-        fill_mib,
-        zero_pct,
-        repeat_pct,
-        seed,
-        sum,
-    })
-}
-
-pub(crate) fn qmp_of(g: &Guest) -> Result<QmpClient> {
-    let p = g.qmp_path().context("guest has no QMP socket")?;
-    let mut q = QmpClient::connect(p)?;
-    q.migrate_set_parameters(&MigrateParameters {
-        max_bandwidth: Some(64 << 30),
-        ..Default::default()
-    })?;
-    Ok(q)
-}
-
-pub(crate) fn qemu_program() -> String {
-    std::env::var("STRATA_QEMU")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "qemu-system-x86_64".into())
-}
-
-/// A destination QEMU with the guest's arguments, `-incoming defer -S` and its own console.
-pub(crate) struct Dest {
-    child: Child,
-    pub qmp: QmpClient,
-    pub console: PathBuf,
-}
-
-impl Drop for Dest {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub(crate) fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
-    let con_src = g.dir().join("console.sock").display().to_string();
-    let console = dir.join(format!("{tag}-console.sock"));
-    let mut cmd = vec![qemu_program()];
-    cmd.extend(
-        g.args()
-            .iter()
-            .map(|a| a.replace(&con_src, &console.display().to_string())),
-    );
-    let qmp_path = dir.join(format!("{tag}.qmp"));
-    let _ = std::fs::remove_file(&qmp_path);
-    let (prog, args) = launch_args(&cmd, &qmp_path).map_err(anyhow::Error::msg)?;
-    let child = Command::new(prog)
-        .args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join(format!("{tag}.log")))?)
-        .spawn()?;
-    let t0 = Instant::now();
-    let qmp = loop {
-        match QmpClient::connect(&qmp_path) {
-            Ok(q) => break q,
-            Err(_) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(e).context("destination QEMU did not start"),
-        }
-    };
-    Ok(Dest { child, qmp, console })
-}
-
-/// One request on the restored guest's console, e.g. `sum`.
-pub(crate) fn console_command(path: &Path, line: &str) -> Result<String> {
-    let s = UnixStream::connect(path)?;
-    s.set_read_timeout(Some(Duration::from_secs(120)))?;
-    (&s).write_all(format!("{line}\n").as_bytes())?;
-    let mut rd = BufReader::new(&s);
-    let mut l = String::new();
-    loop {
-        l.clear();
-        if rd.read_line(&mut l)? == 0 {
-            bail!("console closed before replying to `{line}`");
-        }
-        let t = l.trim_matches(|c: char| c.is_whitespace() || c == '\0');
-        if let Some(p) = t.strip_prefix("OK ") {
-            return Ok(p.to_string());
-        }
-        if t.starts_with("ERR") {
-            bail!("guest refused `{line}`: {t}");
-        }
-    }
-}
-
-/// `migrate URI` from a paused source, then `sync` when asked; returns seconds.
-pub(crate) fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
-    q.stop()?;
-    let t = Instant::now();
-    q.migrate(uri)?;
-    q.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
-    if sync {
-        let st = Command::new("sync").status()?;
-        anyhow::ensure!(st.success(), "sync failed");
-    }
-    let s = t.elapsed().as_secs_f64();
-    q.cont()?;
-    Ok(s)
-}
-
-pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
-    let t = Instant::now();
-    d.qmp.migrate_incoming(uri)?;
-    d.qmp
-        .wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
-    Ok(t.elapsed().as_secs_f64())
-}
-
-pub(crate) fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
-    std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
-    std::fs::write(
-        out.join(format!("bench-{name}.json")),
-        serde_json::to_string_pretty(json)?,
-    )?;
-    std::fs::write(out.join(format!("bench-{name}.svg")), svg)?;
-    eprintln!("wrote {}/bench-{name}.{{csv,json,svg}}", out.display());
-    Ok(())
-}
-
-/// Stack several charts into one SVG.
-pub(crate) fn stack(charts: Vec<String>) -> String {
-    let h = 420;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"{}\">\n",
-        h * charts.len()
-    );
-    for (i, c) in charts.into_iter().enumerate() {
-        s += &c.replacen("<svg ", &format!("<svg y=\"{}\" ", i * h), 1);
-    }
-    s + "</svg>\n"
-}
-
-pub(crate) fn env_json() -> serde_json::Value {
-    let qemu = Command::new(qemu_program())
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.lines().next().map(str::to_string))
-        .unwrap_or_default();
-    serde_json::json!({
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "qemu": qemu,
-        "accel": "tcg",
-        "when_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -538,13 +311,7 @@ fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     eprintln!("bench codecs: booting a {mem} MiB guest with the desktop workload");
-    let mut g = boot(&fx, mem, Machine::Pc, "codecs")?;
-    let w = load_workload(&mut g, mem, 1, 240)?;
-    eprintln!(
-        "  workload: text {} MiB + fill {} MiB ({}% zero, {}% repeated)",
-        w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct
-    );
-    let mut q = qmp_of(&g)?;
+    let (g, w, mut q) = desktop_guest(&fx, mem, Machine::Pc, "codecs")?;
     let (pages, total, zero, distinct) = capture(&mut q, &tmp.path().join("capture.bin"))?;
     drop(g);
     let data_pages = pages.len() as u64 / 4096;
@@ -694,13 +461,7 @@ fn bench_save_restore(
         let dir = tmp.path().join(format!("m{mem}"));
         std::fs::create_dir_all(&dir)?;
         eprintln!("bench save-restore: {mem} MiB guest ({mach})");
-        let mut g = boot(&fx, mem, m, &format!("sr{mem}"))?;
-        let w = load_workload(&mut g, mem, 1, 240)?;
-        eprintln!(
-            "  workload: text {} MiB + fill {} MiB; sum {}",
-            w.text_mib, w.fill_mib, w.sum
-        );
-        let mut q = qmp_of(&g)?;
+        let (g, w, mut q) = desktop_guest(&fx, mem, m, &format!("sr{mem}"))?;
         let methods: [(&str, String, String); 3] = [
             (
                 "exec:cat+sync",
@@ -764,20 +525,9 @@ fn bench_save_restore(
             });
         }
         let mut d = start_dest(&g, &dir, "dst-strata")?;
-        let rr = restore(
-            &store,
-            "bench",
-            &mut d.qmp,
-            &RestoreOptions {
-                resume: true,
-                ..Default::default()
-            },
-            &NoProgress,
-        )?;
+        let rr = restore_verified(&store, "bench", &mut d, &w, RestoreOptions::default())?;
         let t = rr.total_ms / 1e3;
-        let sum = console_command(&d.console, "sum")?;
-        let verified = sum == w.sum;
-        anyhow::ensure!(verified, "restored guest's memwork sum differs: {sum} vs {}", w.sum);
+        let verified = true;
         eprintln!("  {:<14} restore {t:>6.2} s (memwork sum verified)", "strata");
         rows.push(SrRow {
             mem_mib: mem,
@@ -914,72 +664,43 @@ fn bench_save_restore(
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct LiveRow {
-    rate_mib_s: u32,
-    method: String,
-    pause_ms: f64,
-    total_ms: f64,
-    pages_sent: u64,
-    pages_stored: u64,
-    pages_deduped: u64,
-    zero_pages: u64,
-    stored_bytes: u64,
-    guest_pages_dirtied: u64,
+    #[serde(flatten)]
+    cost: CheckpointCost,
     pause_vs_save: f64,
     total_vs_save: f64,
+}
+
+impl std::ops::Deref for LiveRow {
+    type Target = CheckpointCost;
+    fn deref(&self) -> &CheckpointCost {
+        &self.cost
+    }
 }
 
 fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Result<()> {
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     eprintln!("bench live: {mem} MiB guest, dirtying at {rates:?} MiB/s");
-    let mut g = boot(&fx, mem, Machine::Pc, "live")?;
-    let w = load_workload(&mut g, mem, 1, 240)?;
-    eprintln!("  workload: text {} MiB + fill {} MiB", w.text_mib, w.fill_mib);
-    let mut q = qmp_of(&g)?;
+    let (mut g, w, mut q) = desktop_guest(&fx, mem, Machine::Pc, "live")?;
     let mut rows: Vec<LiveRow> = Vec::new();
-    let t = Duration::from_secs(120);
+    let row = |rate: u32, label: &str, r: &SaveReport, written: u64| LiveRow {
+        cost: CheckpointCost::of(rate, label, r, written),
+        pause_vs_save: 0.0,
+        total_vs_save: 0.0,
+    };
     for &rate in rates {
         let mut this: Vec<LiveRow> = Vec::new();
         let mut bg_store: Option<Store> = None;
-        for (label, mode) in [
-            ("stop-and-copy", Mode::Save),
-            ("background-snapshot", Mode::BackgroundSnapshot),
-            ("precopy+cont", Mode::Precopy),
-        ] {
+        for (label, mode) in LIVE_MODES {
             let sdir = tmp.path().join(format!("r{rate}-{}", mode.as_str()));
             let store = Store::init_local(&sdir, InitOptions::default())?;
-            g.command(&format!("dirty {rate} 0 {rate}"), t)?;
-            std::thread::sleep(Duration::from_secs(1));
-            let r = save(&store, &mut q, "ckpt", &SaveOptions::new(mode), &NoProgress)?;
-            if mode == Mode::Save {
-                q.cont()?;
-            }
-            let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
-            let pause = match mode {
-                Mode::Save => r.downtime_ms,
-                _ => r.pause_ms.unwrap_or(r.downtime_ms),
-            };
+            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt", mode, rate, rate, Duration::from_secs(1))?;
+            let lr = row(rate, label, &r, written);
             eprintln!(
-                "  {rate:>4} MiB/s {label:<20} pause {pause:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
-                r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped
+                "  {rate:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
+                lr.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped
             );
-            this.push(LiveRow {
-                rate_mib_s: rate,
-                method: label.into(),
-                pause_ms: pause,
-                total_ms: r.total_ms,
-                pages_sent: r.pages_sent,
-                pages_stored: r.pages_stored,
-                pages_deduped: r.pages_deduped,
-                zero_pages: r.zero_pages,
-                stored_bytes: r.stored_bytes,
-                guest_pages_dirtied: written,
-                pause_vs_save: 0.0,
-                total_vs_save: 0.0,
-            });
+            this.push(lr);
             if mode == Mode::BackgroundSnapshot {
                 bg_store = Some(store);
             } else {
@@ -989,42 +710,14 @@ fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Re
         }
         // A second background snapshot 5 s later into the same store: the incremental cost.
         if let Some(store) = bg_store {
-            g.command(&format!("dirty {rate} 0 {}", rate + 1000), t)?;
-            std::thread::sleep(Duration::from_secs(5));
-            let r = save(
-                &store,
-                &mut q,
-                "ckpt2",
-                &SaveOptions::new(Mode::BackgroundSnapshot),
-                &NoProgress,
-            )?;
-            let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
+            let (r, written) =
+                dirty_checkpoint(&mut g, &mut q, &store, "ckpt2", Mode::BackgroundSnapshot, rate, rate + 1000, Duration::from_secs(5))?;
+            let lr = row(rate, "2nd background-snapshot (+5 s)", &r, written);
             eprintln!(
                 "  {rate:>4} MiB/s {:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
-                "2nd bg-snapshot",
-                r.pause_ms.unwrap_or(r.downtime_ms),
-                r.total_ms,
-                r.pages_sent,
-                r.pages_stored,
-                r.pages_deduped
+                "2nd bg-snapshot", lr.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped
             );
-            this.push(LiveRow {
-                rate_mib_s: rate,
-                method: "2nd background-snapshot (+5 s)".into(),
-                pause_ms: r.pause_ms.unwrap_or(r.downtime_ms),
-                total_ms: r.total_ms,
-                pages_sent: r.pages_sent,
-                pages_stored: r.pages_stored,
-                pages_deduped: r.pages_deduped,
-                zero_pages: r.zero_pages,
-                stored_bytes: r.stored_bytes,
-                guest_pages_dirtied: written,
-                pause_vs_save: 0.0,
-                total_vs_save: 0.0,
-            });
+            this.push(lr);
         }
         let (sp, st) = (this[0].pause_ms, this[0].total_ms);
         for r in &mut this {

@@ -138,7 +138,7 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     for t in ["fio", "qemu-nbd", "qemu-img"] {
         crate::bench_disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_mem::scratch_dir(scratch)?;
+    let tmp = crate::bench_guest::scratch_dir(scratch)?;
     let host = StorageHost::up(tmp.path())?;
     let dir = tmp.path();
     let size = 4u64 << 30;
@@ -313,7 +313,7 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
     for t in ["qemu-nbd", "qemu-img"] {
         crate::bench_disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_mem::scratch_dir(scratch)?;
+    let tmp = crate::bench_guest::scratch_dir(scratch)?;
     let most = copies.iter().copied().max().unwrap_or(1) as u64;
     let need = data * (most + 3);
     ensure!(free_bytes(tmp.path()) > need + (8 << 30), "Not enough disk space for {} copies of {} GiB of data: free {} GiB or pass --data smaller", most, data >> 30, need >> 30);

@@ -24,13 +24,13 @@ use strata::backend::open::open_location;
 use strata::backend::retry::RetryPolicy;
 use strata::fixtures::{Fixtures, Machine};
 use strata::memory::manifest::Mode;
-use strata::memory::restore::{restore, RestoreOptions};
+use strata::memory::restore::RestoreOptions;
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_mem::{boot, console_command, env_json, load_workload, machine, qmp_of, qemu_restore, scratch_dir, stack, start_dest, write_outputs};
+use crate::bench_guest::{desktop_guest, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
 use crate::bench_remote::{mb, proc_cpu_s, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
@@ -79,10 +79,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         let dir = tmp.path().join(format!("m{mem}"));
         std::fs::create_dir_all(&dir)?;
         eprintln!("bench save-restore --remote: {mem} MiB guest ({mach})");
-        let mut g = boot(&fx, mem, m, &format!("sr{mem}"))?;
-        let w = load_workload(&mut g, mem, 1, 240)?;
-        eprintln!("  workload: text {} MiB + fill {} MiB; sum {}", w.text_mib, w.fill_mib, w.sum);
-        let mut q = qmp_of(&g)?;
+        let (g, w, mut q) = desktop_guest(&fx, mem, m, &format!("sr{mem}"))?;
         let methods = [("exec:cat", "", "", "cat.bin"), ("exec:zstd -1", "zstd -1 -q", "zstd -dc", "zstd.bin"), ("exec:lzop", "lzop -c", "lzop -dc", "lzop.bin")];
         let mut saved: Vec<(String, f64, u64, Link, std::path::PathBuf, &str)> = Vec::new();
         for (name, enc, dec, file) in &methods {
@@ -152,12 +149,10 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         let mut d = start_dest(&g, &dir, "dst-strata")?;
         let l0 = host.link();
         let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
-        let rr = restore(&store, "bench", &mut d.qmp, &RestoreOptions { resume: true, workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() }, &NoProgress)?;
+        let rr = restore_verified(&store, "bench", &mut d, &w, RestoreOptions { workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() })?;
         let restore_link = host.link().since(l0);
         let (restore_s3_cpu, restore_own_cpu) = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
         let t = rr.total_ms / 1e3;
-        let sum = console_command(&d.console, "sum")?;
-        anyhow::ensure!(sum == w.sum, "restored guest's memwork sum differs: {sum} vs {}", w.sum);
         eprintln!(
             "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {restore_s3_cpu:.1}, strata {restore_own_cpu:.1}; memwork sum verified)",
             "strata",
@@ -271,18 +266,17 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct LiveRow {
-    rate_mib_s: u32,
-    method: String,
-    pause_ms: f64,
-    total_ms: f64,
-    pages_sent: u64,
-    pages_stored: u64,
-    pages_deduped: u64,
-    zero_pages: u64,
-    stored_bytes: u64,
+    #[serde(flatten)]
+    cost: CheckpointCost,
     link_bytes: u64,
-    guest_pages_dirtied: u64,
     codec: String,
+}
+
+impl std::ops::Deref for LiveRow {
+    type Target = CheckpointCost;
+    fn deref(&self) -> &CheckpointCost {
+        &self.cost
+    }
 }
 
 fn redis_store(host: &StorageHost, prefix: &str, local: &Path) -> Result<Store> {
@@ -305,56 +299,37 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
     let fx = Fixtures::ensure()?;
     let host = StorageHost::up(tmp.path())?;
     eprintln!("bench live --redis: {mem} MiB guest, dirtying at {rates:?} MiB/s, pages in Redis on the storage host");
-    let mut g = boot(&fx, mem, Machine::Pc, "live")?;
-    let w = load_workload(&mut g, mem, 1, 240)?;
-    eprintln!("  workload: text {} MiB + fill {} MiB", w.text_mib, w.fill_mib);
-    let mut q = qmp_of(&g)?;
+    let (mut g, w, mut q) = desktop_guest(&fx, mem, Machine::Pc, "live")?;
     let mut rows: Vec<LiveRow> = Vec::new();
-    let t = Duration::from_secs(120);
     let mut n = 0;
     let row = |rate: u32, label: &str, r: &SaveReport, link: Link, written: u64| LiveRow {
-        rate_mib_s: rate,
-        method: label.into(),
-        pause_ms: match r.mode {
-            Mode::Save => r.downtime_ms,
-            _ => r.pause_ms.unwrap_or(r.downtime_ms),
-        },
-        total_ms: r.total_ms,
-        pages_sent: r.pages_sent,
-        pages_stored: r.pages_stored,
-        pages_deduped: r.pages_deduped,
-        zero_pages: r.zero_pages,
-        stored_bytes: r.stored_bytes,
+        cost: CheckpointCost::of(rate, label, r, written),
         link_bytes: link.total(),
-        guest_pages_dirtied: written,
         codec: r.codec.chosen.to_string(),
+    };
+    let print = |lr: &LiveRow, label: &str| {
+        eprintln!(
+            "  {:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  link {:>5.0} MB  codec {}  ({} dirtied)",
+            lr.rate_mib_s,
+            lr.pause_ms,
+            lr.total_ms,
+            lr.pages_sent,
+            lr.pages_stored,
+            lr.pages_deduped,
+            mb(lr.link_bytes),
+            lr.codec,
+            lr.guest_pages_dirtied
+        )
     };
     for &rate in rates {
         let mut bg_store: Option<Store> = None;
-        for (label, mode) in [("stop-and-copy", Mode::Save), ("background-snapshot", Mode::BackgroundSnapshot), ("precopy+cont", Mode::Precopy)] {
+        for (label, mode) in LIVE_MODES {
             n += 1;
             let store = redis_store(&host, &format!("live{n}"), &tmp.path().join(format!("meta{n}")))?;
-            g.command(&format!("dirty {rate} 0 {rate}"), t)?;
-            std::thread::sleep(Duration::from_secs(1));
             let l0 = host.link();
-            let r = save(&store, &mut q, "ckpt", &SaveOptions::new(mode), &NoProgress).with_context(|| format!("{label} into Redis"))?;
-            let link = host.link().since(l0);
-            if mode == Mode::Save {
-                q.cont()?;
-            }
-            let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
-            let lr = row(rate, label, &r, link, written);
-            eprintln!(
-                "  {rate:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  link {:>5.0} MB  codec {}  ({written} dirtied)",
-                lr.pause_ms,
-                r.total_ms,
-                r.pages_sent,
-                r.pages_stored,
-                r.pages_deduped,
-                mb(link.total()),
-                lr.codec
-            );
+            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt", mode, rate, rate, Duration::from_secs(1)).with_context(|| format!("{label} into Redis"))?;
+            let lr = row(rate, label, &r, host.link().since(l0), written);
+            print(&lr, label);
             rows.push(lr);
             if mode == Mode::BackgroundSnapshot {
                 bg_store = Some(store);
@@ -363,24 +338,10 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
             }
         }
         if let Some(store) = bg_store {
-            g.command(&format!("dirty {rate} 0 {}", rate + 1000), t)?;
-            std::thread::sleep(Duration::from_secs(5));
             let l0 = host.link();
-            let r = save(&store, &mut q, "ckpt2", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress)?;
-            let link = host.link().since(l0);
-            let stop = g.command("dirty stop", t)?;
-            let written: u64 = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
-            let lr = row(rate, "2nd background-snapshot (+5 s)", &r, link, written);
-            eprintln!(
-                "  {rate:>4} MiB/s {:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  link {:>5.0} MB  ({written} dirtied)",
-                "2nd bg-snapshot",
-                lr.pause_ms,
-                r.total_ms,
-                r.pages_sent,
-                r.pages_stored,
-                r.pages_deduped,
-                mb(link.total())
-            );
+            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt2", Mode::BackgroundSnapshot, rate, rate + 1000, Duration::from_secs(5))?;
+            let lr = row(rate, "2nd background-snapshot (+5 s)", &r, host.link().since(l0), written);
+            print(&lr, "2nd bg-snapshot");
             rows.push(lr);
             wipe(store)?;
         }

@@ -7,6 +7,7 @@
 
 mod bench;
 mod bench_disk;
+mod bench_guest;
 mod bench_io;
 mod bench_mem;
 mod bench_remote;

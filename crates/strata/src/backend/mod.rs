@@ -39,6 +39,10 @@ pub struct Capabilities {
     pub max_object_size: u64,
     /// Pack size the store should aim for on this backend.
     pub preferred_pack_size: u64,
+    /// Objects cross a network, and an acknowledged `put` is as durable as the backend gets
+    /// (`sync` adds nothing). The store then starts uploads early (a pack is sealed as soon
+    /// as the uploader is idle) and writes each pack's index object right after the pack.
+    pub network: bool,
 }
 
 impl Default for Capabilities {
@@ -48,6 +52,7 @@ impl Default for Capabilities {
             persistent: true,
             max_object_size: 5 << 30,
             preferred_pack_size: 32 << 20,
+            network: false,
         }
     }
 }

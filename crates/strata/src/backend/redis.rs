@@ -418,6 +418,7 @@ impl Backend for RedisBackend {
             persistent: self.cfg.durability == Durability::Fsync,
             max_object_size: REDIS_MAX_OBJECT,
             preferred_pack_size: REDIS_PACK_SIZE,
+            network: true,
         }
     }
 

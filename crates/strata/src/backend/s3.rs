@@ -436,6 +436,7 @@ impl Backend for S3Backend {
             persistent: true,
             max_object_size: S3_MAX_OBJECT,
             preferred_pack_size: S3_PACK_SIZE,
+            network: true,
         }
     }
 

@@ -12,8 +12,14 @@
 //! raw, so a save is never slower than storing raw by the paper's model.
 //!
 //! All three inputs are measured, not configured:
-//! * Speed_Transfer by [`probe_backend`]: one timed `put` of incompressible bytes (the local
-//!   backend's `put` includes its `fdatasync`, like a pack write) before the stream starts;
+//! * Speed_Transfer from the save's own pack uploads (the store's upload meter: bytes over
+//!   the wall time uploads were running), re-read at every decision once
+//!   [`METER_MIN_BYTES`] went up. Until then a prior is used: the speed this host measured
+//!   on the same backend within [`REMEMBER_SECS`] (a small file in the store's local
+//!   directory, written after each save), else, on a network backend, 1 Gbit/s
+//!   ([`DEFAULT_NETWORK_BPS`]: the first frames get a cheap codec; sending a 16 MiB probe cost
+//!   a small save more time and link bytes than it saved), else [`probe_backend`]: one timed
+//!   `put` of incompressible bytes (a local disk: cheap, and its first pack is large);
 //! * Speed_Comp and Rate on the frames actually arriving: workers compress a sample of
 //!   frames (the first few, then one in [`SAMPLE_EVERY`]) with every candidate, timed with the
 //!   thread's CPU clock (so a worker preempted by QEMU does not look slow), and the pool's
@@ -45,8 +51,65 @@ pub const WARMUP_SAMPLES: u64 = 6;
 pub const SAMPLE_EVERY: u64 = 64;
 /// Samples per codec kept in the sliding window.
 pub const WINDOW: usize = 24;
-/// Bytes written by the backend probe.
+/// Bytes written by the backend probe (non-network backends without a remembered speed).
 pub const PROBE_BYTES: usize = 16 << 20;
+/// Speed_Transfer assumed for a network backend until its uploads are measured: 1 Gbit/s.
+pub const DEFAULT_NETWORK_BPS: f64 = 125e6;
+/// Uploaded bytes before the measured speed replaces the prior.
+pub const METER_MIN_BYTES: u64 = 1 << 20;
+/// How long a speed measured by an earlier save is trusted as the prior.
+pub const REMEMBER_SECS: u64 = 7 * 24 * 3600;
+/// File in the store's local directory holding the last measured speed.
+pub const SPEED_FILE: &str = "backend-speed.json";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Remembered {
+    backend: String,
+    bytes_per_s: f64,
+    measured_unix: u64,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The speed an earlier save measured on `backend` from this host, and its age in seconds,
+/// if recent enough.
+pub fn remembered_speed(dir: &std::path::Path, backend: &str) -> Option<(f64, u64)> {
+    let raw = std::fs::read(dir.join(SPEED_FILE)).ok()?;
+    let r: Remembered = serde_json::from_slice(&raw).ok()?;
+    let age = unix_now().checked_sub(r.measured_unix)?;
+    (r.backend == backend && age <= REMEMBER_SECS && r.bytes_per_s.is_finite() && r.bytes_per_s > 0.0)
+        .then_some((r.bytes_per_s, age))
+}
+
+/// Remember a measured speed for the next save (best effort: a failure only costs the prior).
+pub fn remember_speed(dir: &std::path::Path, backend: &str, bytes_per_s: f64) {
+    let r = Remembered {
+        backend: backend.into(),
+        bytes_per_s,
+        measured_unix: unix_now(),
+    };
+    let tmp = dir.join(format!("{SPEED_FILE}.tmp"));
+    let ok = serde_json::to_vec(&r)
+        .ok()
+        .and_then(|b| std::fs::write(&tmp, b).ok())
+        .and_then(|_| std::fs::rename(&tmp, dir.join(SPEED_FILE)).ok());
+    if ok.is_none() {
+        tracing::debug!(target: "strata::memory", dir = %dir.display(), "backend speed not remembered");
+    }
+}
+
+/// Upload speed in bytes/s from the store's meter (bytes, busy time), once enough went up.
+pub fn metered_speed(bytes: u64, busy: std::time::Duration) -> Option<f64> {
+    (bytes >= METER_MIN_BYTES && !busy.is_zero()).then(|| bytes as f64 / busy.as_secs_f64())
+}
+
+/// Reads the backend's measured speed during a save (`None` until enough was uploaded).
+pub type Meter = Box<dyn Fn() -> Option<f64> + Send + Sync>;
 
 thread_local! {
     // One zstd context per level, so sampling levels 1 and 3 in turn does not rebuild them.
@@ -252,7 +315,12 @@ struct Window {
 /// Shared by the pool's workers for one save.
 pub struct Chooser {
     policy: CodecPolicy,
-    backend_bps: f64,
+    /// Speed_Transfer, f64 bits: the prior, then the meter's latest reading.
+    backend_bps: AtomicU64,
+    meter: Option<Meter>,
+    /// Where the prior came from, for the report.
+    prior_from: String,
+    metered: std::sync::atomic::AtomicBool,
     parallel: f64,
     /// Index into `CANDIDATES`, or `usize::MAX` for raw.
     current: AtomicUsize,
@@ -277,7 +345,10 @@ impl Chooser {
         };
         Chooser {
             policy,
-            backend_bps: backend_bps.max(1.0),
+            backend_bps: AtomicU64::new(backend_bps.max(1.0).to_bits()),
+            meter: None,
+            prior_from: String::new(),
+            metered: std::sync::atomic::AtomicBool::new(false),
             parallel: parallel.max(1) as f64,
             current: AtomicUsize::new(start),
             frames: AtomicU64::new(0),
@@ -289,6 +360,24 @@ impl Chooser {
                 switches: 0,
             }),
         }
+    }
+
+    /// Refine Speed_Transfer during the save with `meter`; `prior_from` says where the
+    /// starting value came from.
+    pub fn with_meter(mut self, meter: Meter, prior_from: &str) -> Chooser {
+        self.meter = Some(meter);
+        self.prior_from = prior_from.into();
+        self
+    }
+
+    /// Speed_Transfer now (bytes/s).
+    pub fn backend_bps(&self) -> f64 {
+        f64::from_bits(self.backend_bps.load(Ordering::Relaxed))
+    }
+
+    /// The meter's reading, if it has one.
+    pub fn measured_bps(&self) -> Option<f64> {
+        self.meter.as_ref().and_then(|m| m())
     }
 
     fn current_codec(&self) -> Codec {
@@ -345,7 +434,11 @@ impl Chooser {
                 (*c, s)
             })
             .collect();
-        let d = decide(self.backend_bps, self.parallel, &sums);
+        if let Some(bps) = self.measured_bps() {
+            self.backend_bps.store(bps.max(1.0).to_bits(), Ordering::Relaxed);
+            self.metered.store(true, Ordering::Relaxed);
+        }
+        let d = decide(self.backend_bps(), self.parallel, &sums);
         let new = slot(d.codec);
         let old = self.current.swap(new, Ordering::Relaxed);
         if old != new && w.decision.is_some() {
@@ -382,9 +475,16 @@ impl Chooser {
             why,
             policy: self.policy.to_string(),
             backend_mb_s: if self.policy == CodecPolicy::Auto {
-                self.backend_bps / 1e6
+                self.backend_bps() / 1e6
             } else {
                 0.0
+            },
+            backend_speed_from: match (self.policy, self.metered.load(Ordering::Relaxed)) {
+                (CodecPolicy::Fixed(_), _) => String::new(),
+                (_, true) if self.prior_from.is_empty() => "measured on this save's uploads".into(),
+                (_, true) => format!("{}, then measured on this save's uploads", self.prior_from),
+                (_, false) if self.prior_from.is_empty() => "probe".into(),
+                (_, false) => self.prior_from.clone(),
             },
             frames,
             samples: self.samples.load(Ordering::Relaxed),
@@ -503,6 +603,42 @@ mod tests {
             CodecPolicy::Fixed(Codec::Zstd(2))
         );
         assert!("gzip".parse::<CodecPolicy>().is_err());
+    }
+
+    #[test]
+    fn remembered_speed_is_per_backend_and_meter_replaces_the_prior() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(remembered_speed(d.path(), "s3://b"), None);
+        remember_speed(d.path(), "s3://b", 111e6);
+        let (bps, age) = remembered_speed(d.path(), "s3://b").unwrap();
+        assert!((bps - 111e6).abs() < 1.0 && age < 60);
+        assert_eq!(remembered_speed(d.path(), "s3://other"), None, "another backend's speed");
+        // Too little uploaded: no reading; then bytes over busy time.
+        assert_eq!(metered_speed(METER_MIN_BYTES - 1, std::time::Duration::from_millis(5)), None);
+        assert_eq!(metered_speed(METER_MIN_BYTES, std::time::Duration::ZERO), None);
+        let m = metered_speed(50_000_000, std::time::Duration::from_secs(1)).unwrap();
+        assert!((m - 50e6).abs() < 1.0);
+        // A chooser whose prior (1 Gbit/s) says zstd pays switches to raw once the meter
+        // reports a backend faster than any codec here.
+        let text: Vec<u8> = (0..65536u32).map(|i| b"strata memory page "[(i % 19) as usize]).collect();
+        let reading = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let r2 = reading.clone();
+        let c = Chooser::new(CodecPolicy::Auto, DEFAULT_NETWORK_BPS, 1).with_meter(
+            Box::new(move || {
+                let v = r2.load(Ordering::Relaxed);
+                (v > 0).then_some(v as f64)
+            }),
+            "assumed 1 Gbit/s",
+        );
+        assert!(c.wants_sample());
+        assert_ne!(c.codec_for(&text), Codec::None);
+        assert_eq!(c.report().backend_speed_from, "assumed 1 Gbit/s");
+        reading.store(1 << 50, Ordering::Relaxed);
+        assert!(c.wants_sample());
+        assert_eq!(c.codec_for(&text), Codec::None);
+        let r = c.report();
+        assert!(r.backend_mb_s > 1e6, "{r:?}");
+        assert_eq!(r.backend_speed_from, "assumed 1 Gbit/s, then measured on this save's uploads");
     }
 
     #[test]

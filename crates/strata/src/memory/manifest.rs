@@ -168,8 +168,12 @@ pub struct CodecReport {
     pub why: String,
     /// `auto` or the codec forced with `--codec`.
     pub policy: String,
-    /// Measured backend write speed (MB/s, put + sync), 0 when not measured.
+    /// Backend write speed used by the last decision (MB/s), 0 for a fixed codec.
     pub backend_mb_s: f64,
+    /// Where that speed came from: `probe`, a speed remembered from an earlier save, an
+    /// assumed 1 Gbit/s, each possibly `then measured on this save's uploads`.
+    #[serde(default)]
+    pub backend_speed_from: String,
     /// Frames stored with each codec.
     pub frames: BTreeMap<String, u64>,
     /// Frames compressed with every candidate to measure them.
@@ -466,6 +470,7 @@ mod tests {
                 why: "test".into(),
                 policy: "auto".into(),
                 backend_mb_s: 300.0,
+                backend_speed_from: "probe".into(),
                 frames: BTreeMap::from([("lz4".into(), 5)]),
                 samples: 1,
                 switches: 0,

@@ -348,6 +348,11 @@ fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec
 fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
     let m = &ckpt.manifest;
     let name = &m.name;
+    // The device-state tail is a few round trips of its own: fetched while the maps are.
+    let tail = {
+        let (store, ckpt) = (store.clone(), ckpt.clone());
+        std::thread::spawn(move || load_tail(&store, &ckpt))
+    };
     let mut all: Vec<(ChunkId, u32, u32)> = Vec::new();
     let mut zeros = Vec::new();
     let maps = read_maps(store, &ckpt.map_roots, MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
@@ -495,7 +500,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }
         }
     }
-    let tail = load_tail(store, ckpt)?;
+    let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
     Ok(Plan {
         uids,
         ref_ranges,

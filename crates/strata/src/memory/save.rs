@@ -5,8 +5,10 @@
 //! 1. Refuse early, before the guest is touched: a bad or taken name, a migration already
 //!    running, or capabilities strata cannot store (xbzrle, compress, postcopy, block, ...:
 //!    `qmp::caps` names each with the fix).
-//! 2. Measure the backend (`codec_choice::probe_backend`) so the codec choice has its
-//!    Speed_Transfer, and remember QEMU's `max-bandwidth` and `background-snapshot` settings
+//! 2. A starting Speed_Transfer for the codec choice (`codec_choice`: a speed this host
+//!    remembered for the backend, 1 Gbit/s on a network backend, or a probe of a local disk;
+//!    the save's own pack uploads then measure it), and remember QEMU's `max-bandwidth` and
+//!    `background-snapshot` settings
 //!    to put them back afterwards: strata raises the bandwidth (QEMU 7.2 throttles to
 //!    128 MiB/s by default) and sets the capability the mode needs.
 //! 3. Listen on a fresh unix socket, `migrate unix:PATH`, and run the receive pipeline
@@ -29,7 +31,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde_json::Value;
 
-use super::codec_choice::{probe_backend, usable_cores, Chooser, CodecPolicy, PROBE_BYTES};
+use super::codec_choice::{
+    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, CodecPolicy,
+    DEFAULT_NETWORK_BPS, PROBE_BYTES,
+};
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
@@ -290,8 +295,12 @@ pub fn save(
     }
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
-    // The backend probe (step 2) runs while the QMP queries below go back and forth.
-    let probe = (opts.codec == CodecPolicy::Auto).then(|| {
+    // Step 2's prior: remembered, assumed (network) or probed (local disk, while the QMP
+    // queries below go back and forth).
+    let location = store.location().to_string();
+    let remembered = remembered_speed(store.local_dir(), &location);
+    let network = store.backend().capabilities().network;
+    let probe = (opts.codec == CodecPolicy::Auto && remembered.is_none() && !network).then(|| {
         let backend = store.backend().clone();
         std::thread::spawn(move || probe_backend(&*backend, PROBE_BYTES))
     });
@@ -317,8 +326,8 @@ pub fn save(
 
     // 2. Codec inputs and QEMU settings.
     let workers = opts.ingest.workers.max(1);
-    let backend_bps = match probe {
-        Some(probe) => {
+    let (backend_bps, prior_from) = match (probe, remembered) {
+        (Some(probe), _) => {
             let bps = probe.join().map_err(|_| MemError::Panic { what: "backend probe" })?.map_err(|e| MemError::Store {
                 op: "backend probe",
                 name: name.into(),
@@ -329,11 +338,19 @@ pub fn save(
                 bps / 1e6,
                 PROBE_BYTES >> 20
             ));
-            bps
+            (bps, "probe".to_string())
         }
-        None => 0.0,
+        (None, Some((bps, age))) => (bps, format!("remembered from a save {age} s ago")),
+        (None, None) => (DEFAULT_NETWORK_BPS, "assumed 1 Gbit/s".to_string()),
     };
-    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers));
+    // The store's meter counts every upload of this instance; the save's share starts now.
+    let (b0, t0_busy) = store.upload_speed();
+    let meter_store = store.clone();
+    let meter = Box::new(move || {
+        let (b, t) = meter_store.upload_speed();
+        metered_speed(b - b0, t.saturating_sub(t0_busy))
+    });
+    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers)).with_meter(meter, &prior_from);
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
     let caps = qmp
         .query_migrate_capabilities()
@@ -511,6 +528,9 @@ pub fn save(
     ses.commit_ref(&rname, ckpt.to_ref())
         .map_err(MemError::store("commit", name))?;
     let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
+    if let Some(bps) = chooser.measured_bps() {
+        remember_speed(store.local_dir(), &location, bps);
+    }
     progress.finish();
     let total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let m = &ckpt.manifest;

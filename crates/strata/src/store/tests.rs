@@ -331,3 +331,74 @@ fn gc_learns_packs_written_by_other_instances_first() {
     }
     assert!(!fresh.check(CheckOptions::default(), &NoProgress).unwrap().is_damaged());
 }
+
+/// A memory backend that says it is a network backend, with slow puts (a link).
+#[derive(Debug, Clone)]
+struct SlowNetwork(MemoryBackend);
+
+impl Backend for SlowNetwork {
+    fn name(&self) -> String {
+        "slow-network".into()
+    }
+    fn capabilities(&self) -> crate::backend::Capabilities {
+        crate::backend::Capabilities { network: true, ..self.0.capabilities() }
+    }
+    fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
+        self.0.get(key)
+    }
+    fn put(&self, key: &str, data: &[u8]) -> crate::backend::BResult<()> {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        self.0.put(key, data)
+    }
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> crate::backend::BResult<bool> {
+        self.0.put_if_absent(key, data)
+    }
+    fn list(&self, prefix: &str) -> crate::backend::BResult<Vec<crate::backend::ObjectInfo>> {
+        self.0.list(prefix)
+    }
+    fn delete(&self, key: &str) -> crate::backend::BResult<()> {
+        self.0.delete(key)
+    }
+    fn sync(&self) -> crate::backend::BResult<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let b = SlowNetwork(mem.clone());
+    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
+    let ses = s.session();
+    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_BYTES are sealed at once (the
+    // uploader has room), the rest at the commit.
+    let mut ids = Vec::new();
+    for i in 0..96u64 {
+        ids.push(ses.put(&data(1000 + i, 64 << 10), ChunkKind::Data).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // Index objects of uploaded packs appear without any flush.
+    let t = std::time::Instant::now();
+    while mem.list("index/").unwrap().is_empty() && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!mem.list("index/").unwrap().is_empty(), "no index object before the flush");
+    let (bytes, busy) = s.upload_speed();
+    assert!(bytes >= EARLY_SEAL_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
+    ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+    let packs = mem.list("packs/").unwrap().len();
+    assert!(packs >= 2, "{packs} packs: nothing sealed early");
+    assert_eq!(mem.list("index/").unwrap().len(), packs, "one index object per pack");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(s.get(id).unwrap(), data(1000 + i as u64, 64 << 10));
+    }
+    // A local-style backend (not network) keeps one pack for the same data.
+    let (_d2, s2, mem2) = mem_store(16 << 20);
+    let ses2 = s2.session();
+    for i in 0..96u64 {
+        ses2.put_with(&data(1000 + i, 64 << 10), ChunkKind::Data, Codec::None).unwrap();
+    }
+    s2.flush().unwrap();
+    assert_eq!(mem2.list("packs/").unwrap().len(), 1);
+}

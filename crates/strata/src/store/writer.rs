@@ -6,6 +6,12 @@
 //! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
 //! hands them to the metadata-cache thread. Any failure poisons the store.
 //!
+//! On a network backend (`Capabilities::network`: an acknowledged put is durable, `sync` adds
+//! nothing) each upload thread writes the pack's index object right after the pack, so a
+//! flush only waits for the uploads still running instead of a round of index PUTs. Every
+//! upload is timed ([`UploadMeter`]: bytes over the wall time with at least one upload in
+//! flight), which is how a memory save learns the backend's speed from its own packs.
+//!
 //! The metadata cache (redb) is only a cache of the index objects (a store opens without it,
 //! reading index objects instead), so updating it is off the commit path: a low-priority
 //! thread applies the rows of durable packs in order, after `flush` has returned. Inserting a
@@ -101,6 +107,62 @@ struct Written {
     id: PackId,
     size: u64,
     entries: Vec<PackEntry>,
+    /// Its index object is already written (network backends).
+    indexed: bool,
+}
+
+/// Sealed packs not yet uploaded, and how fast uploads go.
+#[derive(Debug, Default)]
+pub struct UploadMeter {
+    inner: Mutex<MeterState>,
+}
+
+#[derive(Debug, Default)]
+struct MeterState {
+    /// Sealed, not yet uploaded (queued or in flight).
+    pending: usize,
+    inflight: usize,
+    busy_since: Option<std::time::Instant>,
+    busy: std::time::Duration,
+    bytes: u64,
+}
+
+impl UploadMeter {
+    pub(crate) fn sealed(&self) {
+        self.inner.lock().pending += 1;
+    }
+    /// Fewer than `n` sealed packs are waiting or uploading.
+    pub(crate) fn below(&self, n: usize) -> bool {
+        self.inner.lock().pending < n
+    }
+    /// A sealed pack that will not be uploaded (store poisoned).
+    fn dropped(&self) {
+        let mut m = self.inner.lock();
+        m.pending = m.pending.saturating_sub(1);
+    }
+    fn start(&self) {
+        let mut m = self.inner.lock();
+        if m.inflight == 0 {
+            m.busy_since = Some(std::time::Instant::now());
+        }
+        m.inflight += 1;
+    }
+    fn end(&self, bytes: Option<u64>) {
+        let mut m = self.inner.lock();
+        m.inflight = m.inflight.saturating_sub(1);
+        m.pending = m.pending.saturating_sub(1);
+        m.bytes += bytes.unwrap_or(0);
+        if m.inflight == 0 {
+            if let Some(t) = m.busy_since.take() {
+                m.busy += t.elapsed();
+            }
+        }
+    }
+    /// Bytes uploaded and the wall time uploads were running (including any running now).
+    pub fn measured(&self) -> (u64, std::time::Duration) {
+        let m = self.inner.lock();
+        (m.bytes, m.busy + m.busy_since.map(|t| t.elapsed()).unwrap_or_default())
+    }
 }
 
 /// Pack uploads in flight at once. Several keep a network link busy while requests are being
@@ -153,18 +215,34 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
         match job {
             Job::Pack { no, id, bytes, entries } => {
                 if sh.poison.lock().is_some() {
+                    sh.uploads.dropped();
                     continue;
                 }
                 while inflight.len() >= UPLOADS {
                     reap(&sh, &mut inflight, &mut written);
                 }
                 let sh2 = sh.clone();
+                let network = sh.backend.capabilities().network;
                 let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
-                    sh2.backend.put(&id.pack_key(), &bytes).map(|()| Written { no, id, size: bytes.len() as u64, entries })
+                    sh2.uploads.start();
+                    let size = bytes.len() as u64;
+                    let r = sh2.backend.put(&id.pack_key(), &bytes);
+                    sh2.uploads.end(r.as_ref().ok().map(|_| size));
+                    r?;
+                    // The pack is durable once acknowledged: its index object can follow now.
+                    if network {
+                        let obj = IndexObject { pack: id, pack_size: size, entries };
+                        sh2.backend.put(&id.index_key(), &obj.encode())?;
+                        return Ok(Written { no, id, size, entries: obj.entries, indexed: true });
+                    }
+                    Ok(Written { no, id, size, entries, indexed: false })
                 });
                 match spawned {
                     Ok(h) => inflight.push_back(h),
-                    Err(e) => sh.poison(&crate::backend::BackendError::from_io("put", id.pack_key(), e)),
+                    Err(e) => {
+                        sh.uploads.dropped();
+                        sh.poison(&crate::backend::BackendError::from_io("put", id.pack_key(), e))
+                    }
                 }
             }
             Job::Flush(reply) => {
@@ -193,13 +271,14 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
     sh.sync()?;
     // Index objects are independent: put them concurrently (a flush after a large save has
     // one per pack, and each is a round trip on a remote backend).
+    let todo: Vec<&Written> = written.iter().filter(|w| !w.indexed).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed: Mutex<Option<crate::backend::BackendError>> = Mutex::new(None);
     std::thread::scope(|s| {
-        for _ in 0..INDEX_PUTS.min(written.len()) {
+        for _ in 0..INDEX_PUTS.min(todo.len()) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(w) = written.get(i) else { return };
+                let Some(w) = todo.get(i) else { return };
                 if failed.lock().is_some() {
                     return;
                 }
@@ -215,7 +294,9 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
         sh.poison(&e);
         return Err(StoreError::Backend(e));
     }
-    sh.sync()?;
+    if !todo.is_empty() {
+        sh.sync()?;
+    }
     {
         let mut idx = sh.index.write();
         for w in written.iter() {

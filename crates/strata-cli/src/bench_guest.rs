@@ -1,0 +1,343 @@
+//! The guest side shared by the memory benchmarks (`bench_mem.rs`: local `codecs`,
+//! `save-restore`, `live`; `bench_remote_mem.rs`: the same over the 1 Gbit/s storage host):
+//! booting the TCG guest with the golden desktop disk, loading the desktop workload, QMP,
+//! destination QEMUs for restores, the QEMU baseline save/restore, a checkpoint taken while
+//! the guest dirties memory, a strata restore verified by the guest's memwork checksum, and
+//! writing the result files. One place, so the local and remote benchmarks measure the same
+//! guest the same way.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use strata::fixtures::{Fixtures, Guest, Machine};
+use strata::memory::launch::launch_args;
+use strata::memory::manifest::Mode;
+use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
+use strata::memory::save::{save, SaveOptions, SaveReport};
+use strata::progress::NoProgress;
+use strata::qmp::{MigrateParameters, QmpClient};
+use strata::store::Store;
+
+pub(crate) fn scratch_dir(p: Option<&Path>) -> Result<tempfile::TempDir> {
+    Ok(match p {
+        Some(p) => tempfile::tempdir_in(p)?,
+        None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
+    })
+}
+
+pub(crate) fn machine(s: &str) -> Result<Machine> {
+    match s {
+        "pc" => Ok(Machine::Pc),
+        "q35" => Ok(Machine::Q35),
+        other => bail!("Unknown machine '{other}': use pc or q35"),
+    }
+}
+
+/// What was loaded into the guest.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct Workload {
+    pub text_mib: u32,
+    pub fill_mib: u32,
+    pub zero_pct: u32,
+    pub repeat_pct: u32,
+    seed: u64,
+    /// memwork's checksum of all its regions afterwards.
+    pub sum: String,
+}
+
+pub(crate) fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Guest> {
+    let golden = fx.golden();
+    fx.guest()
+        .memory_mib(mem)
+        .machine(m)
+        .qmp(true)
+        .drive(&format!("file={},if=virtio,format=raw,readonly=on", golden.display()))
+        .name(name)
+        .launch()
+        .with_context(|| format!("Cannot boot the {mem} MiB benchmark guest"))
+}
+
+/// Load the desktop workload: golden files (at most one pass of the tree), then anonymous
+/// memory, so that most of RAM is touched.
+/// The guest's free memory in MiB, as memwork reports it when refusing an oversized `fill`
+/// ("... N MiB available; ...").
+pub(crate) fn available_mib(g: &mut Guest) -> Result<u32> {
+    match g.command("fill 65536 0 0 1", Duration::from_secs(60)) {
+        Ok(_) => bail!("memwork accepted a 64 GiB fill"),
+        Err(e) => {
+            let msg = e.to_string();
+            msg.split(" MiB available")
+                .next()
+                .and_then(|h| h.rsplit(' ').next())
+                .and_then(|n| n.parse::<u32>().ok())
+                .with_context(|| format!("cannot read the free memory from: {msg}"))
+        }
+    }
+}
+
+pub(crate) fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
+    // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
+    let usable = available_mib(g)?.saturating_sub(40).max(8);
+    let text_mib = (usable / 2).min(text_cap).max(4);
+    let t = Duration::from_secs(600);
+    g.command(&format!("text {text_mib}"), t).context("text workload")?;
+    let (zero_pct, repeat_pct) = (10, 50);
+    let fill_mib = available_mib(g)?.saturating_sub(40).max(4);
+    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t)
+        .context("fill workload")?;
+    let sum = g.command("sum", t).context("sum")?;
+    Ok(Workload {
+        text_mib,
+        fill_mib,
+        zero_pct,
+        repeat_pct,
+        seed,
+        sum,
+    })
+}
+
+pub(crate) fn qmp_of(g: &Guest) -> Result<QmpClient> {
+    let p = g.qmp_path().context("guest has no QMP socket")?;
+    let mut q = QmpClient::connect(p)?;
+    q.migrate_set_parameters(&MigrateParameters {
+        max_bandwidth: Some(64 << 30),
+        ..Default::default()
+    })?;
+    Ok(q)
+}
+
+pub(crate) fn qemu_program() -> String {
+    std::env::var("STRATA_QEMU")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "qemu-system-x86_64".into())
+}
+
+/// A destination QEMU with the guest's arguments, `-incoming defer -S` and its own console.
+pub(crate) struct Dest {
+    child: Child,
+    pub qmp: QmpClient,
+    pub console: PathBuf,
+}
+
+impl Drop for Dest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub(crate) fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
+    let con_src = g.dir().join("console.sock").display().to_string();
+    let console = dir.join(format!("{tag}-console.sock"));
+    let mut cmd = vec![qemu_program()];
+    cmd.extend(
+        g.args()
+            .iter()
+            .map(|a| a.replace(&con_src, &console.display().to_string())),
+    );
+    let qmp_path = dir.join(format!("{tag}.qmp"));
+    let _ = std::fs::remove_file(&qmp_path);
+    let (prog, args) = launch_args(&cmd, &qmp_path).map_err(anyhow::Error::msg)?;
+    let child = Command::new(prog)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join(format!("{tag}.log")))?)
+        .spawn()?;
+    let t0 = Instant::now();
+    let qmp = loop {
+        match QmpClient::connect(&qmp_path) {
+            Ok(q) => break q,
+            Err(_) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(e).context("destination QEMU did not start"),
+        }
+    };
+    Ok(Dest { child, qmp, console })
+}
+
+/// One request on the restored guest's console, e.g. `sum`.
+pub(crate) fn console_command(path: &Path, line: &str) -> Result<String> {
+    let s = UnixStream::connect(path)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    (&s).write_all(format!("{line}\n").as_bytes())?;
+    let mut rd = BufReader::new(&s);
+    let mut l = String::new();
+    loop {
+        l.clear();
+        if rd.read_line(&mut l)? == 0 {
+            bail!("console closed before replying to `{line}`");
+        }
+        let t = l.trim_matches(|c: char| c.is_whitespace() || c == '\0');
+        if let Some(p) = t.strip_prefix("OK ") {
+            return Ok(p.to_string());
+        }
+        if t.starts_with("ERR") {
+            bail!("guest refused `{line}`: {t}");
+        }
+    }
+}
+
+/// `migrate URI` from a paused source, then `sync` when asked; returns seconds.
+pub(crate) fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
+    q.stop()?;
+    let t = Instant::now();
+    q.migrate(uri)?;
+    q.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
+    if sync {
+        let st = Command::new("sync").status()?;
+        anyhow::ensure!(st.success(), "sync failed");
+    }
+    let s = t.elapsed().as_secs_f64();
+    q.cont()?;
+    Ok(s)
+}
+
+pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
+    let t = Instant::now();
+    d.qmp.migrate_incoming(uri)?;
+    d.qmp
+        .wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+pub(crate) fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
+    std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
+    std::fs::write(
+        out.join(format!("bench-{name}.json")),
+        serde_json::to_string_pretty(json)?,
+    )?;
+    std::fs::write(out.join(format!("bench-{name}.svg")), svg)?;
+    eprintln!("wrote {}/bench-{name}.{{csv,json,svg}}", out.display());
+    Ok(())
+}
+
+/// Stack several charts into one SVG.
+pub(crate) fn stack(charts: Vec<String>) -> String {
+    let h = 420;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"{}\">\n",
+        h * charts.len()
+    );
+    for (i, c) in charts.into_iter().enumerate() {
+        s += &c.replacen("<svg ", &format!("<svg y=\"{}\" ", i * h), 1);
+    }
+    s + "</svg>\n"
+}
+
+pub(crate) fn env_json() -> serde_json::Value {
+    let qemu = Command::new(qemu_program())
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_string))
+        .unwrap_or_default();
+    serde_json::json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "qemu": qemu,
+        "accel": "tcg",
+        "when_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+    })
+}
+
+
+/// Boot a guest of `mem` MiB and load the desktop workload; returns it with its QMP client.
+pub(crate) fn desktop_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<(Guest, Workload, QmpClient)> {
+    let mut g = boot(fx, mem, m, name)?;
+    let w = load_workload(&mut g, mem, 1, 240)?;
+    eprintln!(
+        "  workload: text {} MiB + fill {} MiB ({}% zero, {}% repeated); sum {}",
+        w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct, w.sum
+    );
+    let q = qmp_of(&g)?;
+    Ok((g, w, q))
+}
+
+/// `vm restore` of checkpoint `name` into `d`, resumed, and the guest's memwork sum compared
+/// with the workload's.
+pub(crate) fn restore_verified(store: &Store, name: &str, d: &mut Dest, w: &Workload, opts: RestoreOptions) -> Result<RestoreReport> {
+    let rr = restore(store, name, &mut d.qmp, &RestoreOptions { resume: true, ..opts }, &NoProgress)?;
+    let sum = console_command(&d.console, "sum")?;
+    anyhow::ensure!(sum == w.sum, "restored guest's memwork sum differs: {sum} vs {}", w.sum);
+    Ok(rr)
+}
+
+/// The guest pause of a checkpoint: the whole stopped time for stop-and-copy, STOP to RESUME
+/// for the live modes.
+pub(crate) fn pause_ms(r: &SaveReport) -> f64 {
+    match r.mode {
+        Mode::Save => r.downtime_ms,
+        _ => r.pause_ms.unwrap_or(r.downtime_ms),
+    }
+}
+
+/// A checkpoint taken while memwork dirties `rate` MiB/s over `span` MiB of its regions
+/// (started `lead` before the save): the save's report and the pages the guest dirtied.
+/// A stop-and-copy source is resumed afterwards.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dirty_checkpoint(
+    g: &mut Guest,
+    q: &mut QmpClient,
+    store: &Store,
+    name: &str,
+    mode: Mode,
+    rate: u32,
+    span: u32,
+    lead: Duration,
+) -> Result<(SaveReport, u64)> {
+    let t = Duration::from_secs(120);
+    g.command(&format!("dirty {rate} 0 {span}"), t)?;
+    std::thread::sleep(lead);
+    let r = save(store, q, name, &SaveOptions::new(mode), &NoProgress).with_context(|| format!("{} checkpoint {name}", mode.as_str()))?;
+    if mode == Mode::Save {
+        q.cont()?;
+    }
+    let stop = g.command("dirty stop", t)?;
+    let written = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
+    Ok((r, written))
+}
+
+/// The columns every live-benchmark row has: one checkpoint's cost.
+#[derive(Debug, Clone, serde::Serialize)]
+pub(crate) struct CheckpointCost {
+    pub rate_mib_s: u32,
+    pub method: String,
+    pub pause_ms: f64,
+    pub total_ms: f64,
+    pub pages_sent: u64,
+    pub pages_stored: u64,
+    pub pages_deduped: u64,
+    pub zero_pages: u64,
+    pub stored_bytes: u64,
+    pub guest_pages_dirtied: u64,
+}
+
+impl CheckpointCost {
+    pub fn of(rate: u32, label: &str, r: &SaveReport, written: u64) -> CheckpointCost {
+        CheckpointCost {
+            rate_mib_s: rate,
+            method: label.into(),
+            pause_ms: pause_ms(r),
+            total_ms: r.total_ms,
+            pages_sent: r.pages_sent,
+            pages_stored: r.pages_stored,
+            pages_deduped: r.pages_deduped,
+            zero_pages: r.zero_pages,
+            stored_bytes: r.stored_bytes,
+            guest_pages_dirtied: written,
+        }
+    }
+}
+
+/// The three checkpoint modes the live benchmarks compare, with their labels.
+pub(crate) const LIVE_MODES: [(&str, Mode); 3] = [
+    ("stop-and-copy", Mode::Save),
+    ("background-snapshot", Mode::BackgroundSnapshot),
+    ("precopy+cont", Mode::Precopy),
+];
