@@ -39,6 +39,7 @@ use crate::progress::{Progress, Unit};
 use crate::qmp::{QmpClient, QmpError};
 use crate::store::format::crc;
 use crate::store::objects::Tree;
+use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};
 
 const TARGET: &str = "strata::memory";
@@ -87,6 +88,8 @@ pub struct RestoreReport {
     pub zero_pages: u64,
     /// Distinct page chunks read and verified.
     pub chunks_verified: u64,
+    /// Of those, pages rebuilt from a base page and a delta.
+    pub delta_pages: u64,
     /// Bytes read from packs.
     pub bytes_read: u64,
     pub reads: u64,
@@ -196,6 +199,8 @@ struct Plan {
     refs: Vec<(u32, u32)>,
     zeros: Vec<(u32, u32)>,
     jobs: Vec<Job>,
+    /// Delta pages (unique-id indexes), a few dozen per job, ordered by their base's place.
+    delta_jobs: Vec<Vec<u32>>,
     tail: Vec<u8>,
 }
 
@@ -256,7 +261,7 @@ pub const MAP_READERS: usize = 16;
 
 /// Apply `f` to every item on up to `threads` threads; results in input order, or the first
 /// error (with the index of the item that failed).
-fn par_map<T: Sync, R: Send, E: Send>(
+pub(crate) fn par_map<T: Sync, R: Send, E: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> Result<R, E> + Sync,
@@ -294,7 +299,7 @@ fn par_map<T: Sync, R: Send, E: Send>(
 
 /// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
 /// leaves of all maps `threads` at a time. Errors carry the ramblock's index.
-fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
+pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
     let decode = |id: &ChunkId| -> Result<Tree, StoreError> {
         Tree::decode(&store.get(id)?).map_err(|source| StoreError::Format {
             key: format!("chunk {id}"),
@@ -393,6 +398,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     let mut located: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(uids.len()); // pack, frame off, off in frame, uid
     let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> =
         std::collections::HashMap::new();
+    let mut deltas: Vec<(PackId, u64, u32)> = Vec::new();
     for (u, id) in uids.iter().enumerate() {
         let Some((pack, e)) = store.locate(id) else {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
@@ -404,6 +410,12 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
                 source: StoreError::ChunkMissing { id: *id },
             });
         };
+        if e.kind == ChunkKind::Tree {
+            // A delta record (manifest version 2): read, its base read and both verified, and
+            // the rebuilt page verified, when streaming.
+            deltas.push((pack, e.frame_off, u as u32));
+            continue;
+        }
         if e.raw_len as usize != PAGE_SIZE {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
             return Err(MemError::PageDamaged {
@@ -495,6 +507,8 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }
         }
     }
+    deltas.sort_unstable();
+    let delta_jobs = deltas.chunks(64).map(|c| c.iter().map(|d| d.2).collect()).collect();
     let tail = load_tail(store, ckpt)?;
     Ok(Plan {
         uids,
@@ -502,6 +516,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         refs,
         zeros,
         jobs,
+        delta_jobs,
         tail,
     })
 }
@@ -564,6 +579,21 @@ fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u3
         d.read = job.end - job.start;
     }
     Ok(out)
+}
+
+/// Rebuild delta pages: each base page is read and verified, the runs applied, and the result
+/// verified against the page's id.
+fn decode_deltas(store: &Store, plan: &Plan, uids: &[u32]) -> Result<Vec<Decoded>, (u32, StoreError)> {
+    uids.iter()
+        .map(|&u| {
+            let (_, page) = super::delta::rebuild(store, &plan.uids[u as usize]).map_err(|e| (u, e))?;
+            Ok(Decoded {
+                raw: page.to_vec(),
+                chunks: vec![(0, u)],
+                read: 0,
+            })
+        })
+        .collect()
 }
 
 /// The pack went away (GC repacked it after the plan was made): read chunk by chunk through
@@ -661,10 +691,13 @@ pub fn stream<W: Write>(
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
-                    if j >= plan.jobs.len() || stop.load(Ordering::Relaxed) {
+                    if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    let r = decode_job(store, plan, &plan.jobs[j]);
+                    let r = match plan.jobs.get(j) {
+                        Some(job) => decode_job(store, plan, job),
+                        None => decode_deltas(store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
+                    };
                     let failed = r.is_err();
                     if tx.send(r).is_err() || failed {
                         return;
@@ -725,6 +758,7 @@ pub fn stream<W: Write>(
         pages: st.page_records + st.zero_records,
         zero_pages: st.zero_records,
         chunks_verified: plan.uids.len() as u64,
+        delta_pages: plan.delta_jobs.iter().map(|j| j.len() as u64).sum(),
         bytes_read,
         reads: plan.jobs.len() as u64,
         ..Default::default()
