@@ -811,6 +811,7 @@ fn bench_save_restore(
         let mut opts = SaveOptions::new(Mode::Save);
         opts.codec = strata::memory::codec_choice::CodecPolicy::Fixed(strata::Codec::Lz4);
         let mut no_delta = opts.clone();
+        no_delta.mode = Mode::BackgroundSnapshot;
         no_delta.base = strata::memory::delta::BasePolicy::Off;
         let mut per = Vec::new();
         let mut per_plain = Vec::new();
@@ -825,7 +826,9 @@ fn bench_save_restore(
             g.command(&format!("text {}", (usable / 2).min(240)), t)?;
             g.command(&format!("fill {} 10 50 {}", (usable / 8).max(4), 100 + i), t)?;
             let mut q = qmp_of(&g)?;
-            // The guest stays paused after the first save, so both stores get the same memory.
+            // QEMU refuses a second migration after a completed stop-and-copy, so the
+            // --no-delta store gets a live background-snapshot checkpoint first (the idle
+            // guest's state a moment earlier), then the delta store the `vm save`.
             let p = save(&plain, &mut q, &format!("vm{i}"), &no_delta, &NoProgress)?;
             let r = save(&store, &mut q, &format!("vm{i}"), &opts, &NoProgress)?;
             let dp = r.delta.as_ref().map_or(0, |d| d.pages);
