@@ -816,6 +816,7 @@ fn bench_save_restore(
         let mut per = Vec::new();
         let mut per_plain = Vec::new();
         let mut delta_pages = Vec::new();
+        let mut deltas = Vec::new();
         let mut save_s = Vec::new();
         let mut save_plain_s = Vec::new();
         for i in 0..vms {
@@ -832,6 +833,13 @@ fn bench_save_restore(
             let p = save(&plain, &mut q, &format!("vm{i}"), &no_delta, &NoProgress)?;
             let r = save(&store, &mut q, &format!("vm{i}"), &opts, &NoProgress)?;
             let dp = r.delta.as_ref().map_or(0, |d| d.pages);
+            if let Some(d) = &r.delta {
+                eprintln!(
+                    "  vm{i}: delta against {}: {} tried, {} paid ({} bytes of runs, {} records), {} batches skipped",
+                    d.base, d.attempts, d.pages, d.bytes, d.records, d.skipped_batches
+                );
+            }
+            deltas.push(r.delta.clone());
             eprintln!(
                 "  vm{i}: stored {} MB with deltas ({} pages new, {} as deltas against {}, {} deduplicated; save {:.2} s), {} MB without ({:.2} s)",
                 r.stored_bytes / 1_000_000,
@@ -862,7 +870,7 @@ fn bench_save_restore(
             "guests": vms, "mem_mib": mem, "codec": "lz4 (fixed for every save)",
             "stored_bytes_each": per, "stored_bytes_total": total,
             "total_vs_one": total as f64 / per[0] as f64,
-            "delta_pages_each": delta_pages, "save_s_each": save_s,
+            "delta_pages_each": delta_pages, "delta_each": deltas, "save_s_each": save_s,
             "no_delta": {"stored_bytes_each": per_plain, "stored_bytes_total": total_plain,
                          "total_vs_one": total_plain as f64 / per_plain[0] as f64, "save_s_each": save_plain_s},
             "workload": "same kernel, initramfs and golden disk; text of half the free memory (at most 240 MiB) of the golden files, the same for all, + fill of 1/8 of the free memory with a per-guest seed",

@@ -49,9 +49,25 @@ const TARGET: &str = "strata::memory";
 pub const RECORD_MAGIC: &[u8; 4] = b"SVMP";
 /// Delta records written together in one compressed frame.
 pub const RECORDS_PER_FRAME: usize = 16;
-/// Longest encoded delta a save keeps: beyond this the page is stored whole (a compressed
-/// page of guest memory is typically 1.3–2 KiB).
-pub const MAX_KEPT: usize = 768;
+/// Longest encoded delta a save keeps: beyond this the page is stored whole.
+pub const MAX_KEPT: usize = 2048;
+/// Deltas up to this many bytes are always kept; longer ones only when at most half the size
+/// of the page compressed on its own (lz4), i.e. when the delta is much smaller.
+pub const ALWAYS_KEPT: usize = 256;
+
+/// Is a delta of `enc_len` bytes worth keeping instead of `page`?
+pub fn pays(enc_len: usize, page: &[u8]) -> bool {
+    if enc_len <= ALWAYS_KEPT {
+        return true;
+    }
+    if enc_len > MAX_KEPT {
+        return false;
+    }
+    let alone = crate::codec::Codec::Lz4.compress(page).map_or(page.len(), |c| c.len());
+    enc_len * 2 <= alone
+}
+/// Most batches a pool worker skips after batches where deltas did not pay.
+pub const MAX_BACK_OFF: u32 = 8;
 /// Longest encoded delta a reader accepts (one run covering the page).
 pub const MAX_ENCODED: usize = PAGE_SIZE + 4;
 
@@ -398,10 +414,10 @@ impl DeltaWorker {
         true
     }
 
-    /// End of a batch: back off (1, 2, 4 … 64 batches) when deltas mostly did not pay.
+    /// End of a batch: back off (1, 2, 4, 8 batches) when deltas mostly did not pay.
     pub fn batch_end(&mut self) {
         if self.tried >= 8 && self.paid * 4 < self.tried {
-            self.penalty = (self.penalty * 2).clamp(1, 64);
+            self.penalty = (self.penalty * 2).clamp(1, MAX_BACK_OFF);
             self.skip = self.penalty;
         } else if self.paid > 0 {
             self.penalty = 0;
@@ -479,7 +495,12 @@ impl DeltaWorker {
             }
         };
         let mut buf = std::mem::take(&mut self.buf);
-        let r = if encode(&content, page, &mut buf, MAX_KEPT) {
+        // The base page must outlive this save even if its checkpoint is removed and GC runs
+        // before the commit: pin it like the pages the session stores.
+        let r = if encode(&content, page, &mut buf, MAX_KEPT)
+            && pays(buf.len(), page)
+            && (whole.is_zero() || ses.pin(whole).is_ok())
+        {
             self.paid += 1;
             let tree = record_tree(&DeltaEntry {
                 target: id,
@@ -553,6 +574,26 @@ mod tests {
         assert!(encode(&base, &page(77), &mut out, MAX_ENCODED));
         assert_eq!(out.len(), MAX_ENCODED);
         assert_eq!(&apply(&base, &out).unwrap()[..], &page(77)[..]);
+    }
+
+    #[test]
+    fn a_delta_pays_when_much_smaller_than_the_compressed_page() {
+        assert!(pays(ALWAYS_KEPT, &page(1)));
+        assert!(!pays(MAX_KEPT + 1, &[7u8; PAGE_SIZE]));
+        // A page of one repeated byte compresses to a few dozen bytes: a 300-byte delta loses.
+        assert!(!pays(300, &[7u8; PAGE_SIZE]));
+        // A page that does not compress: deltas up to half a page pay.
+        let mut x = 0x2545_F491u32;
+        let noise: Vec<u8> = (0..PAGE_SIZE)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect();
+        assert!(pays(2000, &noise));
+        assert!(!pays(2100, &noise));
     }
 
     #[test]
