@@ -148,6 +148,34 @@ fn delta_pages_round_trip_and_survive_removal_of_the_base() {
     q.quit();
 }
 
+/// Incremental: a live checkpoint of a running guest, then a save of the same guest a moment
+/// later. The second takes the first as its base, stores the rewritten pages as deltas, and
+/// restores exactly.
+#[test]
+fn second_checkpoint_of_the_same_vm_stores_deltas() {
+    let dir = workdir("mem-delta-incr");
+    let store = store_in(&dir);
+    let mut q = Qemu::start(&dir, "src", &vm_args("pc", MEM, true));
+    q.wait_guest_filled();
+    let r1 = save(&store, &mut q.qmp, "desk@1", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress).unwrap();
+    show(&r1);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let r2 = save(&store, &mut q.qmp, "desk@2", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
+    show(&r2);
+    let mem = pmem(&mut q, (MEM as u64) << 20, &dir.join("src.mem"));
+    q.quit();
+    let d = r2.delta.clone().expect("desk@1 is the base");
+    assert_eq!(d.base, "desk@1");
+    assert!(d.pages >= 1400, "only {} delta pages", d.pages);
+    assert!(
+        r2.stored_bytes * 20 < r1.stored_bytes,
+        "second checkpoint stored {} bytes, first {}",
+        r2.stored_bytes,
+        r1.stored_bytes
+    );
+    restore_compare(&store, &dir, "dst", "desk@2", &mem);
+}
+
 #[test]
 fn damaged_base_page_aborts_restore_naming_the_page() {
     let dir = workdir("mem-delta-damage");
