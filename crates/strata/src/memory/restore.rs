@@ -7,6 +7,8 @@
 //!   lengths, from HMP `info ramblock`): a mismatch would make QEMU abort halfway and exit.
 //!   Every page's chunk is looked up in the index before the first byte is sent, so a missing
 //!   chunk is reported with its checkpoint, ramblock and page while QEMU is still untouched.
+//!   A delta record (`delta.rs`) is located like a page; its base page is read (and found
+//!   missing, if it is) by the worker that rebuilds it, so a lost base aborts the stream.
 //! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
 //!   them one `get` at a time would decompress each frame 16 times and open the pack once per
 //!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
@@ -17,6 +19,9 @@
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
+//! * **Delta pages** are rebuilt by the same pool, 64 per job in the order of their records'
+//!   places in the packs: record and base page verified against their ids, the rebuilt page
+//!   against the page id in the record.
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
 //!   frames finish (a page id used at several addresses is written at each), zero pages as
 //!   ZERO records first, the tail last. The generator checks that every page was written.
