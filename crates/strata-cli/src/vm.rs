@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use strata::memory::catalog;
 use strata::memory::codec_choice::CodecPolicy;
+use strata::memory::delta::BasePolicy;
 use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
@@ -92,6 +93,13 @@ pub struct SaveArgs {
     /// Replace an existing checkpoint of the same name.
     #[arg(long)]
     replace: bool,
+    /// Store pages that changed little as deltas against this checkpoint (default: the most
+    /// recent one with the same machine type and RAM layout).
+    #[arg(long, conflicts_with = "no_delta")]
+    base: Option<String>,
+    /// Store every new page whole (no delta pages).
+    #[arg(long)]
+    no_delta: bool,
 }
 
 impl SaveArgs {
@@ -105,6 +113,11 @@ impl SaveArgs {
             o.ingest.workers = w.max(1);
         }
         o.replace = self.replace;
+        o.base = match (&self.base, self.no_delta) {
+            (_, true) => BasePolicy::Off,
+            (Some(b), false) => BasePolicy::Named(b.clone()),
+            (None, false) => BasePolicy::Auto,
+        };
         Ok(o)
     }
 }
@@ -161,7 +174,21 @@ fn save_text(r: &SaveReport) -> String {
         r.unique_pages,
         r.codec.chosen,
         r.codec.why
-    )
+    ) + &delta_text(r.delta.as_ref())
+}
+
+fn delta_text(d: Option<&strata::memory::manifest::DeltaMeta>) -> String {
+    match d {
+        None => String::new(),
+        Some(d) => format!(
+            "\n  delta base '{}': {} pages stored as deltas ({} of runs, {} new records; {} tried)",
+            d.base,
+            d.pages,
+            ui::human(d.bytes),
+            d.records,
+            d.attempts
+        ),
+    }
 }
 
 fn restore_text(r: &RestoreReport) -> String {
@@ -336,6 +363,10 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
                     m.codec.policy,
                     m.codec.why
                 );
+                if m.delta.is_some() {
+                    out += &delta_text(m.delta.as_ref())[1..];
+                    out.push('\n');
+                }
                 for b in &m.blocks {
                     out += &format!(
                         "    {:<24} {:>10}  {:>8} pages  {:>8} zero  {:>8} distinct\n",

@@ -123,6 +123,9 @@ pub enum MemError {
     #[error("Cannot launch QEMU for '{name}': {why}")]
     Launch { name: String, why: String },
 
+    #[error("Checkpoint '{base}' cannot be the delta base of this save: {why}. Pick another with --base, or use --no-delta")]
+    BaseMismatch { base: String, why: String },
+
     #[error("A {what} thread panicked")]
     Panic { what: &'static str },
 }

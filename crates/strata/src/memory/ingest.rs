@@ -33,6 +33,7 @@ use std::sync::mpsc::{self, Receiver, SyncSender};
 use parking_lot::Mutex;
 
 use super::codec_choice::{thread_cpu_ns, Chooser};
+use super::delta::{Base, DeltaOutcome, DeltaSink, DeltaWorker};
 use super::stream::{Event, Limits, Parser, SinkError, StreamError, StreamInfo, StreamSink, PAGE_SIZE};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
@@ -60,6 +61,8 @@ pub struct IngestOptions {
     /// new bytes were stored, so the final commit has little left to do (0: only at the end).
     pub flush_every: u64,
     pub limits: Limits,
+    /// Base checkpoint for delta pages (`delta`); None stores every new page whole.
+    pub base: Option<std::sync::Arc<Base>>,
 }
 
 impl Default for IngestOptions {
@@ -71,6 +74,7 @@ impl Default for IngestOptions {
             hot_bytes: 256 << 20,
             flush_every: 128 << 20,
             limits: Limits::default(),
+            base: None,
         }
     }
 }
@@ -121,6 +125,8 @@ pub struct Ingested {
     pub parse_cpu_ms: f64,
     /// CPU time of the pool (hashing, dedup, compression, packing), ms.
     pub pool_cpu_ms: f64,
+    /// Delta pages against the base, when there was one.
+    pub delta: Option<DeltaOutcome>,
 }
 
 struct Batch {
@@ -163,6 +169,7 @@ struct Shared<'a> {
     next_flush: AtomicU64,
     flush_every: u64,
     flush_tx: Mutex<Option<SyncSender<()>>>,
+    delta: Option<DeltaSink<'a>>,
 }
 
 impl Shared<'_> {
@@ -202,10 +209,11 @@ pub(crate) fn is_zero(page: &[u8]) -> bool {
 fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8>>) {
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut fresh: Vec<u8> = Vec::with_capacity(sh.frame_pages * PAGE_SIZE);
+    let mut dw = DeltaWorker::default();
     loop {
         let batch = match rx.lock().recv() {
             Ok(b) => b,
-            Err(_) => return,
+            Err(_) => break,
         };
         if sh.failed.load(Ordering::Relaxed) {
             let _ = free.try_send(batch.data);
@@ -257,9 +265,21 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
                 }
             }
         };
-        for (id, page) in ids.iter().zip(&pages) {
+        let read_base = sh.delta.as_ref().is_some_and(|d| dw.batch_start(d));
+        let mut as_delta: Vec<(usize, ChunkId)> = Vec::new();
+        for (i, ((id, page), &(block, page_no, _))) in ids.iter().zip(&pages).zip(&batch.pages).enumerate() {
             if id.is_zero() {
                 continue;
+            }
+            // A page new to the store may be kept as a delta against the base checkpoint:
+            // its map entry is then the delta record's id.
+            if let Some(d) = &sh.delta {
+                if !sh.session.store().contains(id) {
+                    if let Some(rid) = dw.offer(d, sh.session, *id, block, page_no, page, read_base) {
+                        as_delta.push((i, rid));
+                        continue;
+                    }
+                }
             }
             items.push((*id, page));
             if items.len() == sh.frame_pages && !flush(&mut items) {
@@ -269,6 +289,20 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
         }
         if ok && !flush(&mut items) {
             ok = false;
+        }
+        if let Some(d) = &sh.delta {
+            if read_base {
+                dw.batch_end();
+            }
+            if ok {
+                if let Err(e) = dw.flush(d, sh.session) {
+                    sh.fail(e);
+                    ok = false;
+                }
+            }
+        }
+        for (i, rid) in as_delta {
+            ids[i] = rid;
         }
         if ok {
             let mut map = sh.map.lock();
@@ -409,6 +443,9 @@ impl StreamSink for Dispatch<'_, '_> {
     fn event(&mut self, ev: Event<'_>) -> Result<(), SinkError> {
         match ev {
             Event::RamBlocks(blocks) => {
+                if let Some(d) = &self.sh.delta {
+                    d.set_blocks(&blocks.iter().map(|b| (b.name.clone(), b.used_len)).collect::<Vec<_>>());
+                }
                 self.seen = blocks
                     .iter()
                     .map(|b| vec![0u64; (b.pages() as usize).div_ceil(64)])
@@ -484,6 +521,7 @@ pub fn ingest<R: Read>(
         next_flush: AtomicU64::new(session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every),
         flush_every: opts.flush_every,
         flush_tx: Mutex::new(None),
+        delta: opts.base.as_deref().map(DeltaSink::new),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
@@ -615,6 +653,7 @@ pub fn ingest<R: Read>(
         drain_ms: drain.into_inner(),
         parse_cpu_ms: parse_cpu.into_inner().saturating_sub(parse_cpu_start) as f64 / 1e6,
         pool_cpu_ms: sh.worker_cpu_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        delta: sh.delta.as_ref().map(DeltaSink::outcome),
     })
 }
 

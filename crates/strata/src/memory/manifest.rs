@@ -5,7 +5,7 @@
 //! refs/vm/NAME   roots[0]      = tail tree   (device-state tail, 64 KiB data chunks)
 //!                roots[1 + i]  = page map of ramblock i (disk::map two-level tree of page ids,
 //!                                the zero id for a zero page)
-//!                payload       = Manifest (JSON, format "strata-vm-checkpoint", version 1)
+//!                payload       = Manifest (JSON, format "strata-vm-checkpoint", version 2)
 //! ```
 //!
 //! Why this shape: pages are ordinary content-addressed chunks, so a page shared by two VMs,
@@ -27,8 +27,10 @@ use crate::store::objects::{Ref, Tree};
 
 /// `format` field of every checkpoint manifest.
 pub const FORMAT: &str = "strata-vm-checkpoint";
-/// Manifest version written by this code; readers accept 1..=VERSION.
-pub const VERSION: u32 = 1;
+/// Manifest version written by this code; readers accept 1..=VERSION. Version 2 added delta
+/// pages (`delta`, and page map entries that are delta records, see `delta.rs`); a version-1
+/// manifest reads as one without deltas.
+pub const VERSION: u32 = 2;
 /// Refs of checkpoints live under this prefix.
 pub const REF_PREFIX: &str = "vm/";
 /// Longest checkpoint name (the ref name adds `vm/`).
@@ -208,6 +210,25 @@ pub struct SaveStats {
     pub total_ms: f64,
 }
 
+/// Pages stored as deltas against a base checkpoint (manifest version 2).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeltaMeta {
+    /// The base checkpoint's name when the save ran (informational: the base pages are
+    /// children of this checkpoint's own delta records, so the base may be removed).
+    pub base: String,
+    /// Distinct pages stored as deltas.
+    pub pages: u64,
+    /// Encoded bytes of their runs (before the store's compression).
+    pub bytes: u64,
+    /// Delta records this save added to the store (reused ones are not counted).
+    pub records: u64,
+    /// Pages for which a delta was computed, and pool batches that skipped trying.
+    #[serde(default)]
+    pub attempts: u64,
+    #[serde(default)]
+    pub skipped_batches: u64,
+}
+
 /// The JSON payload of a checkpoint ref.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Manifest {
@@ -222,6 +243,9 @@ pub struct Manifest {
     pub tail: TailMeta,
     pub codec: CodecReport,
     pub stats: SaveStats,
+    /// Present when the save had a base checkpoint (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<DeltaMeta>,
 }
 
 /// Ref name of checkpoint `name`.
@@ -317,6 +341,14 @@ impl Manifest {
         }
         if self.tail.blake3.len() != 64 || hex::decode(&self.tail.blake3).is_err() {
             return bad("tail.blake3", "not 64 hex digits".into());
+        }
+        if let Some(d) = &self.delta {
+            if self.version < 2 {
+                return bad("delta", "delta pages need manifest version 2".into());
+            }
+            if d.records > d.pages {
+                return bad("delta.records", "more records than delta pages".into());
+            }
         }
         if self.stream.file_version != 3 {
             return bad("stream.file_version", format!("{} (only 3)", self.stream.file_version));
@@ -477,6 +509,7 @@ mod tests {
                 estimates: vec![],
             },
             stats: SaveStats::default(),
+            delta: None,
         }
     }
 
@@ -485,7 +518,8 @@ mod tests {
         let m = sample();
         let v: serde_json::Value = serde_json::from_slice(&m.encode()).unwrap();
         assert_eq!(v["format"], "strata-vm-checkpoint");
-        assert_eq!(v["version"], 1);
+        assert_eq!(v["version"], 2);
+        assert!(v.get("delta").is_none(), "no delta field without a base");
         assert_eq!(v["mode"], "background-snapshot");
         assert_eq!(v["qemu"]["machine_type"], "pc-i440fx-7.2");
         assert_eq!(v["stream"]["ram_section"]["version_id"], 4);
@@ -509,8 +543,15 @@ mod tests {
         ));
         assert!(matches!(parse_manifest(b"not json"), Err(ManifestError::Json { .. })));
         let mut m = sample();
-        m.version = 2;
-        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 2 }));
+        m.version = 3;
+        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 3 }));
+        let mut m = sample();
+        m.version = 1;
+        m.delta = Some(DeltaMeta::default());
+        assert!(matches!(
+            parse_manifest(&m.encode()),
+            Err(ManifestError::Invalid { field: "delta", .. })
+        ));
         let mut m = sample();
         m.blocks[1].used_len = 4095;
         assert!(matches!(
@@ -567,6 +608,27 @@ mod tests {
             ManifestError::Roots { found: 2, expected: 3 }
         );
         assert_eq!(m.layout().unwrap().blocks[0].name, "pc.ram");
+        // Version 2 with delta pages: the same roots, a `delta` object in the payload.
+        let mut d = c.clone();
+        d.manifest.delta = Some(DeltaMeta {
+            base: "gold".into(),
+            pages: 9,
+            bytes: 900,
+            records: 8,
+            ..Default::default()
+        });
+        let r = d.to_ref();
+        assert_eq!(r.roots.len(), 3);
+        let back = Checkpoint::from_ref(&r).unwrap();
+        assert_eq!(back.manifest.delta, d.manifest.delta);
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        assert_eq!(v["delta"]["pages"], 9);
+        assert_eq!(v["delta"]["records"], 8);
+        assert_eq!(v["delta"]["base"], "gold");
+        // A version-1 manifest (no delta field) still reads.
+        let mut old = c.clone();
+        old.manifest.version = 1;
+        assert!(Checkpoint::from_ref(&old.to_ref()).unwrap().manifest.delta.is_none());
         assert_eq!(m.total_pages(), (256 << 8) + 64);
     }
 

@@ -6,6 +6,7 @@
 
 pub mod catalog;
 pub mod codec_choice;
+pub mod delta;
 pub mod error;
 pub mod ingest;
 pub mod launch;

@@ -7,6 +7,8 @@
 //!   lengths, from HMP `info ramblock`): a mismatch would make QEMU abort halfway and exit.
 //!   Every page's chunk is looked up in the index before the first byte is sent, so a missing
 //!   chunk is reported with its checkpoint, ramblock and page while QEMU is still untouched.
+//!   A delta record (`delta.rs`) is located like a page; its base page is read (and found
+//!   missing, if it is) by the worker that rebuilds it, so a lost base aborts the stream.
 //! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
 //!   them one `get` at a time would decompress each frame 16 times and open the pack once per
 //!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
@@ -17,6 +19,9 @@
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
+//! * **Delta pages** are rebuilt by the same pool, 64 per job in the order of their records'
+//!   places in the packs: record and base page verified against their ids, the rebuilt page
+//!   against the page id in the record.
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
 //!   frames finish (a page id used at several addresses is written at each), zero pages as
 //!   ZERO records first, the tail last. The generator checks that every page was written.
@@ -39,6 +44,7 @@ use crate::progress::{Progress, Unit};
 use crate::qmp::{QmpClient, QmpError};
 use crate::store::format::crc;
 use crate::store::objects::Tree;
+use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};
 
 const TARGET: &str = "strata::memory";
@@ -87,6 +93,8 @@ pub struct RestoreReport {
     pub zero_pages: u64,
     /// Distinct page chunks read and verified.
     pub chunks_verified: u64,
+    /// Of those, pages rebuilt from a base page and a delta.
+    pub delta_pages: u64,
     /// Bytes read from packs.
     pub bytes_read: u64,
     pub reads: u64,
@@ -196,6 +204,8 @@ struct Plan {
     refs: Vec<(u32, u32)>,
     zeros: Vec<(u32, u32)>,
     jobs: Vec<Job>,
+    /// Delta pages (unique-id indexes), a few dozen per job, ordered by their base's place.
+    delta_jobs: Vec<Vec<u32>>,
     tail: Vec<u8>,
 }
 
@@ -256,7 +266,7 @@ pub const MAP_READERS: usize = 16;
 
 /// Apply `f` to every item on up to `threads` threads; results in input order, or the first
 /// error (with the index of the item that failed).
-fn par_map<T: Sync, R: Send, E: Send>(
+pub(crate) fn par_map<T: Sync, R: Send, E: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> Result<R, E> + Sync,
@@ -294,7 +304,7 @@ fn par_map<T: Sync, R: Send, E: Send>(
 
 /// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
 /// leaves of all maps `threads` at a time. Errors carry the ramblock's index.
-fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
+pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
     let decode = |id: &ChunkId| -> Result<Tree, StoreError> {
         Tree::decode(&store.get(id)?).map_err(|source| StoreError::Format {
             key: format!("chunk {id}"),
@@ -398,6 +408,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     let mut located: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(uids.len()); // pack, frame off, off in frame, uid
     let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> =
         std::collections::HashMap::new();
+    let mut deltas: Vec<(PackId, u64, u32)> = Vec::new();
     for (u, id) in uids.iter().enumerate() {
         let Some((pack, e)) = store.locate(id) else {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
@@ -409,6 +420,12 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
                 source: StoreError::ChunkMissing { id: *id },
             });
         };
+        if e.kind == ChunkKind::Tree {
+            // A delta record (manifest version 2): read, its base read and both verified, and
+            // the rebuilt page verified, when streaming.
+            deltas.push((pack, e.frame_off, u as u32));
+            continue;
+        }
         if e.raw_len as usize != PAGE_SIZE {
             let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
             return Err(MemError::PageDamaged {
@@ -500,6 +517,8 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }
         }
     }
+    deltas.sort_unstable();
+    let delta_jobs = deltas.chunks(64).map(|c| c.iter().map(|d| d.2).collect()).collect();
     let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
     Ok(Plan {
         uids,
@@ -507,6 +526,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         refs,
         zeros,
         jobs,
+        delta_jobs,
         tail,
     })
 }
@@ -569,6 +589,21 @@ fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u3
         d.read = job.end - job.start;
     }
     Ok(out)
+}
+
+/// Rebuild delta pages: each base page is read and verified, the runs applied, and the result
+/// verified against the page's id.
+fn decode_deltas(store: &Store, plan: &Plan, uids: &[u32]) -> Result<Vec<Decoded>, (u32, StoreError)> {
+    uids.iter()
+        .map(|&u| {
+            let (_, page) = super::delta::rebuild(store, &plan.uids[u as usize]).map_err(|e| (u, e))?;
+            Ok(Decoded {
+                raw: page.to_vec(),
+                chunks: vec![(0, u)],
+                read: 0,
+            })
+        })
+        .collect()
 }
 
 /// The pack went away (GC repacked it after the plan was made): read chunk by chunk through
@@ -666,10 +701,13 @@ pub fn stream<W: Write>(
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
-                    if j >= plan.jobs.len() || stop.load(Ordering::Relaxed) {
+                    if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    let r = decode_job(store, plan, &plan.jobs[j]);
+                    let r = match plan.jobs.get(j) {
+                        Some(job) => decode_job(store, plan, job),
+                        None => decode_deltas(store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
+                    };
                     let failed = r.is_err();
                     if tx.send(r).is_err() || failed {
                         return;
@@ -730,6 +768,7 @@ pub fn stream<W: Write>(
         pages: st.page_records + st.zero_records,
         zero_pages: st.zero_records,
         chunks_verified: plan.uids.len() as u64,
+        delta_pages: plan.delta_jobs.iter().map(|j| j.len() as u64).sum(),
         bytes_read,
         reads: plan.jobs.len() as u64,
         ..Default::default()

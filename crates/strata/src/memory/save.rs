@@ -35,10 +35,11 @@ use super::codec_choice::{
     metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, CodecPolicy,
     DEFAULT_NETWORK_BPS, PROBE_BYTES,
 };
+use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
-    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, Manifest, Mode, QemuInfo, SaveStats,
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats,
     StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
 };
 use crate::codec::Codec;
@@ -65,6 +66,8 @@ pub struct SaveOptions {
     pub socket_dir: Option<PathBuf>,
     /// Replace an existing checkpoint of the same name.
     pub replace: bool,
+    /// Base checkpoint for delta pages (default: automatic).
+    pub base: BasePolicy,
 }
 
 impl SaveOptions {
@@ -77,6 +80,7 @@ impl SaveOptions {
             connect_timeout: Duration::from_secs(30),
             socket_dir: None,
             replace: false,
+            base: BasePolicy::Auto,
         }
     }
 }
@@ -114,6 +118,8 @@ pub struct SaveReport {
     pub zero_pages: u64,
     pub unique_pages: u64,
     pub codec: CodecReport,
+    /// Base checkpoint and delta pages (absent without a base).
+    pub delta: Option<DeltaMeta>,
     /// Where the time went.
     pub stages: SaveStages,
 }
@@ -324,6 +330,27 @@ pub fn save(
         Vec::new()
     });
 
+    // The delta base: the newest checkpoint with this machine type and RAM layout.
+    let base = match &opts.base {
+        BasePolicy::Off => None,
+        policy => match qmp.ram_blocks() {
+            Ok(ram) => {
+                let ram: Vec<(String, u64)> = ram.into_iter().map(|b| (b.name, b.used)).collect();
+                select_base(store, policy, name, &machine, &ram)?
+            }
+            Err(e) => {
+                tracing::warn!(target: TARGET, error = %e, "ramblocks unknown; saving without delta pages");
+                None
+            }
+        },
+    };
+    if let Some(b) = &base {
+        progress.note(&format!("delta base: checkpoint '{}'", b.name));
+    }
+    let mut with_base = opts.clone();
+    with_base.ingest.base = base.map(std::sync::Arc::new);
+    let opts = &with_base;
+
     // 2. Codec inputs and QEMU settings.
     let workers = opts.ingest.workers.max(1);
     let (backend_bps, prior_from) = match (probe, remembered) {
@@ -460,6 +487,15 @@ pub fn save(
     let tail_root = ses
         .put_tree(&tail_tree(pieces, tail.len() as u64))
         .map_err(MemError::store("tail write", name))?;
+    let delta_meta = ingested.delta.as_ref().map(|d| DeltaMeta {
+        base: d.base.clone(),
+        pages: d.pages,
+        bytes: d.bytes,
+        records: d.records,
+        attempts: d.attempts,
+        skipped_batches: d.skipped_batches,
+    });
+    let delta_pages = delta_meta.as_ref().map_or(0, |d| d.pages);
     let st = store.stats();
     let new_bytes = st.raw_bytes_new.load(Ordering::Relaxed) - timing.raw_before;
     let stored_bytes = st.stored_bytes_new.load(Ordering::Relaxed) - timing.stored_before;
@@ -473,7 +509,7 @@ pub fn save(
         data_pages,
         unique_pages: unique_total,
         pages_stored: c.new_chunks,
-        pages_deduped: data_records.saturating_sub(c.new_chunks),
+        pages_deduped: data_records.saturating_sub(c.new_chunks + delta_pages),
         new_bytes,
         stored_bytes,
         downtime_ms: timing.downtime_ms,
@@ -507,6 +543,7 @@ pub fn save(
         },
         codec: chooser.report(),
         stats,
+        delta: delta_meta,
     };
     manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let ckpt = Checkpoint {
@@ -556,6 +593,7 @@ pub fn save(
         zero_pages,
         unique_pages: m.stats.unique_pages,
         codec: m.codec.clone(),
+        delta: m.delta.clone(),
         stages: SaveStages {
             setup_ms: timing.setup_ms,
             stream_ms: timing.migrate_ms,
