@@ -109,16 +109,7 @@ fn handle(conn: UnixStream, store: &Store) -> Result<()> {
     Ok(())
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+use strata::error_chain as chain;
 
 /// Ask the daemon of this store to run `op`. `Ok(None)` when no daemon listens; otherwise its
 /// report, or its error.

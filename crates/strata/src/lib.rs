@@ -21,3 +21,16 @@ pub mod store;
 pub use codec::Codec;
 pub use id::{ChunkId, PackId};
 pub use store::{Session, Store, StoreError};
+
+/// An error and its sources, joined with ": " for one-line reports (check reports, the
+/// daemon's control replies, test assertions).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

@@ -23,17 +23,7 @@ fn server(dir: &std::path::Path) -> S3Server {
     s
 }
 
-/// The error and its sources, for assertion messages.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+use strata::error_chain as chain;
 
 fn chunk(i: u64, len: usize) -> Vec<u8> {
     backend_common::chunk(i, len, 7) // compressible, like real disk data

@@ -32,15 +32,7 @@ fn store_in(dir: &Path) -> Store {
     Store::init_local(&dir.join("store"), InitOptions::default()).unwrap()
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s += &format!(": {c}");
-        cur = c.source();
-    }
-    s
-}
+use strata::error_chain as chain;
 
 /// Guest-physical memory [0, bytes) read by QEMU itself (HMP `pmemsave`).
 fn pmem(q: &mut Qemu, bytes: u64, file: &Path) -> Vec<u8> {

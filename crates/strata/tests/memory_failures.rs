@@ -24,15 +24,7 @@ fn store_in(dir: &Path) -> Store {
     Store::init_local(&dir.join("store"), InitOptions::default()).unwrap()
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s += &format!(": {c}");
-        cur = c.source();
-    }
-    s
-}
+use strata::error_chain as chain;
 
 #[test]
 fn unsupported_capabilities_are_refused_up_front() {

@@ -21,15 +21,7 @@ use strata::memory::save::{save, SaveOptions};
 use strata::progress::{NoProgress, Progress, Unit};
 use strata::store::{local_meta_path, InitOptions, Store};
 
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s += &format!(": {c}");
-        cur = c.source();
-    }
-    s
-}
+use strata::error_chain as chain;
 
 fn backend(s3: &S3Server) -> DynBackend {
     let b: DynBackend = Arc::new(S3Backend::open(s3.config("s3://vms").unwrap()).unwrap());

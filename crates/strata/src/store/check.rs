@@ -224,14 +224,4 @@ impl Store {
     }
 }
 
-/// An error and its sources, joined for one-line reports.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+use crate::error_chain as chain;
