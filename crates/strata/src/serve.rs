@@ -5,13 +5,20 @@
 //! connection makes the writes of every connection durable (NBD multi-conn consistency): the
 //! volume's group commit covers everything appended to its log before the flush began.
 //! Volumes stay open while the server runs and are flushed and compacted on shutdown.
+//!
+//! With an SSD cache and prefetch enabled (`enable_prefetch`, the `strata serve` default),
+//! opening a disk whose image has a recorded boot working set starts one background prefetch
+//! of it per image (`boot::prefetch`), shared by all its clones; `close_all` stops them.
 
+use crate::backend::cache::CacheBackend;
+use crate::boot::prefetch::{Prefetch, PrefetchStatus};
+use crate::boot::workset;
 use crate::disk::{self, volume::Volume, DiskError};
 use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
@@ -160,6 +167,15 @@ pub struct DiskExports {
     store: Store,
     open: Mutex<HashMap<String, Arc<Volume>>>,
     compact_at: std::sync::atomic::AtomicU64,
+    prefetch: Mutex<PrefetchState>,
+}
+
+/// Boot prefetches: the cache to fill, the names already looked up, the prefetch per image.
+#[derive(Default)]
+struct PrefetchState {
+    cache: Option<(Arc<CacheBackend>, usize)>,
+    checked: HashSet<String>,
+    by_image: HashMap<String, Arc<Prefetch>>,
 }
 
 impl DiskExports {
@@ -168,7 +184,66 @@ impl DiskExports {
             store,
             open: Mutex::new(HashMap::new()),
             compact_at: std::sync::atomic::AtomicU64::new(crate::disk::volume::DEFAULT_COMPACT_AT),
+            prefetch: Mutex::new(PrefetchState::default()),
         })
+    }
+
+    /// From now on, opening a disk whose image has a recorded boot working set starts a
+    /// background prefetch of it into `cache` (once per image), `parallel` batches at a time.
+    pub fn enable_prefetch(&self, cache: Arc<CacheBackend>, parallel: usize) {
+        self.prefetch.lock().cache = Some((cache, parallel));
+    }
+
+    /// The prefetches started so far (image, progress).
+    pub fn prefetches(&self) -> Vec<PrefetchStatus> {
+        let mut v: Vec<PrefetchStatus> = self.prefetch.lock().by_image.values().map(|p| p.status()).collect();
+        v.sort_by(|a, b| a.image.cmp(&b.image));
+        v
+    }
+
+    /// The prefetch of `image`'s working set, if one was started.
+    pub fn prefetch_of(&self, image: &str) -> Option<Arc<Prefetch>> {
+        self.prefetch.lock().by_image.get(image).cloned()
+    }
+
+    /// Start the prefetch of `name`'s image's working set unless it runs already (or there is
+    /// no cache, no working set, or `name` was looked up before).
+    fn maybe_prefetch(&self, name: &str) {
+        let cache = {
+            let mut st = self.prefetch.lock();
+            let Some((c, par)) = st.cache.clone() else { return };
+            if !st.checked.insert(name.to_string()) {
+                return;
+            }
+            (c, par)
+        };
+        // Outside the lock: this reads from the backend.
+        let (image, ws) = match workset::find(&self.store, name) {
+            Ok(f) => f,
+            Err(workset::BootError::Missing { .. }) => return,
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", name, error = %e, "cannot look up the boot working set; no prefetch");
+                return;
+            }
+        };
+        let mut st = self.prefetch.lock();
+        if st.cache.is_none() || st.by_image.contains_key(&image) {
+            return;
+        }
+        let p = Prefetch::start(&self.store, cache.0, &image, &ws, cache.1);
+        st.by_image.insert(image, p);
+    }
+
+    /// Stop every prefetch (after its batches in flight) and wait for it.
+    pub fn stop_prefetch(&self) {
+        let ps: Vec<Arc<Prefetch>> = {
+            let mut st = self.prefetch.lock();
+            st.cache = None;
+            st.by_image.values().cloned().collect()
+        };
+        for p in ps {
+            p.stop();
+        }
     }
 
     /// Log size at which volumes opened from now on start a background compaction.
@@ -185,8 +260,9 @@ impl DiskExports {
         self.open.lock().get(name).cloned()
     }
 
-    /// Flush and compact every open volume (on shutdown).
+    /// Stop the boot prefetches, then flush and compact every open volume (on shutdown).
     pub fn close_all(&self) -> Result<(), DiskError> {
+        self.stop_prefetch();
         let vols: Vec<Arc<Volume>> = self.open.lock().drain().map(|(_, v)| v).collect();
         for v in vols {
             v.close()?;
@@ -218,6 +294,7 @@ impl ExportSet for DiskExports {
             other => OpenError::Unavailable { name: name.into(), reason: other.to_string() },
         };
         let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
+        self.maybe_prefetch(name);
         if m.snapshot_of.is_some() {
             let blocks = disk::map::read_map(&self.store, &r.roots[0]).map_err(|e| unavailable(DiskError::Store(e)))?;
             return Ok(Arc::new(SnapshotExport {
