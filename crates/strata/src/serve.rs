@@ -166,8 +166,9 @@ impl Export for SnapshotExport {
 pub struct DiskExports {
     store: Store,
     open: Mutex<HashMap<String, Arc<Volume>>>,
+    opening: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     compact_at: std::sync::atomic::AtomicU64,
-    prefetch: Mutex<PrefetchState>,
+    prefetch: Arc<Mutex<PrefetchState>>,
 }
 
 /// Boot prefetches: the cache to fill, the names already looked up, the prefetch per image.
@@ -176,6 +177,45 @@ struct PrefetchState {
     cache: Option<(Arc<CacheBackend>, usize)>,
     checked: HashSet<String>,
     by_image: HashMap<String, Arc<Prefetch>>,
+    lookups: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Walk up from `name` (itself, then the image it was cloned or snapshotted from) to the first
+/// image with a working set, and start its prefetch unless one of the images on the way is
+/// being prefetched already.
+fn start_prefetch(store: &Store, state: &Mutex<PrefetchState>, name: &str) {
+    let mut cur = name.to_string();
+    for _ in 0..16 {
+        if state.lock().by_image.contains_key(&cur) {
+            return;
+        }
+        let ws = match workset::load(store, &cur) {
+            Ok(ws) => ws,
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", name = %cur, error = %e, "cannot read the boot working set; no prefetch");
+                return;
+            }
+        };
+        if let Some(ws) = ws {
+            let mut st = state.lock();
+            let Some((cache, parallel)) = st.cache.clone() else { return };
+            if !st.by_image.contains_key(&cur) {
+                let p = Prefetch::start(store, cache, &cur, &ws, parallel);
+                st.by_image.insert(cur, p);
+            }
+            return;
+        }
+        match disk::load(store, &cur) {
+            Ok((_, m)) => match m.parent.or(m.snapshot_of) {
+                Some(p) => cur = p,
+                None => return,
+            },
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", name = %cur, error = %e, "cannot follow the parent chain; no prefetch");
+                return;
+            }
+        }
+    }
 }
 
 impl DiskExports {
@@ -183,8 +223,9 @@ impl DiskExports {
         Arc::new(DiskExports {
             store,
             open: Mutex::new(HashMap::new()),
+            opening: Mutex::new(HashMap::new()),
             compact_at: std::sync::atomic::AtomicU64::new(crate::disk::volume::DEFAULT_COMPACT_AT),
-            prefetch: Mutex::new(PrefetchState::default()),
+            prefetch: Arc::new(Mutex::new(PrefetchState::default())),
         })
     }
 
@@ -207,40 +248,40 @@ impl DiskExports {
     }
 
     /// Start the prefetch of `name`'s image's working set unless it runs already (or there is
-    /// no cache, no working set, or `name` was looked up before).
+    /// no cache, no working set, or `name` was looked up before). The lookup reads from the
+    /// backend, so it runs on its own thread: opening a disk never waits for it.
     fn maybe_prefetch(&self, name: &str) {
-        let cache = {
-            let mut st = self.prefetch.lock();
-            let Some((c, par)) = st.cache.clone() else { return };
-            if !st.checked.insert(name.to_string()) {
-                return;
-            }
-            (c, par)
-        };
-        // Outside the lock: this reads from the backend.
-        let (image, ws) = match workset::find(&self.store, name) {
-            Ok(f) => f,
-            Err(workset::BootError::Missing { .. }) => return,
-            Err(e) => {
-                tracing::warn!(target: "strata::serve", name, error = %e, "cannot look up the boot working set; no prefetch");
-                return;
-            }
-        };
         let mut st = self.prefetch.lock();
-        if st.cache.is_none() || st.by_image.contains_key(&image) {
+        if st.cache.is_none() || !st.checked.insert(name.to_string()) {
             return;
         }
-        let p = Prefetch::start(&self.store, cache.0, &image, &ws, cache.1);
-        st.by_image.insert(image, p);
+        let (store, state, name) = (self.store.clone(), self.prefetch.clone(), name.to_string());
+        match std::thread::Builder::new().name("strata-bootset".into()).spawn(move || start_prefetch(&store, &state, &name)) {
+            Ok(h) => st.lookups.push(h),
+            Err(e) => tracing::warn!(target: "strata::serve", error = %e, "cannot start the boot working set lookup"),
+        }
+    }
+
+    /// Wait until the working set lookups of the disks opened so far have ended (each has
+    /// started its prefetch, found one running, or found no working set).
+    pub fn wait_prefetch_lookups(&self) {
+        let lookups = std::mem::take(&mut self.prefetch.lock().lookups);
+        for h in lookups {
+            let _ = h.join();
+        }
     }
 
     /// Stop every prefetch (after its batches in flight) and wait for it.
     pub fn stop_prefetch(&self) {
-        let ps: Vec<Arc<Prefetch>> = {
+        let lookups = {
             let mut st = self.prefetch.lock();
             st.cache = None;
-            st.by_image.values().cloned().collect()
+            std::mem::take(&mut st.lookups)
         };
+        for h in lookups {
+            let _ = h.join();
+        }
+        let ps: Vec<Arc<Prefetch>> = self.prefetch.lock().by_image.values().cloned().collect();
         for p in ps {
             p.stop();
         }
@@ -305,13 +346,16 @@ impl ExportSet for DiskExports {
                 name: name.into(),
             }));
         }
-        let mut open = self.open.lock();
-        if let Some(v) = open.get(name) {
+        // One volume per disk: opens of the same disk wait for each other, opens of different
+        // disks (the clones of a boot storm) run in parallel (each reads from the backend).
+        let gate = self.opening.lock().entry(name.to_string()).or_default().clone();
+        let _gate = gate.lock();
+        if let Some(v) = self.open.lock().get(name) {
             return Ok(Arc::new(VolumeExport(v.clone())));
         }
         let v = Volume::open(&self.store, name).map_err(unavailable)?;
         v.set_compact_at(self.compact_at.load(std::sync::atomic::Ordering::Relaxed));
-        open.insert(name.into(), v.clone());
+        self.open.lock().insert(name.into(), v.clone());
         Ok(Arc::new(VolumeExport(v)))
     }
 }

@@ -289,9 +289,11 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     ex.enable_prefetch(cache.clone(), 4);
     // A clone of an image without a working set starts none.
     read_all(&sock, "p1", &reads[..3], &img);
+    ex.wait_prefetch_lookups();
     assert!(ex.prefetches().is_empty(), "{:?}", ex.prefetches());
     let cl = Client::connect(&Target::Unix(sock.clone()), "c1").unwrap();
     let cl2 = Client::connect(&Target::Unix(sock.clone()), "c2").unwrap();
+    ex.wait_prefetch_lookups();
     let st = ex.prefetches();
     assert_eq!(st.len(), 1, "one prefetch per image, however many clones: {st:?}");
     assert_eq!(st[0].image, "golden@base");
@@ -327,6 +329,7 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     let want_bytes: u64 = reads.iter().map(|r| r.1 as u64).sum();
     assert!(runs.iter().all(|r| r.bytes == want_bytes && r.digest == runs[0].digest), "{runs:?}");
     read_all(&sock2, "c2", &reads, &img);
+    ex.wait_prefetch_lookups();
     ex.prefetch_of("golden@base").unwrap().wait();
     let after = cache.counters();
     // Prefetch and demand reads together fetched each range at most once.

@@ -26,8 +26,10 @@ use std::time::Instant;
 pub const DEFAULT_PARALLEL: usize = 8;
 /// Most frames in one batch.
 const BATCH_RANGES: usize = 16;
-/// Most bytes in one batch.
-const BATCH_BYTES: u64 = 1 << 20;
+/// Most bytes in one batch. Small enough that the link queue the prefetch builds up (batches
+/// in flight times this) delays other readers of the link (a clone's ref, a write-through)
+/// by a few tens of milliseconds at most.
+const BATCH_BYTES: u64 = 256 << 10;
 
 /// Progress of one prefetch, for `strata stats --json`.
 #[derive(Clone, Debug, Default, serde::Serialize, PartialEq)]
@@ -199,8 +201,8 @@ mod tests {
         let r = |k: &str, off: u64, len: u64| (k.to_string(), off, len);
         let mut v = vec![r("a", 0, 10), r("a", 10, 10), r("b", 0, 5), r("a", 20, 10)];
         v.extend((0..20).map(|i| r("c", i * 100, 100)));
-        v.push(r("d", 0, 600 << 10));
-        v.push(r("d", 600 << 10, 600 << 10));
+        v.push(r("d", 0, 150 << 10));
+        v.push(r("d", 150 << 10, 150 << 10));
         let b = batches(v);
         let shape: Vec<(&str, usize)> = b.iter().map(|(k, v)| (k.as_str(), v.len())).collect();
         assert_eq!(shape, vec![("a", 2), ("b", 1), ("a", 1), ("c", 16), ("c", 4), ("d", 1), ("d", 1)]);
