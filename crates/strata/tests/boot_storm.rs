@@ -332,8 +332,12 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     ex.wait_prefetch_lookups();
     ex.prefetch_of("golden@base").unwrap().wait();
     let after = cache.counters();
-    // Prefetch and demand reads together fetched each range at most once.
-    assert!(after.misses - before.misses <= st.ranges, "{} misses for {} ranges", after.misses - before.misses, st.ranges);
+    // Prefetch and demand reads together fetched about one copy of the working set: demand
+    // reads of a frame the prefetch is fetching wait for it. (Not exactly one: a demand read
+    // that starts before the prefetch reaches its frame, for a range of a different shape
+    // than the whole frame, is its own miss.)
+    let fetched = after.miss_bytes - before.miss_bytes;
+    assert!(fetched >= st.bytes && fetched <= st.bytes * 5 / 4, "{fetched} bytes fetched for a working set of {}: {before:?} {after:?}", st.bytes);
     h.shutdown();
     ex.close_all().unwrap();
 }
