@@ -110,7 +110,11 @@ fn open_host(sh: &StorageHost, dir: &Path, cache_size: Option<u64>, init: bool) 
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
+    /// strata with a cold cache, served as `strata serve` does by default: the recorded
+    /// working set is prefetched in the background when the first clone is opened.
     Cache,
+    /// strata with a cold cache and `serve --no-prefetch`: demand misses only.
+    CacheNoPrefetch,
     NoCache,
     Qcow2,
     /// strata with the cache, warmed with the recorded working set before the storm.
@@ -120,7 +124,8 @@ enum Mode {
 impl Mode {
     fn label(self) -> &'static str {
         match self {
-            Mode::Cache => "strata+cache (cold)",
+            Mode::Cache => "strata+cache (cold, prefetch)",
+            Mode::CacheNoPrefetch => "strata+cache, no prefetch",
             Mode::NoCache => "strata, no cache",
             Mode::Qcow2 => "qemu-nbd qcow2 + overlays",
             Mode::Warm => "strata+cache, warmed",
@@ -129,6 +134,7 @@ impl Mode {
     fn tag(self) -> &'static str {
         match self {
             Mode::Cache => "c",
+            Mode::CacheNoPrefetch => "p",
             Mode::NoCache => "n",
             Mode::Qcow2 => "q",
             Mode::Warm => "w",
@@ -165,10 +171,15 @@ struct ReplayRow {
     clients: usize,
     all_done_s: f64,
     mean_s: f64,
+    /// Launching the clients to the common start (connecting opens the exports; with prefetch
+    /// on, the prefetch starts then).
+    connect_s: f64,
     bytes_per_client: u64,
     link_rx_bytes: u64,
     link_tx_bytes: u64,
     cache: Option<CacheFigures>,
+    /// The background prefetch of the working set (strata+cache with prefetch only).
+    prefetch: Option<strata::boot::PrefetchStatus>,
     /// Digest of the bytes read, equal for every client (else None).
     digest: Option<String>,
 }
@@ -262,6 +273,9 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
         eprintln!("    warm: {} chunks, {} ranges, {:.1} MiB from S3 in {:.2} s", rep.chunks, rep.ranges, rep.backend_bytes as f64 / 1048576.0, rep.secs);
     }
     let exports = DiskExports::new(host.store.clone());
+    if let (Some(c), true) = (&host.cache, mode != Mode::CacheNoPrefetch) {
+        exports.enable_prefetch(c.clone(), strata::boot::prefetch::DEFAULT_PARALLEL);
+    }
     let sock = dir.join("nbd.sock");
     let handle = Server::bind_unix(&sock)?.serve(exports.clone())?;
     let before = host.cache.as_ref().map(|c| c.counters());
@@ -278,6 +292,10 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
     };
     let (rx1, tx1) = counters(ctx.sh);
     let figs = cache_delta(&host.cache, &before);
+    let prefetch = exports.prefetches().into_iter().next();
+    for p in exports.prefetches() {
+        eprintln!("    prefetch of {}: {}, {}/{} ranges, {:.1} MiB in {:.2} s", p.image, p.state, p.ranges_done, p.ranges, p.bytes_done as f64 / 1048576.0, p.secs);
+    }
     handle.shutdown();
     exports.close_all()?;
     for name in &names {
@@ -290,7 +308,7 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
         (g.link_rx_bytes, g.link_tx_bytes, g.cache, g.warm_s, g.warm_link_rx_bytes) = (rx1 - rx0, tx1 - tx0, figs, warm_s, warm_rx);
     }
     if let Some(r) = r.as_mut() {
-        (r.link_rx_bytes, r.link_tx_bytes, r.cache) = (rx1 - rx0, tx1 - tx0, figs);
+        (r.link_rx_bytes, r.link_tx_bytes, r.cache, r.prefetch) = (rx1 - rx0, tx1 - tx0, figs, prefetch);
     }
     Ok((g, r))
 }
@@ -317,10 +335,12 @@ fn replay_row(mode: Mode, n: usize, r: &[replay::ClientRun]) -> ReplayRow {
         clients: n,
         all_done_s: r.iter().map(|x| x.secs).fold(0.0, f64::max),
         mean_s: r.iter().map(|x| x.secs).sum::<f64>() / n as f64,
+        connect_s: r.iter().map(|x| x.connect_secs).fold(0.0, f64::max),
         bytes_per_client: r.first().map(|x| x.bytes).unwrap_or(0),
         link_rx_bytes: 0,
         link_tx_bytes: 0,
         cache: None,
+        prefetch: None,
         digest: r.first().filter(|a| r.iter().all(|b| b.digest == a.digest && b.bytes == a.bytes)).map(|a| format!("{:016x}", a.digest)),
     }
 }
@@ -470,7 +490,7 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     std::fs::create_dir_all(&o.out)?;
     std::fs::write(o.out.join("bench-storm-trace.csv"), trace.to_csv())?;
 
-    let modes = [Mode::Cache, Mode::NoCache, Mode::Qcow2];
+    let modes = [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2];
     // Replay first (quick), then the guests; N outer so drift hits all modes alike.
     let mut replays = Vec::new();
     for &n in &o.guests {
@@ -480,7 +500,7 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
                 _ => strata_run(&mut ctx, m, n, Some((&reads, depth)))?,
             };
             let r = r.expect("replay row");
-            eprintln!("  replay {:<28} N={n:<2} all done {:>6.2} s, link {:>7.1} MiB", r.mode, r.all_done_s, r.link_rx_bytes as f64 / 1048576.0);
+            eprintln!("  replay {:<28} N={n:<2} all done {:>6.2} s (+ {:.3} s connecting), link {:>7.1} MiB", r.mode, r.all_done_s, r.connect_s, r.link_rx_bytes as f64 / 1048576.0);
             replays.push(r);
         }
     }
@@ -535,6 +555,19 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
         _ => None,
     };
+    // The same with the connect phase counted (with prefetch on it starts there).
+    let replay_speedup_incl_connect = match (r(Mode::NoCache, nmax), r(Mode::Cache, nmax)) {
+        (Some(a), Some(b)) => Some((a.all_done_s + a.connect_s) / (b.all_done_s + b.connect_s)),
+        _ => None,
+    };
+    let replay_speedup_no_prefetch = match (r(Mode::NoCache, nmax), r(Mode::CacheNoPrefetch, nmax)) {
+        (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
+        _ => None,
+    };
+    let replay_prefetch_gain = match (r(Mode::CacheNoPrefetch, nmax), r(Mode::Cache, nmax)) {
+        (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
+        _ => None,
+    };
     let replay_vs_qcow2 = match (r(Mode::Qcow2, nmax), r(Mode::Cache, nmax)) {
         (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
         _ => None,
@@ -549,7 +582,9 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     };
     let fmt = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "n/a".into());
     eprintln!("  link bytes, strata+cache N={nmax} over N={nmin}: {} (target <= 1.2)", fmt(bytes_ratio));
-    eprintln!("  replay N={nmax}: no cache / cache = {} (target >= 5), qcow2 / cache = {}", fmt(replay_speedup), fmt(replay_vs_qcow2));
+    eprintln!("  replay N={nmax}: no cache / cache (prefetch) = {} (target >= 5), qcow2 / cache = {}", fmt(replay_speedup), fmt(replay_vs_qcow2));
+    eprintln!("  replay N={nmax}, connecting included: no cache / cache (prefetch) = {}", fmt(replay_speedup_incl_connect));
+    eprintln!("  replay N={nmax}: no cache / cache without prefetch = {}, no prefetch / prefetch = {}", fmt(replay_speedup_no_prefetch), fmt(replay_prefetch_gain));
     eprintln!("  replay link bytes, strata+cache N={nmax} over N={nmin}: {}", fmt(replay_bytes_ratio));
     eprintln!("  guests N={nmax}: no cache / cache = {}, qcow2 / cache = {}", fmt(guest_speedup), fmt(guest_vs_qcow2));
 
@@ -560,16 +595,16 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     let mut csv = String::from("mode,guests,all_ready_s,mean_ready_s,mean_bootset_ms,max_bootset_ms,link_rx_mib,link_tx_mib,cache_hits,cache_misses,cache_coalesced,cache_backend_bytes,warm_s,warm_link_rx_mib\n");
     for x in guests {
         csv += &format!(
-            "{},{},{:.2},{:.2},{:.0},{},{:.2},{:.2},{},{},{}\n",
+            "\"{}\",{},{:.2},{:.2},{:.0},{},{:.2},{:.2},{},{},{}\n",
             x.mode, x.guests, x.all_ready_s, x.mean_ready_s, x.mean_bootset_ms, x.max_bootset_ms, mib(x.link_rx_bytes), mib(x.link_tx_bytes),
             cache_cols(&x.cache), x.warm_s.map(|v| format!("{v:.2}")).unwrap_or_default(), x.warm_link_rx_bytes.map(|v| format!("{:.2}", mib(v))).unwrap_or_default()
         );
     }
-    let mut rcsv = String::from("mode,clients,all_done_s,mean_s,mib_per_client,link_rx_mib,link_tx_mib,cache_hits,cache_misses,cache_coalesced,cache_backend_bytes,digest\n");
+    let mut rcsv = String::from("mode,clients,all_done_s,mean_s,connect_s,mib_per_client,link_rx_mib,link_tx_mib,cache_hits,cache_misses,cache_coalesced,cache_backend_bytes,digest\n");
     for x in replays {
         rcsv += &format!(
-            "{},{},{:.3},{:.3},{:.2},{:.2},{:.2},{},{}\n",
-            x.mode, x.clients, x.all_done_s, x.mean_s, mib(x.bytes_per_client), mib(x.link_rx_bytes), mib(x.link_tx_bytes), cache_cols(&x.cache),
+            "\"{}\",{},{:.3},{:.3},{:.3},{:.2},{:.2},{:.2},{},{}\n",
+            x.mode, x.clients, x.all_done_s, x.mean_s, x.connect_s, mib(x.bytes_per_client), mib(x.link_rx_bytes), mib(x.link_tx_bytes), cache_cols(&x.cache),
             x.digest.as_deref().unwrap_or("MISMATCH")
         );
     }
@@ -588,7 +623,8 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
             "method": "N TCG guests (-accel tcg, root on NBD or a qcow2 overlay) launched together; each mounts its clone, reads the boot working set (fixtures/bootset.txt) and prints STRATA-READY; time = launch to the last READY",
             "setup": common,
             "modes": {
-                Mode::Cache.label(): "fresh host B (own metadata, cold SSD cache), N linked clones served over NBD in-process",
+                Mode::Cache.label(): "fresh host B (own metadata, cold SSD cache), N linked clones served over NBD in-process as `strata serve` does by default: opening the first clone starts the background prefetch of the recorded working set",
+                Mode::CacheNoPrefetch.label(): "as strata+cache, with `serve --no-prefetch`: demand misses only",
                 Mode::NoCache.label(): "fresh host B without the cache: every clone's misses go to S3",
                 Mode::Qcow2.label(): "qemu-nbd -r serving golden.qcow2 inside the storage namespace over TCP; one qcow2 overlay per guest on this host, backing = nbd:// URL",
                 Mode::Warm.label(): "as strata+cache, but the recorded working set was prefetched (disk warm) before launching; warm_s and warm_link_rx are its cost",
@@ -606,7 +642,7 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         let ns: Vec<usize> = o.guests.clone();
         let cats: Vec<String> = ns.iter().map(|n| format!("{n} guests")).collect();
         let series = |val: &dyn Fn(&GuestRow) -> f64| -> Vec<Series> {
-            [Mode::Cache, Mode::NoCache, Mode::Qcow2]
+            [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2]
                 .iter()
                 .map(|m| Series { name: m.label().into(), values: ns.iter().map(|&n| g(*m, n).map(val).unwrap_or(0.0)).collect() })
                 .collect()
@@ -619,10 +655,19 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     let meta = serde_json::json!({
         "benchmark": "storm-replay",
         "command": format!("strata bench storm --guests {guests_arg}"),
-        "method": "the recorded boot's reads (bench-storm-trace.csv), in order, no think time, `replay_depth` in flight per client; N clients start together, each on its own clone (qemu-nbd: N connections to its one export); time = start to the last client's last reply",
+        "method": "the recorded boot's reads (bench-storm-trace.csv), in order, no think time, `replay_depth` in flight per client; N clients start together, each on its own clone (qemu-nbd: N connections to its one export); time = start to the last client's last reply; connect_s = launching the clients (connect + handshake, which opens the clones and, with prefetch, starts it) to that start",
         "setup": common,
+        "modes": {
+            Mode::Cache.label(): "fresh host B (own metadata, cold SSD cache), N linked clones served over NBD in-process as `strata serve` does by default: opening the first clone starts the background prefetch of the recorded working set (8 batches in flight); the clients connect (which opens the clones) just before the common start",
+            Mode::CacheNoPrefetch.label(): "as strata+cache, with `serve --no-prefetch`: demand misses only",
+            Mode::NoCache.label(): "fresh host B without the cache: every clone's misses go to S3 (no prefetch: it needs a cache)",
+            Mode::Qcow2.label(): "qemu-nbd -r serving golden.qcow2 inside the storage namespace over TCP; N connections to its one export",
+        },
         "results": {
             "all_done_nocache_over_cache_nmax": replay_speedup,
+            "connect_plus_all_done_nocache_over_cache_nmax": replay_speedup_incl_connect,
+            "all_done_nocache_over_cache_no_prefetch_nmax": replay_speedup_no_prefetch,
+            "all_done_no_prefetch_over_prefetch_nmax": replay_prefetch_gain,
             "all_done_qcow2_over_cache_nmax": replay_vs_qcow2,
             "link_bytes_cache_nmax_over_nmin": replay_bytes_ratio,
             "guest_storm_all_ready_nocache_over_cache_nmax": guest_speedup,
@@ -632,7 +677,7 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     std::fs::write(o.out.join("bench-storm-replay.csv"), rcsv)?;
     std::fs::write(o.out.join("bench-storm-replay.json"), serde_json::to_string_pretty(&meta)?)?;
     let cats: Vec<String> = o.guests.iter().map(|n| format!("{n} clients")).collect();
-    let series: Vec<Series> = [Mode::Cache, Mode::NoCache, Mode::Qcow2]
+    let series: Vec<Series> = [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2]
         .iter()
         .map(|m| Series { name: m.label().into(), values: o.guests.iter().map(|&n| r(*m, n).map(|x| x.all_done_s).unwrap_or(0.0)).collect() })
         .collect();

@@ -111,6 +111,10 @@ enum Cmd {
         /// Read straight from the backend, bypassing the SSD cache (for comparisons).
         #[arg(long)]
         no_cache: bool,
+        /// Do not prefetch a recorded boot working set into the cache when a clone of its
+        /// image is opened (prefetch is on whenever there is a cache).
+        #[arg(long)]
+        no_prefetch: bool,
     },
     /// VM memory: save, live checkpoints, restore, list, rm, inspect.
     Vm {
@@ -370,7 +374,7 @@ fn run(cli: Cli) -> Result<()> {
             let h = open_host(&cli, false)?;
             disk_cmd(&h.store, h.cache.as_deref(), cmd, cli.json)?;
         }
-        Cmd::Serve { socket, tcp, no_cache } => serve(&cli, socket.clone(), *tcp, *no_cache)?,
+        Cmd::Serve { socket, tcp, no_cache, no_prefetch } => serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?,
         Cmd::Bench { which } => bench::run(which)?,
         Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }
@@ -467,13 +471,16 @@ pub(crate) fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
-fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool) -> Result<()> {
+fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool, no_prefetch: bool) -> Result<()> {
     use strata::nbd::Server;
     // Block SIGINT/SIGTERM in every thread; one thread waits for them.
     let set = block_stop_signals();
     let host = open_host(cli, no_cache)?;
     let s = host.store.clone();
     let exports = strata::serve::DiskExports::new(s.clone());
+    if let (Some(c), false) = (&host.cache, no_prefetch) {
+        exports.enable_prefetch(c.clone(), strata::boot::prefetch::DEFAULT_PARALLEL);
+    }
     let server = match tcp {
         Some(addr) => {
             if !addr.ip().is_loopback() {
@@ -556,7 +563,8 @@ fn write_stats(path: &std::path::Path, exports: &strata::serve::DiskExports, cac
         .iter()
         .filter_map(|d| exports.volume(d).map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())))
         .collect();
-    let v = stats_value(exports.store(), cache, serde_json::Value::Object(vols));
+    let mut v = stats_value(exports.store(), cache, serde_json::Value::Object(vols));
+    v["prefetch"] = serde_json::to_value(exports.prefetches()).unwrap_or_default();
     let tmp = path.with_extension("tmp");
     if std::fs::write(&tmp, serde_json::to_vec_pretty(&v).unwrap_or_default()).is_ok() {
         let _ = std::fs::rename(&tmp, path);
@@ -598,6 +606,21 @@ fn stats(cli: &Cli) -> Result<()> {
             );
         } else {
             t += "\nno SSD cache";
+        }
+        for p in v["prefetch"].as_array().into_iter().flatten() {
+            t += &format!(
+                "\nboot prefetch of {} ({}): {} of {} ranges, {} of {}{}",
+                p["image"].as_str().unwrap_or("?"),
+                p["state"].as_str().unwrap_or("?"),
+                p["ranges_done"],
+                p["ranges"],
+                ui::human(p["bytes_done"].as_u64().unwrap_or(0)),
+                ui::human(p["bytes"].as_u64().unwrap_or(0)),
+                match p["ranges_failed"].as_u64().unwrap_or(0) {
+                    0 => String::new(),
+                    n => format!(", {n} ranges failed"),
+                }
+            );
         }
         let st = &v["store"];
         t += &format!(

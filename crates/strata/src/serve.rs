@@ -5,13 +5,20 @@
 //! connection makes the writes of every connection durable (NBD multi-conn consistency): the
 //! volume's group commit covers everything appended to its log before the flush began.
 //! Volumes stay open while the server runs and are flushed and compacted on shutdown.
+//!
+//! With an SSD cache and prefetch enabled (`enable_prefetch`, the `strata serve` default),
+//! opening a disk whose image has a recorded boot working set starts one background prefetch
+//! of it per image (`boot::prefetch`), shared by all its clones; `close_all` stops them.
 
+use crate::backend::cache::CacheBackend;
+use crate::boot::prefetch::{Prefetch, PrefetchStatus};
+use crate::boot::workset;
 use crate::disk::{self, volume::Volume, DiskError};
 use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
@@ -159,7 +166,56 @@ impl Export for SnapshotExport {
 pub struct DiskExports {
     store: Store,
     open: Mutex<HashMap<String, Arc<Volume>>>,
+    opening: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     compact_at: std::sync::atomic::AtomicU64,
+    prefetch: Arc<Mutex<PrefetchState>>,
+}
+
+/// Boot prefetches: the cache to fill, the names already looked up, the prefetch per image.
+#[derive(Default)]
+struct PrefetchState {
+    cache: Option<(Arc<CacheBackend>, usize)>,
+    checked: HashSet<String>,
+    by_image: HashMap<String, Arc<Prefetch>>,
+    lookups: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Walk up from `name` (itself, then the image it was cloned or snapshotted from) to the first
+/// image with a working set, and start its prefetch unless one of the images on the way is
+/// being prefetched already.
+fn start_prefetch(store: &Store, state: &Mutex<PrefetchState>, name: &str) {
+    let mut cur = name.to_string();
+    for _ in 0..16 {
+        if state.lock().by_image.contains_key(&cur) {
+            return;
+        }
+        let ws = match workset::load(store, &cur) {
+            Ok(ws) => ws,
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", name = %cur, error = %e, "cannot read the boot working set; no prefetch");
+                return;
+            }
+        };
+        if let Some(ws) = ws {
+            let mut st = state.lock();
+            let Some((cache, parallel)) = st.cache.clone() else { return };
+            if !st.by_image.contains_key(&cur) {
+                let p = Prefetch::start(store, cache, &cur, &ws, parallel);
+                st.by_image.insert(cur, p);
+            }
+            return;
+        }
+        match disk::load(store, &cur) {
+            Ok((_, m)) => match m.parent.or(m.snapshot_of) {
+                Some(p) => cur = p,
+                None => return,
+            },
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", name = %cur, error = %e, "cannot follow the parent chain; no prefetch");
+                return;
+            }
+        }
+    }
 }
 
 impl DiskExports {
@@ -167,8 +223,68 @@ impl DiskExports {
         Arc::new(DiskExports {
             store,
             open: Mutex::new(HashMap::new()),
+            opening: Mutex::new(HashMap::new()),
             compact_at: std::sync::atomic::AtomicU64::new(crate::disk::volume::DEFAULT_COMPACT_AT),
+            prefetch: Arc::new(Mutex::new(PrefetchState::default())),
         })
+    }
+
+    /// From now on, opening a disk whose image has a recorded boot working set starts a
+    /// background prefetch of it into `cache` (once per image), `parallel` batches at a time.
+    pub fn enable_prefetch(&self, cache: Arc<CacheBackend>, parallel: usize) {
+        self.prefetch.lock().cache = Some((cache, parallel));
+    }
+
+    /// The prefetches started so far (image, progress).
+    pub fn prefetches(&self) -> Vec<PrefetchStatus> {
+        let mut v: Vec<PrefetchStatus> = self.prefetch.lock().by_image.values().map(|p| p.status()).collect();
+        v.sort_by(|a, b| a.image.cmp(&b.image));
+        v
+    }
+
+    /// The prefetch of `image`'s working set, if one was started.
+    pub fn prefetch_of(&self, image: &str) -> Option<Arc<Prefetch>> {
+        self.prefetch.lock().by_image.get(image).cloned()
+    }
+
+    /// Start the prefetch of `name`'s image's working set unless it runs already (or there is
+    /// no cache, no working set, or `name` was looked up before). The lookup reads from the
+    /// backend, so it runs on its own thread: opening a disk never waits for it.
+    fn maybe_prefetch(&self, name: &str) {
+        let mut st = self.prefetch.lock();
+        if st.cache.is_none() || !st.checked.insert(name.to_string()) {
+            return;
+        }
+        let (store, state, name) = (self.store.clone(), self.prefetch.clone(), name.to_string());
+        match std::thread::Builder::new().name("strata-bootset".into()).spawn(move || start_prefetch(&store, &state, &name)) {
+            Ok(h) => st.lookups.push(h),
+            Err(e) => tracing::warn!(target: "strata::serve", error = %e, "cannot start the boot working set lookup"),
+        }
+    }
+
+    /// Wait until the working set lookups of the disks opened so far have ended (each has
+    /// started its prefetch, found one running, or found no working set).
+    pub fn wait_prefetch_lookups(&self) {
+        let lookups = std::mem::take(&mut self.prefetch.lock().lookups);
+        for h in lookups {
+            let _ = h.join();
+        }
+    }
+
+    /// Stop every prefetch (after its batches in flight) and wait for it.
+    pub fn stop_prefetch(&self) {
+        let lookups = {
+            let mut st = self.prefetch.lock();
+            st.cache = None;
+            std::mem::take(&mut st.lookups)
+        };
+        for h in lookups {
+            let _ = h.join();
+        }
+        let ps: Vec<Arc<Prefetch>> = self.prefetch.lock().by_image.values().cloned().collect();
+        for p in ps {
+            p.stop();
+        }
     }
 
     /// Log size at which volumes opened from now on start a background compaction.
@@ -185,8 +301,9 @@ impl DiskExports {
         self.open.lock().get(name).cloned()
     }
 
-    /// Flush and compact every open volume (on shutdown).
+    /// Stop the boot prefetches, then flush and compact every open volume (on shutdown).
     pub fn close_all(&self) -> Result<(), DiskError> {
+        self.stop_prefetch();
         let vols: Vec<Arc<Volume>> = self.open.lock().drain().map(|(_, v)| v).collect();
         for v in vols {
             v.close()?;
@@ -218,6 +335,7 @@ impl ExportSet for DiskExports {
             other => OpenError::Unavailable { name: name.into(), reason: other.to_string() },
         };
         let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
+        self.maybe_prefetch(name);
         if m.snapshot_of.is_some() {
             let blocks = disk::map::read_map(&self.store, &r.roots[0]).map_err(|e| unavailable(DiskError::Store(e)))?;
             return Ok(Arc::new(SnapshotExport {
@@ -228,13 +346,16 @@ impl ExportSet for DiskExports {
                 name: name.into(),
             }));
         }
-        let mut open = self.open.lock();
-        if let Some(v) = open.get(name) {
+        // One volume per disk: opens of the same disk wait for each other, opens of different
+        // disks (the clones of a boot storm) run in parallel (each reads from the backend).
+        let gate = self.opening.lock().entry(name.to_string()).or_default().clone();
+        let _gate = gate.lock();
+        if let Some(v) = self.open.lock().get(name) {
             return Ok(Arc::new(VolumeExport(v.clone())));
         }
         let v = Volume::open(&self.store, name).map_err(unavailable)?;
         v.set_compact_at(self.compact_at.load(std::sync::atomic::Ordering::Relaxed));
-        open.insert(name.into(), v.clone());
+        self.open.lock().insert(name.into(), v.clone());
         Ok(Arc::new(VolumeExport(v)))
     }
 }

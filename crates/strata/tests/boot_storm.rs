@@ -231,3 +231,113 @@ fn the_nbd_client_reports_refusals_and_server_errors() {
     let e = Client::connect(&t, "small").unwrap_err().to_string();
     assert!(e.contains("Cannot connect"), "{e}");
 }
+
+/// A trace of `reads` as the recorder would write it.
+fn trace_of(reads: &[(u64, u32)]) -> strata::boot::Trace {
+    let records = reads
+        .iter()
+        .enumerate()
+        .map(|(i, &(offset, len))| strata::boot::trace::Record { t_us: i as u64 * 100, dur_us: 50, op: Op::Read, offset, len: len as u64, inflight: 1 })
+        .collect();
+    strata::boot::Trace { records }
+}
+
+#[test]
+fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache() {
+    let d = tempfile::tempdir().unwrap();
+    let s = S3Server::start(&d.path().join("s3root")).unwrap_or_else(|e| panic!("{e}"));
+    s.create_bucket("boot").unwrap();
+    let img_path = d.path().join("golden.raw");
+    let img = image(&img_path);
+    let reads = boot_reads();
+
+    // Host A imports the golden image (with a recorded working set) and a second image without one.
+    {
+        let a = host(&s, &d.path().join("a"), false, true);
+        for name in ["golden", "plain"] {
+            disk::import(&a.store, name, &img_path, Codec::Lz4, &NoProgress).unwrap();
+            disk::snapshot(&a.store, name, "base").unwrap();
+        }
+        let ws = workset::from_trace(&a.store, "golden@base", &trace_of(&reads)).unwrap();
+        workset::save(&a.store, "golden@base", &ws).unwrap();
+        a.store.close().unwrap();
+    }
+
+    // Baseline on host B (cold cache, prefetch off): how many misses the boot of one clone causes.
+    let b = host(&s, &d.path().join("b"), true, false);
+    let bcache = b.cache.clone().unwrap();
+    disk::clone(&b.store, "golden@base", "b1", false).unwrap();
+    let sock = d.path().join("b.sock");
+    let (h, ex) = serve(&b.store, &sock, None);
+    let before = bcache.counters();
+    read_all(&sock, "b1", &reads, &img);
+    let cold_misses = bcache.counters().misses - before.misses;
+    assert!(ex.prefetches().is_empty(), "prefetch started without being enabled");
+    h.shutdown();
+    ex.close_all().unwrap();
+    assert!(cold_misses >= 40, "the boot should miss on most of its blocks: {cold_misses}");
+
+    // Host C (cold cache, prefetch on): opening clones of golden@base starts one prefetch.
+    let c = host(&s, &d.path().join("c"), true, false);
+    let cache = c.cache.clone().unwrap();
+    for n in ["c1", "c2", "p1"] {
+        let base = if n == "p1" { "plain@base" } else { "golden@base" };
+        disk::clone(&c.store, base, n, false).unwrap();
+    }
+    let sock = d.path().join("c.sock");
+    let (h, ex) = serve(&c.store, &sock, None);
+    ex.enable_prefetch(cache.clone(), 4);
+    // A clone of an image without a working set starts none.
+    read_all(&sock, "p1", &reads[..3], &img);
+    ex.wait_prefetch_lookups();
+    assert!(ex.prefetches().is_empty(), "{:?}", ex.prefetches());
+    let cl = Client::connect(&Target::Unix(sock.clone()), "c1").unwrap();
+    let cl2 = Client::connect(&Target::Unix(sock.clone()), "c2").unwrap();
+    ex.wait_prefetch_lookups();
+    let st = ex.prefetches();
+    assert_eq!(st.len(), 1, "one prefetch per image, however many clones: {st:?}");
+    assert_eq!(st[0].image, "golden@base");
+    let p = ex.prefetch_of("golden@base").unwrap();
+    p.wait();
+    let st = p.status();
+    assert_eq!((st.state, st.ranges_done, st.ranges_failed, st.missing), ("done", st.ranges, 0, 0), "{st:?}");
+    assert!(st.ranges as usize >= cold_misses as usize && st.bytes_done == st.bytes && st.bytes > 0, "{st:?}");
+    cache.wait_idle();
+    cl.disconnect().unwrap();
+    cl2.disconnect().unwrap();
+
+    // The boot from a clone after the prefetch: right bytes, (almost) no misses.
+    let before = cache.counters();
+    read_all(&sock, "c1", &reads, &img);
+    let warm = cache.counters();
+    let misses = warm.misses - before.misses;
+    assert!(misses * 10 <= cold_misses, "after the prefetch {misses} misses, cold {cold_misses}");
+    assert_eq!(warm.miss_bytes, before.miss_bytes, "the prefetched boot fetched pack data");
+    assert!(warm.hits - before.hits >= cold_misses);
+
+    // A replay racing a fresh prefetch (cache cleared, new server) returns the right bytes.
+    h.shutdown();
+    ex.close_all().unwrap();
+    assert_eq!(ex.prefetches()[0].state, "done");
+    cache.clear();
+    let sock2 = d.path().join("c2.sock");
+    let (h, ex) = serve(&c.store, &sock2, None);
+    ex.enable_prefetch(cache.clone(), 8);
+    let before = cache.counters();
+    let clients: Vec<(Target, String)> = ["c1", "c2"].iter().map(|n| (Target::Unix(sock2.clone()), n.to_string())).collect();
+    let runs = replay::replay(&clients, &trace_of(&reads).reads(), 4).unwrap();
+    let want_bytes: u64 = reads.iter().map(|r| r.1 as u64).sum();
+    assert!(runs.iter().all(|r| r.bytes == want_bytes && r.digest == runs[0].digest), "{runs:?}");
+    read_all(&sock2, "c2", &reads, &img);
+    ex.wait_prefetch_lookups();
+    ex.prefetch_of("golden@base").unwrap().wait();
+    let after = cache.counters();
+    // Prefetch and demand reads together fetched about one copy of the working set: demand
+    // reads of a frame the prefetch is fetching wait for it. (Not exactly one: a demand read
+    // that starts before the prefetch reaches its frame, for a range of a different shape
+    // than the whole frame, is its own miss.)
+    let fetched = after.miss_bytes - before.miss_bytes;
+    assert!(fetched >= st.bytes && fetched <= st.bytes * 5 / 4, "{fetched} bytes fetched for a working set of {}: {before:?} {after:?}", st.bytes);
+    h.shutdown();
+    ex.close_all().unwrap();
+}

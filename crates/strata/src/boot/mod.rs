@@ -4,14 +4,18 @@
 //! - `trace`: a recording wrapper around any NBD export set, and the trace's CSV form;
 //! - `workset`: the persisted boot working set (`bootsets/<image>`, `docs/format-bootset.md`)
 //!   and `warm`, which prefetches it into the cache (`strata disk warm`);
+//! - `prefetch`: the same working set read into the cache in the background when `strata
+//!   serve` opens a clone of the image (one per image per process);
 //! - `replay`: N concurrent NBD clients replaying a trace's reads (`strata bench storm`).
 //!
 //! This sits above `serve`/`nbd` and `disk`: it wraps exports and reads block maps, and never
 //! changes how either works.
 
+pub mod prefetch;
 pub mod replay;
 pub mod trace;
 pub mod workset;
 
+pub use prefetch::{Prefetch, PrefetchStatus};
 pub use trace::{Recorder, Trace, TracingExports};
 pub use workset::{warm, BootError, WarmReport, WorkingSet};

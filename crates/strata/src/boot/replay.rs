@@ -24,6 +24,9 @@ pub struct ClientRun {
     pub export: String,
     /// From the common start to this client's last reply.
     pub secs: f64,
+    /// From launching the clients to the common start: connecting, which opens the exports
+    /// (and may start server-side work such as a boot prefetch before `secs` starts).
+    pub connect_secs: f64,
     pub requests: u64,
     pub bytes: u64,
     /// Order-independent digest of the bytes read (equal across clients of the same content).
@@ -79,11 +82,12 @@ pub fn replay(clients: &[(Target, String)], reads: &[(u64, u64)], depth: usize) 
     let reqs = requests(reads);
     let barrier = Barrier::new(clients.len());
     let start = std::sync::OnceLock::new();
+    let launched = Instant::now();
     let results: Vec<Result<ClientRun, ClientError>> = std::thread::scope(|s| {
         let hs: Vec<_> = clients
             .iter()
             .map(|(target, export)| {
-                let (reqs, barrier, start) = (&reqs, &barrier, &start);
+                let (reqs, barrier, start, launched) = (&reqs, &barrier, &start, &launched);
                 s.spawn(move || -> Result<ClientRun, ClientError> {
                     let conn = Client::connect(target, export);
                     // Everyone passes the barrier even if its connect failed, so no one hangs.
@@ -92,8 +96,9 @@ pub fn replay(clients: &[(Target, String)], reads: &[(u64, u64)], depth: usize) 
                     let t0: &Instant = start.get_or_init(Instant::now);
                     let (requests, bytes, digest) = run_one(&mut c, reqs, depth)?;
                     let secs = t0.elapsed().as_secs_f64();
+                    let connect_secs = t0.duration_since(*launched).as_secs_f64();
                     c.disconnect()?;
-                    Ok(ClientRun { export: export.clone(), secs, requests, bytes, digest })
+                    Ok(ClientRun { export: export.clone(), secs, connect_secs, requests, bytes, digest })
                 })
             })
             .collect();

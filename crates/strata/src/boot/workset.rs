@@ -207,6 +207,26 @@ pub fn find(store: &Store, name: &str) -> Result<(String, WorkingSet)> {
     Err(BootError::Missing { name: name.into() })
 }
 
+/// The distinct (pack key, frame offset, frame length) ranges the store reads for `ws`'s
+/// chunks, in recorded order, and how many of its ids are no longer in the store.
+pub fn ranges_of(store: &Store, ws: &WorkingSet) -> (Vec<(String, u64, u64)>, u64) {
+    let mut seen = HashSet::new();
+    let mut ranges = Vec::new();
+    let mut missing = 0;
+    for id in &ws.chunks {
+        match store.locate(id) {
+            Some((pack, e)) => {
+                let r = (pack.pack_key(), e.frame_off, e.frame_len as u64);
+                if seen.insert(r.clone()) {
+                    ranges.push(r);
+                }
+            }
+            None => missing += 1,
+        }
+    }
+    (ranges, missing)
+}
+
 /// What `warm` did.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct WarmReport {
@@ -232,20 +252,7 @@ pub struct WarmReport {
 pub fn warm(store: &Store, name: &str, cache: Option<&CacheBackend>, parallel: usize) -> Result<WarmReport> {
     let t = Instant::now();
     let (found, ws) = find(store, name)?;
-    let mut seen = HashSet::new();
-    let mut ranges = Vec::new();
-    let mut missing = 0;
-    for id in &ws.chunks {
-        match store.locate(id) {
-            Some((pack, e)) => {
-                let r = (pack.pack_key(), e.frame_off, e.frame_len as u64);
-                if seen.insert(r.clone()) {
-                    ranges.push(r);
-                }
-            }
-            None => missing += 1,
-        }
-    }
+    let (ranges, missing) = ranges_of(store, &ws);
     let bytes: u64 = ranges.iter().map(|r| r.2).sum();
     let backend_bytes = match cache {
         Some(c) => c.prefetch(&ranges, parallel)?,
