@@ -48,6 +48,7 @@ fn expect_eof(sock: &mut UnixStream) {
 
 #[test]
 fn bad_request_magic_closes_connection() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, _) = setup();
     let mut sock = handshaken(&s);
     let mut r = Request { flags: 0, command: Command::Read, handle: 1, offset: 0, len: 512 }.to_bytes();
@@ -59,6 +60,7 @@ fn bad_request_magic_closes_connection() {
 
 #[test]
 fn garbage_mid_stream_after_valid_requests() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, m) = setup();
     let mut c = Client::connect(&s.sock, "m", false, false).unwrap();
     c.write(0, &[9; 1000], 0).unwrap();
@@ -71,6 +73,7 @@ fn garbage_mid_stream_after_valid_requests() {
 
 #[test]
 fn oversize_write_is_drained_and_refused() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, m) = setup();
     let mut c = Client::connect(&s.sock, "m", true, false).unwrap();
     let len = (32u32 << 20) + 4096;
@@ -99,6 +102,7 @@ fn oversize_write_is_drained_and_refused() {
 
 #[test]
 fn disconnect_mid_request() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, m) = setup();
     // Half a header.
     let mut sock = handshaken(&s);
@@ -124,6 +128,7 @@ fn disconnect_mid_request() {
 
 #[test]
 fn handshake_abuse() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, _) = setup();
     let greet = |s: &TestServer| {
         let mut sock = UnixStream::connect(&s.sock).unwrap();
@@ -185,6 +190,7 @@ fn handshake_abuse() {
 /// Many connections that send seeded random bytes, in the handshake and after it.
 #[test]
 fn random_garbage_connections() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, m) = setup();
     let before = m.snapshot();
     for seed in 0..200u64 {
@@ -210,6 +216,11 @@ fn random_garbage_connections() {
     assert_eq!(m.snapshot()[8192..], before[8192..]);
 }
 
+/// The memory tests measure the whole test process's RSS: they must not run beside each
+/// other (the test harness runs tests on parallel threads), or each sees the other's buffers.
+/// Every other test holds it shared (their exports allocate too).
+static RSS_TESTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 fn rss_kib() -> u64 {
     let st = std::fs::read_to_string("/proc/self/status").unwrap();
     st.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap()
@@ -219,6 +230,7 @@ fn rss_kib() -> u64 {
 /// buffer without bound.
 #[test]
 fn unread_replies_do_not_grow_memory_without_bound() {
+    let _alone = RSS_TESTS.write().unwrap_or_else(|e| e.into_inner());
     let (s, _) = setup();
     let base = rss_kib();
     let mut sock = handshaken(&s);
@@ -241,6 +253,7 @@ fn unread_replies_do_not_grow_memory_without_bound() {
 /// budget (64 MiB by default): the server stops reading instead of queueing payloads.
 #[test]
 fn write_payloads_are_bounded_by_the_inflight_budget() {
+    let _alone = RSS_TESTS.write().unwrap_or_else(|e| e.into_inner());
     let slow = SlowExport { inner: MemExport::new(64 << 20), delay: Duration::from_millis(100) };
     let s = TestServer::start(Exports::new().add("m", Arc::new(slow)));
     let base = rss_kib();
