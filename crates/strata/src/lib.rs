@@ -13,6 +13,7 @@ pub mod host;
 pub mod id;
 pub mod memory;
 pub mod nbd;
+pub mod page_hash;
 pub mod progress;
 pub mod qmp;
 pub mod serve;

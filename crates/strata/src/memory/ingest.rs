@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  socket ─read 1 MiB─► parse thread (stream::Parser) ──batches of 256 pages──► pool × N
-//!                         │ ZERO records                                        │ BLAKE3 per page
+//!                         │ ZERO records                                        │ BLAKE3, 16 pages/pass
 //!                         ▼                                                     │ frames of ≤16 pages
 //!                      page map (per page: id + record number) ◄────────────────┘ Session::put_frame
 //! ```
@@ -36,6 +36,7 @@ use super::codec_choice::{thread_cpu_ns, Chooser};
 use super::delta::{Base, DeltaOutcome, DeltaSink, DeltaWorker};
 use super::stream::{Event, Limits, Parser, SinkError, StreamError, StreamInfo, StreamSink, PAGE_SIZE};
 use crate::id::ChunkId;
+use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
 use crate::store::pack::ChunkKind;
 use crate::store::{Session, StoreError};
@@ -208,6 +209,8 @@ pub(crate) fn is_zero(page: &[u8]) -> bool {
 
 fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8>>) {
     let mut ids: Vec<ChunkId> = Vec::new();
+    let mut nonzero: Vec<usize> = Vec::new();
+    let mut hashed: Vec<ChunkId> = Vec::new();
     let mut fresh: Vec<u8> = Vec::with_capacity(sh.frame_pages * PAGE_SIZE);
     let mut dw = DeltaWorker::default();
     loop {
@@ -219,14 +222,28 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
             let _ = free.try_send(batch.data);
             continue;
         }
+        // Zero pages get the zero id; the others are hashed together, 16 per SIMD pass.
         ids.clear();
+        ids.resize(batch.pages.len(), ChunkId::ZERO);
+        nonzero.clear();
         let mut zeros = 0;
-        for page in batch.data.chunks_exact(PAGE_SIZE).take(batch.pages.len()) {
+        for (i, page) in batch.data.chunks_exact(PAGE_SIZE).take(batch.pages.len()).enumerate() {
             if is_zero(page) {
                 zeros += 1;
-                ids.push(ChunkId::ZERO);
             } else {
-                ids.push(ChunkId::of(page));
+                nonzero.push(i);
+            }
+        }
+        {
+            let pages: Vec<&[u8; PAGE_SIZE]> = nonzero
+                .iter()
+                .map(|&i| as_page(&batch.data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]).expect("page"))
+                .collect();
+            hashed.clear();
+            hashed.resize(pages.len(), ChunkId::ZERO);
+            hash_pages(&pages, &mut hashed);
+            for (&i, id) in nonzero.iter().zip(&hashed) {
+                ids[i] = *id;
             }
         }
         sh.zero_content.fetch_add(zeros, Ordering::Relaxed);

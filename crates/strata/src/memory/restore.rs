@@ -40,6 +40,7 @@ use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
 use crate::codec::Codec;
 use crate::disk::map::LEAF_IDS;
 use crate::id::{ChunkId, PackId};
+use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
 use crate::qmp::{QmpClient, QmpError};
 use crate::store::format::crc;
@@ -571,11 +572,19 @@ fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u3
             .codec
             .decompress(stored, f.raw_len as usize)
             .map_err(|e| corrupt(u0, e.to_string()))?;
+        // Every page is verified against its id, a frame's pages hashed together.
+        let mut pages: Vec<&[u8; PAGE_SIZE]> = Vec::with_capacity(f.chunks.len());
         for &(o, u) in &f.chunks {
             let page = raw
                 .get(o as usize..o as usize + PAGE_SIZE)
+                .and_then(as_page)
                 .ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
-            if ChunkId::of(page) != plan.uids[u as usize] {
+            pages.push(page);
+        }
+        let mut got = vec![ChunkId::ZERO; pages.len()];
+        hash_pages(&pages, &mut got);
+        for (&(_, u), id) in f.chunks.iter().zip(&got) {
+            if *id != plan.uids[u as usize] {
                 return Err(corrupt(u, "content does not match its hash".into()));
             }
         }
