@@ -126,8 +126,26 @@ pub struct Ingested {
     pub parse_cpu_ms: f64,
     /// CPU time of the pool (hashing, dedup, compression, packing), ms.
     pub pool_cpu_ms: f64,
+    /// Where the pipeline waited (wall ms, summed over threads): the parse thread in `read`
+    /// (QEMU had sent nothing more) and on the full batch queue (the pool was behind); the
+    /// pool's threads for a batch (idle) and inside `put_frame` (packing, and waiting for the
+    /// pack writer when its queue was full).
+    pub waits: IngestWaits,
     /// Delta pages against the base, when there was one.
     pub delta: Option<DeltaOutcome>,
+}
+
+/// See [`Ingested::waits`].
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct IngestWaits {
+    pub parse_read_ms: f64,
+    pub parse_queue_ms: f64,
+    pub pool_idle_ms: f64,
+    pub pool_put_ms: f64,
+    /// Of `pool_put_ms`: waiting for the pack writer's queue (store-wide during the stream).
+    pub pack_writer_ms: f64,
+    /// Of `stream_ms`: background flushes (packs and index objects made durable).
+    pub flushes_ms: f64,
 }
 
 struct Batch {
@@ -165,6 +183,11 @@ struct Shared<'a> {
     frames: AtomicU64,
     /// CPU time the pool's threads used.
     worker_cpu_ns: AtomicU64,
+    /// Wall time the pool's threads waited for a batch, and spent in `put_frame`.
+    idle_ns: AtomicU64,
+    put_ns: AtomicU64,
+    /// Wall time the parse thread waited on the full batch queue.
+    queue_ns: AtomicU64,
     frame_pages: usize,
     /// Store-wide stored-bytes counter value at which the next background flush is due.
     next_flush: AtomicU64,
@@ -214,7 +237,10 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
     let mut fresh: Vec<u8> = Vec::with_capacity(sh.frame_pages * PAGE_SIZE);
     let mut dw = DeltaWorker::default();
     loop {
-        let batch = match rx.lock().recv() {
+        let t_wait = std::time::Instant::now();
+        let got = rx.lock().recv();
+        sh.idle_ns.fetch_add(t_wait.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let batch = match got {
             Ok(b) => b,
             Err(_) => break,
         };
@@ -268,7 +294,9 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
             }
             let codec = sh.chooser.codec_for(&fresh);
             sh.frames.fetch_add(1, Ordering::Relaxed);
+            let t_put = std::time::Instant::now();
             let r = sh.session.put_frame(items, ChunkKind::Data, codec);
+            sh.put_ns.fetch_add(t_put.elapsed().as_nanos() as u64, Ordering::Relaxed);
             items.clear();
             match r {
                 Ok(n) => {
@@ -381,7 +409,10 @@ impl Dispatch<'_, '_> {
                 pages: Vec::with_capacity(self.batch_pages),
             },
         );
-        if self.sh.failed.load(Ordering::Relaxed) || self.tx.send(full).is_err() {
+        let t_send = std::time::Instant::now();
+        let sent = !self.sh.failed.load(Ordering::Relaxed) && self.tx.send(full).is_ok();
+        self.sh.queue_ns.fetch_add(t_send.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if !sent {
             return Err(Box::new(PipelineStopped));
         }
         Ok(())
@@ -534,6 +565,9 @@ pub fn ingest<R: Read>(
         zero_content: AtomicU64::new(0),
         frames: AtomicU64::new(0),
         worker_cpu_ns: AtomicU64::new(0),
+        idle_ns: AtomicU64::new(0),
+        put_ns: AtomicU64::new(0),
+        queue_ns: AtomicU64::new(0),
         frame_pages,
         next_flush: AtomicU64::new(session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every),
         flush_every: opts.flush_every,
@@ -551,10 +585,14 @@ pub fn ingest<R: Read>(
     let drain = Mutex::new(0.0f64);
     let parse_cpu_start = thread_cpu_ns();
     let parse_cpu = Mutex::new(0u64);
+    let mut read_ns = 0u64;
+    let writer_wait0 = session.store().writer_wait_ns();
+    let flush_ns = AtomicU64::new(0);
 
     let parsed: Result<(StreamInfo, u64, u64), IngestError> = std::thread::scope(|s| {
         let flusher = {
             let sh = &sh;
+            let flush_ns = &flush_ns;
             std::thread::Builder::new()
                 .name("strata-mem-flush".into())
                 .spawn_scoped(s, move || {
@@ -562,9 +600,11 @@ pub fn ingest<R: Read>(
                         if sh.failed.load(Ordering::Relaxed) {
                             continue;
                         }
+                        let t = std::time::Instant::now();
                         if let Err(e) = sh.session.store().flush() {
                             sh.fail(e);
                         }
+                        flush_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     }
                 })
                 .expect("spawn flusher")
@@ -603,7 +643,10 @@ pub fn ingest<R: Read>(
         let mut buf = vec![0u8; READ_BYTES];
         let result = (|| -> Result<StreamInfo, IngestError> {
             loop {
-                let n = match src.read(&mut buf) {
+                let t_read = std::time::Instant::now();
+                let r = src.read(&mut buf);
+                read_ns += t_read.elapsed().as_nanos() as u64;
+                let n = match r {
                     Ok(0) => break,
                     Ok(n) => n,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -670,6 +713,14 @@ pub fn ingest<R: Read>(
         drain_ms: drain.into_inner(),
         parse_cpu_ms: parse_cpu.into_inner().saturating_sub(parse_cpu_start) as f64 / 1e6,
         pool_cpu_ms: sh.worker_cpu_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        waits: IngestWaits {
+            parse_read_ms: read_ns as f64 / 1e6,
+            parse_queue_ms: sh.queue_ns.load(Ordering::Relaxed) as f64 / 1e6,
+            pool_idle_ms: sh.idle_ns.load(Ordering::Relaxed) as f64 / 1e6,
+            pool_put_ms: sh.put_ns.load(Ordering::Relaxed) as f64 / 1e6,
+            pack_writer_ms: session.store().writer_wait_ns().saturating_sub(writer_wait0) as f64 / 1e6,
+            flushes_ms: flush_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        },
         delta: sh.delta.as_ref().map(DeltaSink::outcome),
     })
 }

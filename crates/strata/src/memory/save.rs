@@ -136,6 +136,8 @@ pub struct SaveStages {
     /// CPU time of the parse thread and of the pool during the stream.
     pub parse_cpu_ms: f64,
     pub pool_cpu_ms: f64,
+    /// Where the receive pipeline waited during the stream (wall ms, summed over threads).
+    pub waits: super::ingest::IngestWaits,
     /// Page maps and tail chunks.
     pub maps_ms: f64,
     /// Final flush of packs and index objects, then the ref (`commit_ref`).
@@ -600,6 +602,7 @@ pub fn save(
             drain_ms: ingested.drain_ms,
             parse_cpu_ms: ingested.parse_cpu_ms,
             pool_cpu_ms: ingested.pool_cpu_ms,
+            waits: ingested.waits.clone(),
             maps_ms,
             commit_ref_ms,
         },

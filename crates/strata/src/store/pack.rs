@@ -149,7 +149,13 @@ impl PackBuilder {
     /// A builder whose buffer is reserved for `cap` bytes up front (the store reserves a
     /// whole pack, so growing never copies it; untouched capacity costs no memory).
     pub fn with_capacity(id: PackId, cap: usize) -> PackBuilder {
-        let mut buf = Vec::with_capacity(cap.max(PACK_HEADER_LEN));
+        PackBuilder::with_buffer(id, Vec::with_capacity(cap.max(PACK_HEADER_LEN)))
+    }
+
+    /// Build into `buf` (emptied first), e.g. a sealed pack's buffer handed back once the pack
+    /// was durable: its pages are already mapped, so filling it costs no page faults.
+    pub fn with_buffer(id: PackId, mut buf: Vec<u8>) -> PackBuilder {
+        buf.clear();
         buf.extend_from_slice(PACK_MAGIC);
         buf.u16le(FORMAT_VERSION);
         buf.u16le(0);

@@ -41,6 +41,8 @@ pub(crate) struct WriterHandle {
     thread: Mutex<Option<JoinHandle<()>>>,
     meta_thread: Mutex<Option<JoinHandle<()>>>,
     sh: Arc<Shared>,
+    /// Wall time producers spent waiting for room in the queue (the writer was behind).
+    pub(crate) wait_ns: std::sync::atomic::AtomicU64,
 }
 
 /// Rows for the metadata cache: pack id, size, entries.
@@ -65,6 +67,7 @@ impl WriterHandle {
             thread: Mutex::new(Some(thread)),
             meta_thread: Mutex::new(Some(meta_thread)),
             sh,
+            wait_ns: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -74,7 +77,10 @@ impl WriterHandle {
 
     pub fn send(&self, job: Job) -> Result<()> {
         let tx = self.tx.lock().clone().ok_or_else(|| self.gone())?;
-        tx.send(job).map_err(|_| self.gone())
+        let t = std::time::Instant::now();
+        let r = tx.send(job).map_err(|_| self.gone());
+        self.wait_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
     }
 
     pub fn flush(&self) -> Result<()> {
@@ -302,7 +308,9 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
         for w in written.iter() {
             if let Some(Some(slot)) = idx.packs.get_mut(w.no as usize) {
                 slot.durable = true;
-                slot.mem = None;
+                if let Some(bytes) = slot.mem.take() {
+                    sh.recycle_pack(bytes);
+                }
             }
         }
     }
