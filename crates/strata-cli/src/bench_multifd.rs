@@ -197,9 +197,9 @@ pub fn bench_multifd(
             rows.push(Row {
                 rep,
                 method: if n == 0 {
-                    "socket, drained".into()
+                    "socket (drained)".into()
                 } else {
-                    format!("multifd {n}, drained")
+                    format!("multifd {n} (drained)")
                 },
                 wall_s: wall,
                 qemu_cpu_s: process_cpu(pid)? - c0,
@@ -231,7 +231,7 @@ pub fn bench_multifd(
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let cat_wall = median("exec:cat+sync", &|r| r.wall_s);
-    let sock_cpu = median("socket, drained", &|r| r.qemu_cpu_s);
+    let sock_cpu = median("socket (drained)", &|r| r.qemu_cpu_s);
     let summary: Vec<serde_json::Value> = methods
         .iter()
         .map(|m| {
