@@ -82,6 +82,27 @@ pub enum MemBenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    /// Would QEMU's multifd make a save cheaper? The QEMU side measured alone: one stopped
+    /// desktop guest migrated into exec:cat + sync, strata vm save, a drained unix socket and
+    /// multifd with N drained channels (wall time, CPU of QEMU and of the receiver).
+    Multifd {
+        /// Guest RAM in MiB.
+        #[arg(long, default_value_t = 2048)]
+        mem: u32,
+        /// pc or q35.
+        #[arg(long, default_value = "pc")]
+        machine: String,
+        /// multifd-channels values to try.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        channels: Vec<u32>,
+        /// Rounds of every method (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        reps: u32,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
     /// Live checkpoints of a guest dirtying memory (paper 002, Tables 1-4).
     Live {
         /// Guest RAM in MiB.
@@ -126,6 +147,14 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             scratch,
             ..
         } => bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref()),
+        MemBenchCmd::Multifd {
+            mem,
+            machine,
+            channels,
+            reps,
+            out,
+            scratch,
+        } => crate::bench_multifd::bench_multifd(*mem, machine, channels, *reps, out, scratch.as_deref()),
         MemBenchCmd::Live {
             mem,
             rates,

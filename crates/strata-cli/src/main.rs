@@ -10,6 +10,7 @@ mod bench_disk;
 mod bench_guest;
 mod bench_io;
 mod bench_mem;
+mod bench_multifd;
 mod bench_remote;
 mod bench_remote_disk;
 mod bench_remote_mem;
