@@ -137,13 +137,15 @@ pub(crate) struct Shared {
     pub stats: Stats,
     pub uploads: writer::UploadMeter,
     /// Buffers of packs that became durable, for the next open packs (at most
-    /// [`SPARE_PACK_BUFFERS`]): a fresh 16 MiB buffer costs ~4,000 page faults as it fills,
-    /// a quarter of a memory save's pool CPU before buffers were reused.
+    /// [`SPARE_PACK_BUFFERS`], dropped when the last session ends): a fresh 16 MiB buffer
+    /// costs ~4,000 page faults as it fills, a quarter of a memory save's pool CPU before
+    /// buffers were reused.
     pub spare_packs: Mutex<Vec<Vec<u8>>>,
 }
 
-/// Pack buffers kept for reuse (each the size of a full pack plus slack).
-const SPARE_PACK_BUFFERS: usize = 4;
+/// Pack buffers kept for reuse (each the size of a full pack plus slack): a memory save makes
+/// packs durable every 128 MiB, eight 16 MiB packs at a time.
+const SPARE_PACK_BUFFERS: usize = 8;
 
 impl Shared {
     /// Keep a durable pack's buffer for reuse if it is the last reference and there is room.
@@ -853,7 +855,13 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        self.store.inner.sessions.lock().remove(&self.id);
+        let mut sessions = self.store.inner.sessions.lock();
+        sessions.remove(&self.id);
+        // The last writer is gone: do not keep spare pack buffers (up to ~140 MiB) in an idle
+        // process such as `strata serve`.
+        if sessions.is_empty() {
+            self.store.inner.sh.spare_packs.lock().clear();
+        }
     }
 }
 

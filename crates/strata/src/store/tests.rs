@@ -402,3 +402,32 @@ fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
     s2.flush().unwrap();
     assert_eq!(mem2.list("packs/").unwrap().len(), 1);
 }
+
+#[test]
+fn durable_pack_buffers_are_reused_while_a_session_writes_and_dropped_after() {
+    let (_d, s, _) = mem_store(256 << 10);
+    let ses = s.session();
+    let mut ids = vec![];
+    // Five full packs, made durable: their buffers come back for the next packs.
+    for i in 0..80u64 {
+        let d = data(1000 + i, 16 << 10);
+        ids.push((ses.put_with(&d, ChunkKind::Data, Codec::None).unwrap(), d));
+    }
+    s.flush().unwrap();
+    let spare = s.inner.sh.spare_packs.lock().len();
+    assert!(spare >= 4, "durable packs' buffers kept for reuse: {spare}");
+    // New packs fill recycled buffers; what they hold must be only their own bytes.
+    for i in 80..160u64 {
+        let d = data(1000 + i, 16 << 10);
+        ids.push((ses.put_with(&d, ChunkKind::Data, Codec::None).unwrap(), d));
+    }
+    assert!(s.inner.sh.spare_packs.lock().len() < spare, "a new pack took a spare buffer");
+    s.flush().unwrap();
+    for (id, d) in &ids {
+        assert_eq!(&s.get(id).unwrap(), d);
+    }
+    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(!rep.is_damaged(), "{:?}", rep.problems);
+    drop(ses);
+    assert_eq!(s.inner.sh.spare_packs.lock().len(), 0, "no spare buffers kept once no session writes");
+}
