@@ -12,10 +12,14 @@
 //! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
 //!   them one `get` at a time would decompress each frame 16 times and open the pack once per
 //!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
-//!   frames into reads of a few MiB (sequential within a pack), and a pool of workers reads,
-//!   checks the frame CRC, decompresses once, and verifies every page against its BLAKE3 id.
-//!   Planning reads the page maps' leaves and checks the packs [`MAP_READERS`] at a time: on a
-//!   remote backend those are round trips (one per 8 MiB of guest RAM), not bytes.
+//!   frames into reads of 1–8 MiB (sequential within a pack; smaller for a small
+//!   checkpoint), [`FETCHERS`] threads keep that many reads in flight and hand the bytes to a
+//!   pool of decoders, which check the frame CRC, decompress once, and verify every page
+//!   against its BLAKE3 id. (Reads sharing a link end together: with a dozen in flight a small
+//!   checkpoint's pages all arrived at the end, and their decoding came after the last byte.)
+//!   Planning reads the page maps' leaves in ranged GETs of neighbouring leaves
+//!   ([`get_chunks`]) and checks the packs [`MAP_READERS`] at a time: on a remote backend
+//!   those are round trips, not bytes.
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
@@ -52,11 +56,11 @@ const TARGET: &str = "strata::memory";
 /// How to restore.
 #[derive(Debug, Clone)]
 pub struct RestoreOptions {
-    /// Reading/decompressing/verifying threads.
+    /// Decompressing/verifying threads; up to [`FETCHERS`] of this many more read.
     pub workers: usize,
     /// `cont` the VM once loaded (like `virsh restore`; `--paused` turns it off).
     pub resume: bool,
-    /// Largest single read from a pack.
+    /// Largest single read from a pack (small checkpoints use smaller ones, see [`read_size`]).
     pub read_bytes: u64,
     /// How long QEMU may take to finish loading after the last byte.
     pub load_timeout: Duration,
@@ -208,7 +212,7 @@ const READS_PER_FETCHER: u64 = 8;
 /// Size of the planned reads for `stored` bytes of frames: small checkpoints get smaller reads
 /// so decoding starts early and little is left after the last byte arrives; large ones the
 /// full `max`.
-pub(crate) fn read_size(stored: u64, max: u64) -> u64 {
+pub fn read_size(stored: u64, max: u64) -> u64 {
     (stored / (FETCHERS as u64 * READS_PER_FETCHER)).clamp(MIN_READ.min(max), max.max(1))
 }
 
@@ -1056,6 +1060,7 @@ mod tests {
     use super::*;
     use crate::backend::memory::MemoryBackend;
     use crate::disk::map::{read_map, write_map};
+    use crate::backend::Backend;
     use crate::store::pack::ChunkKind;
     use crate::store::InitOptions;
     use std::sync::Arc;
@@ -1085,6 +1090,55 @@ mod tests {
         let bad = [roots[0], ids[0], ChunkId::of(b"not stored")];
         let (i, _) = read_maps(&store, &bad, 4).unwrap_err();
         assert!(i == 1 || i == 2, "failing map index {i}");
+    }
+
+    #[test]
+    fn get_chunks_reads_runs_per_pack_and_verifies_each_chunk() {
+        let d = tempfile::tempdir().unwrap();
+        let mem = MemoryBackend::new();
+        let store = Store::init(Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { default_codec: Codec::None, ..InitOptions::default() }).unwrap();
+        let ses = store.session();
+        let data = |i: u32| -> Vec<u8> { (0..64u32 << 10).map(|j| (j.wrapping_mul(2654435761) >> 13 ^ i) as u8).collect() };
+        // Two packs, the first holding more than one CHUNKS_SPAN of chunks (several reads).
+        let mut ids: Vec<ChunkId> = (0..48).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()).collect();
+        store.flush().unwrap();
+        ids.extend((48..52).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()));
+        store.flush().unwrap();
+        assert_eq!(mem.list("packs/").unwrap().len(), 2);
+        // Asked out of order, with a repeat: answers in the order asked.
+        let mut ask: Vec<ChunkId> = ids.iter().rev().copied().collect();
+        ask.push(ids[3]);
+        for threads in [1, 4] {
+            let got = get_chunks(&store, &ask, threads).unwrap();
+            for (a, g) in ask.iter().zip(&got) {
+                assert_eq!(ChunkId::of(g), *a);
+            }
+        }
+        // A chunk nobody stored: the error names its index.
+        let mut bad = ids[..3].to_vec();
+        bad.push(ChunkId::of(b"never stored"));
+        let (i, e) = get_chunks(&store, &bad, 2).unwrap_err();
+        assert_eq!(i, 3, "{e}");
+        // A flipped byte in the small pack: caught by the frame checksum, naming that chunk.
+        let small = mem.list("packs/").unwrap().into_iter().min_by_key(|o| o.size).unwrap();
+        let (_, e) = store.locate(&ids[50]).unwrap();
+        let mut bytes = mem.get(&small.key).unwrap();
+        bytes[e.frame_off as usize + 10] ^= 1;
+        mem.put(&small.key, &bytes).unwrap();
+        let (i, e) = get_chunks(&store, &ids[48..], 1).unwrap_err();
+        assert_eq!(i, 2, "{e}");
+        assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    }
+
+    #[test]
+    fn small_checkpoints_get_small_reads() {
+        // 24 MB: 1 MiB reads (24 of them, 6 per fetcher); 700 MB: the full 8 MiB.
+        assert_eq!(read_size(24 << 20, 8 << 20), MIN_READ);
+        assert_eq!(read_size(700 << 20, 8 << 20), 8 << 20);
+        assert_eq!(read_size(96 << 20, 8 << 20), 3 << 20);
+        // A caller's limit below MIN_READ wins.
+        assert_eq!(read_size(24 << 20, 256 << 10), 256 << 10);
+        assert!(read_size(0, 8 << 20) >= 1);
     }
 
     #[test]
