@@ -358,7 +358,8 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
     }
     let get = |i: usize| store.get(&ids[i]).map(|d| (i, d)).map_err(|e| (i, e));
     let items: Vec<usize> = (0..spans.len() + loose.len()).collect();
-    let got = par_map(&items, threads, |&k| -> Result<Vec<(usize, Vec<u8>)>, (usize, StoreError)> {
+    type Got = Result<Vec<(usize, Vec<u8>)>, (usize, StoreError)>;
+    let got = par_map(&items, threads, |&k| -> Got {
         let Some((pack, run)) = spans.get(k) else {
             return get(loose[k - spans.len()]).map(|r| vec![r]);
         };
