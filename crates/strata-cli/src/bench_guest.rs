@@ -201,7 +201,7 @@ pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     let t = Instant::now();
     d.qmp.migrate_incoming(uri)?;
     d.qmp
-        .wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
+        .wait_migration(Duration::from_secs(1800), Duration::from_millis(2))?;
     Ok(t.elapsed().as_secs_f64())
 }
 

@@ -74,7 +74,7 @@ pub enum MemBenchCmd {
         /// there for the QEMU streams); --vms is ignored (needs root).
         #[arg(long)]
         remote: bool,
-        /// Restore threads for --remote (each has one ranged GET in flight).
+        /// Restore decoder threads for --remote (4 fetchers keep the ranged GETs in flight).
         #[arg(long, default_value_t = 12)]
         restore_workers: usize,
         #[arg(long, default_value = "docs/results")]

@@ -13,7 +13,8 @@
 //!
 //! Baselines that need a file on the storage host (QEMU migration streams, raw images) use
 //! [`Relay`]: a thread of this process that enters the namespace with `setns(CLONE_NEWNET)`
-//! (a per-thread switch) and receives a TCP stream into a file there (then fsyncs it), or
+//! (a per-thread switch) and receives a TCP stream into a file there (starting writeback every
+//! few MiB as it arrives, then fsyncing it), or
 //! serves a file from there. Neither socat nor a full netcat is installed on these hosts,
 //! and busybox nc copies in pieces too small to fill the link on 2 busy cores.
 
@@ -178,6 +179,11 @@ impl StorageHost {
         Ok(Store::init(backend, &local.join("meta.redb"), InitOptions { pack_size, default_codec: codec })?)
     }
 
+    /// fsync, as they land, the objects a save puts under `dir` (see [`ObjectSync`]).
+    pub fn sync_objects(dir: PathBuf) -> ObjectSync {
+        ObjectSync::start(dir)
+    }
+
     /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
     /// fsync its objects; the file baselines are fsynced, so strata's objects are too).
     pub fn fsync_tree(dir: &Path) -> Result<u64> {
@@ -198,26 +204,29 @@ impl StorageHost {
         }
         // Concurrently, as a server that fsyncs each object would (the objects are independent):
         // a serial loop made this a series of disk flushes (0.7 s for a 2 GiB save's 92 objects).
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let failed = std::sync::Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..8 {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(f) = files.get(i) else { return };
-                    if let Err(e) = std::fs::File::open(f).and_then(|f| f.sync_all()) {
-                        failed.lock().unwrap().get_or_insert(e);
-                        return;
-                    }
-                });
+        // Directories too (a pack directory per first byte of its name), after their files.
+        let par_sync = |paths: &[PathBuf]| -> Result<()> {
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let failed = std::sync::Mutex::new(None);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(f) = paths.get(i) else { return };
+                        if let Err(e) = std::fs::File::open(f).and_then(|f| f.sync_all()) {
+                            failed.lock().unwrap().get_or_insert(e);
+                            return;
+                        }
+                    });
+                }
+            });
+            match failed.into_inner().unwrap() {
+                Some(e) => Err(e.into()),
+                None => Ok(()),
             }
-        });
-        if let Some(e) = failed.into_inner().unwrap() {
-            return Err(e.into());
-        }
-        for d in dirs.iter().rev() {
-            std::fs::File::open(d)?.sync_all()?;
-        }
+        };
+        par_sync(&files)?;
+        par_sync(&dirs)?;
         Ok(files.len() as u64)
     }
 
@@ -270,6 +279,81 @@ fn in_namespace<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'stati
     })
 }
 
+/// Start the kernel writing `len` bytes of `f` from `off` to disk, without waiting (the fsync
+/// at the end waits for it). Best effort: a failure only leaves more for that fsync.
+fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
+    // SAFETY: a valid fd; SYNC_FILE_RANGE_WRITE only queues writeback of dirty pages.
+    unsafe {
+        libc::sync_file_range(f.as_raw_fd(), off as libc::off64_t, len as libc::off64_t, libc::SYNC_FILE_RANGE_WRITE);
+    }
+}
+
+/// Bytes the relay receives between two writeback starts.
+const RELAY_WRITEBACK_BYTES: u64 = 4 << 20;
+
+/// Durability of the objects a strata save puts on the storage host, as they land: versitygw
+/// writes through the page cache and never syncs, and a durable server would sync each object
+/// when it arrives, not all of them at the end. Every 5 ms each file under the directory not
+/// seen before is fsynced (on this thread, one after another, while the save goes on);
+/// [`StorageHost::fsync_tree`] at the end of the save then fsyncs every file and directory
+/// again (cheap for a file already clean), so nothing written after the watcher's fsync (an
+/// attribute) is missed. The stream baselines get the matching treatment: their [`Relay`]
+/// starts writeback every [`RELAY_WRITEBACK_BYTES`] as the stream arrives, and fsyncs at the
+/// end (one file: one fsync).
+pub struct ObjectSync {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<JoinHandle<u64>>,
+}
+
+impl ObjectSync {
+    fn start(dir: PathBuf) -> ObjectSync {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
+            loop {
+                let last = flag.load(std::sync::atomic::Ordering::Relaxed);
+                let mut stack = vec![dir.clone()];
+                while let Some(d) = stack.pop() {
+                    let Ok(rd) = std::fs::read_dir(&d) else { continue };
+                    for e in rd.flatten() {
+                        match e.file_type() {
+                            Ok(t) if t.is_dir() => stack.push(e.path()),
+                            Ok(t) if t.is_file() && !seen.contains(&e.path()) => {
+                                if let Ok(f) = std::fs::File::open(e.path()) {
+                                    let _ = f.sync_all();
+                                }
+                                seen.insert(e.path());
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                if last {
+                    return seen.len() as u64;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+        ObjectSync { stop, thread: Some(thread) }
+    }
+
+    /// Stop watching (after one last pass); returns how many files it fsynced.
+    pub fn stop(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().and_then(|t| t.join().ok()).unwrap_or(0)
+    }
+}
+
+impl Drop for ObjectSync {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// One TCP transfer to or from a file on the storage host.
 pub struct Relay {
     pub addr: SocketAddr,
@@ -307,7 +391,7 @@ impl Relay {
         Relay::listen(host, port, move |mut s| {
             let mut f = std::fs::File::create(&file)?;
             let mut buf = vec![0u8; 1 << 20];
-            let mut n = 0u64;
+            let (mut n, mut written_back) = (0u64, 0u64);
             loop {
                 let k = s.read(&mut buf)?;
                 if k == 0 {
@@ -315,6 +399,10 @@ impl Relay {
                 }
                 f.write_all(&buf[..k])?;
                 n += k as u64;
+                if n - written_back >= RELAY_WRITEBACK_BYTES {
+                    start_writeback(&f, written_back, n - written_back);
+                    written_back = n;
+                }
             }
             f.sync_all()?;
             Ok(n)

@@ -12,10 +12,14 @@
 //! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
 //!   them one `get` at a time would decompress each frame 16 times and open the pack once per
 //!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
-//!   frames into reads of a few MiB (sequential within a pack), and a pool of workers reads,
-//!   checks the frame CRC, decompresses once, and verifies every page against its BLAKE3 id.
-//!   Planning reads the page maps' leaves and checks the packs [`MAP_READERS`] at a time: on a
-//!   remote backend those are round trips (one per 8 MiB of guest RAM), not bytes.
+//!   frames into reads of 1–8 MiB (sequential within a pack; smaller for a small
+//!   checkpoint), [`FETCHERS`] threads keep that many reads in flight and hand the bytes to a
+//!   pool of decoders, which check the frame CRC, decompress once, and verify every page
+//!   against its BLAKE3 id. (Reads sharing a link end together: with a dozen in flight a small
+//!   checkpoint's pages all arrived at the end, and their decoding came after the last byte.)
+//!   Planning reads the page maps' leaves in ranged GETs of neighbouring leaves
+//!   ([`get_chunks`]) and checks the packs [`MAP_READERS`] at a time: on a remote backend
+//!   those are round trips, not bytes.
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
@@ -53,11 +57,11 @@ const TARGET: &str = "strata::memory";
 /// How to restore.
 #[derive(Debug, Clone)]
 pub struct RestoreOptions {
-    /// Reading/decompressing/verifying threads.
+    /// Decompressing/verifying threads; up to [`FETCHERS`] of this many more read.
     pub workers: usize,
     /// `cont` the VM once loaded (like `virsh restore`; `--paused` turns it off).
     pub resume: bool,
-    /// Largest single read from a pack.
+    /// Largest single read from a pack (small checkpoints use smaller ones, see [`read_size`]).
     pub read_bytes: u64,
     /// How long QEMU may take to finish loading after the last byte.
     pub load_timeout: Duration,
@@ -195,6 +199,24 @@ struct Job {
     frames: Vec<FramePlan>,
 }
 
+/// Reads in flight while restoring. Reads share the link, so reads started together also end
+/// together: with many in flight the link delivers nothing decodable until a whole wave ends,
+/// and the last wave's decoding is left for after the last byte. A few keep the link busy across
+/// one read's end and the next one's first byte.
+pub const FETCHERS: usize = 4;
+/// Smallest planned read (a request's fixed cost stays small against its transfer).
+pub const MIN_READ: u64 = 1 << 20;
+/// A checkpoint is cut into at least this many reads per fetcher (up to `read_bytes` each), so
+/// that the last reads, whose decoding cannot overlap the transfer, are a small part of it.
+const READS_PER_FETCHER: u64 = 8;
+
+/// Size of the planned reads for `stored` bytes of frames: small checkpoints get smaller reads
+/// so decoding starts early and little is left after the last byte arrives; large ones the
+/// full `max`.
+pub fn read_size(stored: u64, max: u64) -> u64 {
+    (stored / (FETCHERS as u64 * READS_PER_FETCHER)).clamp(MIN_READ.min(max), max.max(1))
+}
+
 /// What a restore needs in memory: maps, tail, and the read plan.
 struct Plan {
     /// Unique page ids.
@@ -303,16 +325,94 @@ pub(crate) fn par_map<T: Sync, R: Send, E: Send>(
     Ok(out.into_inner().into_iter().map(|r| r.expect("every item mapped")).collect())
 }
 
+/// Largest ranged GET [`get_chunks`] makes: larger groups are split so their reads run side by
+/// side (a 2 GiB guest's 256 map leaves are 16 MiB).
+const CHUNKS_SPAN: u64 = 2 << 20;
+
+/// Read small chunks (page-map trees) with one ranged GET per run of neighbouring frames in a
+/// pack instead of one per chunk: the commit writes a checkpoint's map leaves side by side, so
+/// a 128 MiB guest's 16 leaves are one request, not 16 (on a remote backend each request costs
+/// the server a request's work, and the plan waits for the slowest). Every chunk is verified
+/// as [`Store::get`] does; a chunk not in the index, or a pack that is gone (GC moved it), is
+/// read through `Store::get`. Errors carry the index of the failing chunk.
+pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Result<Vec<Vec<u8>>, (usize, StoreError)> {
+    use crate::store::pack::PackEntry;
+    let mut located: Vec<(PackId, u64, usize, PackEntry)> = Vec::with_capacity(ids.len());
+    let mut loose: Vec<usize> = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        match store.locate(id) {
+            Some((pack, e)) => located.push((pack, e.frame_off, i, e)),
+            None => loose.push(i),
+        }
+    }
+    located.sort_unstable_by_key(|l| (l.0, l.1));
+    // Runs of frames of one pack, each at most CHUNKS_SPAN long.
+    let mut spans: Vec<(PackId, Vec<(usize, PackEntry)>)> = Vec::new();
+    for (pack, off, i, e) in located {
+        let fits = spans.last().is_some_and(|(p, run)| {
+            *p == pack && run.first().is_some_and(|f| off + e.frame_len as u64 - f.1.frame_off <= CHUNKS_SPAN)
+        });
+        if !fits {
+            spans.push((pack, Vec::new()));
+        }
+        spans.last_mut().expect("pushed").1.push((i, e));
+    }
+    let get = |i: usize| store.get(&ids[i]).map(|d| (i, d)).map_err(|e| (i, e));
+    let items: Vec<usize> = (0..spans.len() + loose.len()).collect();
+    type Got = Result<Vec<(usize, Vec<u8>)>, (usize, StoreError)>;
+    let got = par_map(&items, threads, |&k| -> Got {
+        let Some((pack, run)) = spans.get(k) else {
+            return get(loose[k - spans.len()]).map(|r| vec![r]);
+        };
+        let start = run[0].1.frame_off;
+        let end = run.iter().map(|(_, e)| e.frame_off + e.frame_len as u64).max().expect("non-empty run");
+        match store.backend().get_range(&pack.pack_key(), start, end - start) {
+            Ok(bytes) => run
+                .iter()
+                .map(|(i, e)| {
+                    let a = (e.frame_off - start) as usize;
+                    let frame = bytes.get(a..a + e.frame_len as usize).ok_or_else(|| {
+                        (
+                            *i,
+                            StoreError::Corrupt {
+                                id: e.id,
+                                pack: *pack,
+                                offset: e.frame_off,
+                                reason: "short read".into(),
+                            },
+                        )
+                    })?;
+                    crate::store::decode_chunk(frame, e, *pack).map(|d| (*i, d)).map_err(|err| (*i, err))
+                })
+                .collect(),
+            // GC moved the pack since the index was read: Store::get follows the move.
+            Err(err) if err.is_not_found() => run.iter().map(|(i, _)| get(*i)).collect(),
+            Err(err) => Err((run[0].0, StoreError::Backend(err))),
+        }
+    })
+    .map_err(|(_, e)| e)?;
+    let mut out: Vec<Vec<u8>> = vec![Vec::new(); ids.len()];
+    for (i, d) in got.into_iter().flatten() {
+        out[i] = d;
+    }
+    Ok(out)
+}
+
 /// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
-/// leaves of all maps `threads` at a time. Errors carry the ramblock's index.
+/// roots, then the leaves of all maps, a few ranged GETs at a time ([`get_chunks`]). Errors
+/// carry the ramblock's index.
 pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
-    let decode = |id: &ChunkId| -> Result<Tree, StoreError> {
-        Tree::decode(&store.get(id)?).map_err(|source| StoreError::Format {
+    let decode = |id: &ChunkId, raw: &[u8]| -> Result<Tree, StoreError> {
+        Tree::decode(raw).map_err(|source| StoreError::Format {
             key: format!("chunk {id}"),
             source,
         })
     };
-    let tops = par_map(roots, threads, |r| decode(r))?;
+    let decode_all = |ids: &[ChunkId]| -> Result<Vec<Tree>, (usize, StoreError)> {
+        let raw = get_chunks(store, ids, threads)?;
+        ids.iter().zip(&raw).enumerate().map(|(i, (id, r))| decode(id, r).map_err(|e| (i, e))).collect()
+    };
+    let tops = decode_all(roots)?;
     let mut counts = Vec::with_capacity(tops.len());
     let mut leaves: Vec<(usize, ChunkId)> = Vec::new();
     for (bi, t) in tops.iter().enumerate() {
@@ -336,7 +436,8 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
         counts.push(n);
         leaves.extend(t.children.iter().filter(|l| !l.is_zero()).map(|l| (bi, *l)));
     }
-    let fetched = par_map(&leaves, threads, |(bi, l)| decode(l).map_err(|e| (*bi, e))).map_err(|(_, e)| e)?;
+    let leaf_ids: Vec<ChunkId> = leaves.iter().map(|l| l.1).collect();
+    let fetched = decode_all(&leaf_ids).map_err(|(i, e)| (leaves[i].0, e))?;
     let mut fetched = fetched.into_iter();
     let mut maps = Vec::with_capacity(tops.len());
     for (t, n) in tops.iter().zip(counts) {
@@ -357,6 +458,7 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
 }
 
 fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
+    let t0 = Instant::now();
     let m = &ckpt.manifest;
     let name = &m.name;
     // The device-state tail is a few round trips of its own: fetched while the maps are.
@@ -371,6 +473,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         what: format!("page map of ramblock '{}'", m.blocks[bi].name),
         source,
     })?;
+    let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
     for (bi, (b, (root, ids))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
         if ids.len() as u64 != b.pages() {
             return Err(MemError::MetaDamaged {
@@ -449,6 +552,8 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         located.push((pack, e.frame_off, e.off_in_frame, u as u32));
     }
     located.sort_unstable();
+    let stored: u64 = frames_meta.values().map(|m| m.0 as u64).sum();
+    let read_bytes = read_size(stored, read_bytes);
     let mut jobs: Vec<Job> = Vec::new();
     for (pack, off, in_frame, u) in located {
         let (len, raw_len, codec, fcrc) = frames_meta[&(pack, off)];
@@ -486,6 +591,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }),
         }
     }
+    let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent).
     let mut packs: Vec<(PackId, u32)> = Vec::new();
     let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
@@ -518,9 +624,22 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             }
         }
     }
+    let heads_ms = t0.elapsed().as_secs_f64() * 1e3;
     deltas.sort_unstable();
     let delta_jobs = deltas.chunks(64).map(|c| c.iter().map(|d| d.2).collect()).collect();
     let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
+    tracing::debug!(
+        target: TARGET,
+        name,
+        maps_ms,
+        located_ms,
+        heads_ms,
+        tail_ms = t0.elapsed().as_secs_f64() * 1e3,
+        packs = packs.len(),
+        reads = jobs.len(),
+        read_bytes,
+        "restore planned"
+    );
     Ok(Plan {
         uids,
         ref_ranges,
@@ -539,21 +658,34 @@ struct Decoded {
     read: u64,
 }
 
-fn decode_job(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32, StoreError)> {
+/// What a fetcher got for one job: the read's bytes to decode, or (pack gone, or an error)
+/// the job's outcome already.
+enum Fetched {
+    Bytes(Vec<u8>),
+    Done(Result<Vec<Decoded>, (u32, StoreError)>),
+}
+
+fn fetch_job(store: &Store, plan: &Plan, job: &Job) -> Fetched {
     let first_uid = job.frames[0].chunks[0].1;
-    let bytes = match store
+    match store
         .backend()
         .get_range(&job.pack.pack_key(), job.start, job.end - job.start)
     {
-        Ok(b) => b,
-        Err(e) if e.is_not_found() => return fallback(store, plan, job),
-        Err(e) => return Err((first_uid, StoreError::Backend(e))),
-    };
+        Ok(b) => Fetched::Bytes(b),
+        Err(e) if e.is_not_found() => Fetched::Done(fallback(store, plan, job)),
+        Err(e) => Fetched::Done(Err((first_uid, StoreError::Backend(e)))),
+    }
+}
+
+/// Check, decompress and verify the frames of one read.
+fn decode_job(plan: &Plan, job: &Job, bytes: &[u8]) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let mut out = Vec::with_capacity(job.frames.len());
     for f in &job.frames {
         let a = (f.off - job.start) as usize;
-        let stored = &bytes[a..a + f.len as usize];
         let u0 = f.chunks[0].1;
+        let stored = bytes
+            .get(a..a + f.len as usize)
+            .ok_or_else(|| (u0, StoreError::Backend(crate::backend::BackendError::new(crate::backend::ErrorKind::Invalid, "get_range", job.pack.pack_key()))))?;
         let corrupt = |u: u32, reason: String| {
             (
                 u,
@@ -698,25 +830,60 @@ pub fn stream<W: Write>(
         w.zero(BlockIdx(b), p as u64 * PAGE_SIZE as u64, 0).map_err(gen)?;
     }
     progress.advance(plan.zeros.len() as u64 * PAGE_SIZE as u64);
+    // Fetchers keep FETCHERS reads in flight and hand the bytes to the decoders, so the link
+    // never waits for a decode; delta jobs (small reads of their own) run on the fetchers.
     let workers = opts.workers.max(1);
+    let fetchers = workers.min(FETCHERS);
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let (tx, rx) = mpsc::sync_channel::<Result<Vec<Decoded>, (u32, StoreError)>>(workers * 2);
+    let (ftx, frx) = mpsc::sync_channel::<(usize, Vec<u8>)>(fetchers * 2);
+    // Shared by the decoders and dropped with the last of them, so a fetcher blocked on a full
+    // queue wakes up (with an error) when the decoders stop.
+    let frx = std::sync::Arc::new(parking_lot::Mutex::new(frx));
     let mut bytes_read = 0u64;
     let result: Result<(), MemError> = std::thread::scope(|s| {
-        for i in 0..workers {
-            let (tx, plan, next, stop) = (tx.clone(), &plan, &next, &stop);
+        for i in 0..fetchers {
+            let (tx, ftx, plan, next, stop) = (tx.clone(), ftx.clone(), &plan, &next, &stop);
             std::thread::Builder::new()
-                .name(format!("strata-restore-{i}"))
+                .name(format!("strata-fetch-{i}"))
                 .spawn_scoped(s, move || loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
                     if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    let r = match plan.jobs.get(j) {
-                        Some(job) => decode_job(store, plan, job),
+                    let done = match plan.jobs.get(j) {
+                        Some(job) => match fetch_job(store, plan, job) {
+                            Fetched::Bytes(b) => {
+                                if ftx.send((j, b)).is_err() {
+                                    return;
+                                }
+                                continue;
+                            }
+                            Fetched::Done(r) => r,
+                        },
                         None => decode_deltas(store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
                     };
+                    let failed = done.is_err();
+                    if tx.send(done).is_err() || failed {
+                        return;
+                    }
+                })
+                .expect("spawn restore fetcher");
+        }
+        drop(ftx);
+        for i in 0..workers {
+            let (tx, frx, plan, stop) = (tx.clone(), frx.clone(), &plan, &stop);
+            std::thread::Builder::new()
+                .name(format!("strata-restore-{i}"))
+                .spawn_scoped(s, move || loop {
+                    let got = frx.lock().recv();
+                    let Ok((j, bytes)) = got else { return };
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let r = decode_job(plan, &plan.jobs[j], &bytes);
+                    drop(bytes);
                     let failed = r.is_err();
                     if tx.send(r).is_err() || failed {
                         return;
@@ -724,6 +891,10 @@ pub fn stream<W: Write>(
                 })
                 .expect("spawn restore worker");
         }
+        drop(frx);
+        // The writer's receiver is dropped when this closure returns, before the scope joins the
+        // threads: a thread blocked on a full queue then gets an error instead of waiting forever.
+        let rx = rx;
         drop(tx);
         let mut outcome = Ok(());
         for r in rx.iter() {
@@ -796,7 +967,9 @@ pub fn restore(
 ) -> Result<RestoreReport, MemError> {
     let t0 = Instant::now();
     let ckpt = load_checkpoint(store, name)?;
+    let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
     check_target(&ckpt, qmp)?;
+    let checked_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prepared = prepare(store, &ckpt, opts)?;
     let path = qmp.path().to_path_buf();
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
@@ -829,6 +1002,7 @@ pub fn restore(
             source: last.expect("an error"),
         });
     };
+    tracing::debug!(target: TARGET, name, loaded_ms, checked_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
     let (conn, mut report) = stream(prepared, conn, opts, progress)?;
     let _ = conn.shutdown(std::net::Shutdown::Write);
     drop(conn);
@@ -850,7 +1024,7 @@ pub fn restore(
                     desc: format!("not loaded after {:?}", opts.load_timeout),
                 })
             }
-            Ok(_) => std::thread::sleep(Duration::from_millis(5)),
+            Ok(_) => std::thread::sleep(Duration::from_millis(2)),
             Err(QmpError::Closed { .. }) => {
                 return Err(MemError::LoadFailed {
                     name: name.into(),
@@ -896,6 +1070,7 @@ mod tests {
     use super::*;
     use crate::backend::memory::MemoryBackend;
     use crate::disk::map::{read_map, write_map};
+    use crate::backend::Backend;
     use crate::store::pack::ChunkKind;
     use crate::store::InitOptions;
     use std::sync::Arc;
@@ -925,6 +1100,55 @@ mod tests {
         let bad = [roots[0], ids[0], ChunkId::of(b"not stored")];
         let (i, _) = read_maps(&store, &bad, 4).unwrap_err();
         assert!(i == 1 || i == 2, "failing map index {i}");
+    }
+
+    #[test]
+    fn get_chunks_reads_runs_per_pack_and_verifies_each_chunk() {
+        let d = tempfile::tempdir().unwrap();
+        let mem = MemoryBackend::new();
+        let store = Store::init(Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { default_codec: Codec::None, ..InitOptions::default() }).unwrap();
+        let ses = store.session();
+        let data = |i: u32| -> Vec<u8> { (0..64u32 << 10).map(|j| (j.wrapping_mul(2654435761) >> 13 ^ i) as u8).collect() };
+        // Two packs, the first holding more than one CHUNKS_SPAN of chunks (several reads).
+        let mut ids: Vec<ChunkId> = (0..48).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()).collect();
+        store.flush().unwrap();
+        ids.extend((48..52).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()));
+        store.flush().unwrap();
+        assert_eq!(mem.list("packs/").unwrap().len(), 2);
+        // Asked out of order, with a repeat: answers in the order asked.
+        let mut ask: Vec<ChunkId> = ids.iter().rev().copied().collect();
+        ask.push(ids[3]);
+        for threads in [1, 4] {
+            let got = get_chunks(&store, &ask, threads).unwrap();
+            for (a, g) in ask.iter().zip(&got) {
+                assert_eq!(ChunkId::of(g), *a);
+            }
+        }
+        // A chunk nobody stored: the error names its index.
+        let mut bad = ids[..3].to_vec();
+        bad.push(ChunkId::of(b"never stored"));
+        let (i, e) = get_chunks(&store, &bad, 2).unwrap_err();
+        assert_eq!(i, 3, "{e}");
+        // A flipped byte in the small pack: caught by the frame checksum, naming that chunk.
+        let small = mem.list("packs/").unwrap().into_iter().min_by_key(|o| o.size).unwrap();
+        let (_, e) = store.locate(&ids[50]).unwrap();
+        let mut bytes = mem.get(&small.key).unwrap();
+        bytes[e.frame_off as usize + 10] ^= 1;
+        mem.put(&small.key, &bytes).unwrap();
+        let (i, e) = get_chunks(&store, &ids[48..], 1).unwrap_err();
+        assert_eq!(i, 2, "{e}");
+        assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    }
+
+    #[test]
+    fn small_checkpoints_get_small_reads() {
+        // 24 MB: 1 MiB reads (24 of them, 6 per fetcher); 700 MB: the full 8 MiB.
+        assert_eq!(read_size(24 << 20, 8 << 20), MIN_READ);
+        assert_eq!(read_size(700 << 20, 8 << 20), 8 << 20);
+        assert_eq!(read_size(96 << 20, 8 << 20), 3 << 20);
+        // A caller's limit below MIN_READ wins.
+        assert_eq!(read_size(24 << 20, 256 << 10), 256 << 10);
+        assert!(read_size(0, 8 << 20) >= 1);
     }
 
     #[test]

@@ -685,6 +685,13 @@ fn run(
             conn.shutdown();
         }
         let rx = rx.join();
+        if matches!(rx, Ok(Ok(_))) {
+            // Every page is in the store: the last data pack starts uploading now, not after
+            // the page maps (best effort; a failure here shows again at the commit's flush).
+            if let Err(e) = store.seal_for_upload() {
+                tracing::debug!(target: TARGET, error = %e, "early seal of the last pack failed");
+            }
+        }
         (src, rx)
     });
     let migrate_ms = t_migrate.elapsed().as_secs_f64() * 1e3;

@@ -371,21 +371,29 @@ fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
     let b = SlowNetwork(mem.clone());
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
-    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_BYTES are sealed at once (the
-    // uploader has room), the rest at the commit.
+    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_IDLE_BYTES are sealed at once (the
+    // uploader is idle), then more whenever the uploader has room, the rest at the commit.
     let mut ids = Vec::new();
     for i in 0..96u64 {
         ids.push(ses.put(&data(1000 + i, 64 << 10), ChunkKind::Data).unwrap());
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    // Index objects of uploaded packs appear without any flush.
+    // Index objects of uploaded packs appear without any flush: at least two packs went up
+    // before the commit (6 MiB would make only one of EARLY_SEAL_BYTES), the first of them
+    // sealed at EARLY_SEAL_IDLE_BYTES because nothing was uploading.
     let t = std::time::Instant::now();
-    while mem.list("index/").unwrap().is_empty() && t.elapsed() < std::time::Duration::from_secs(10) {
+    while mem.list("index/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    assert!(!mem.list("index/").unwrap().is_empty(), "no index object before the flush");
+    let early = mem.list("packs/").unwrap();
+    assert!(early.len() >= 2, "{} packs before the commit: the idle uploader did not get a small pack", early.len());
+    let smallest = early.iter().map(|o| o.size).min().unwrap();
+    assert!(
+        (EARLY_SEAL_IDLE_BYTES..EARLY_SEAL_BYTES).contains(&smallest),
+        "smallest early pack {smallest} bytes"
+    );
     let (bytes, busy) = s.upload_speed();
-    assert!(bytes >= EARLY_SEAL_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
+    assert!(bytes >= 2 * EARLY_SEAL_IDLE_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
     ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
     let packs = mem.list("packs/").unwrap().len();
     assert!(packs >= 2, "{packs} packs: nothing sealed early");

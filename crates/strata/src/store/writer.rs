@@ -137,9 +137,9 @@ impl UploadMeter {
     pub(crate) fn sealed(&self) {
         self.inner.lock().pending += 1;
     }
-    /// Fewer than `n` sealed packs are waiting or uploading.
-    pub(crate) fn below(&self, n: usize) -> bool {
-        self.inner.lock().pending < n
+    /// Sealed packs waiting or uploading.
+    pub(crate) fn pending(&self) -> usize {
+        self.inner.lock().pending
     }
     /// A sealed pack that will not be uploaded (store poisoned).
     fn dropped(&self) {
@@ -231,14 +231,17 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 let network = sh.backend.capabilities().network;
                 let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
                     sh2.uploads.start();
+                    let t0 = std::time::Instant::now();
                     let size = bytes.len() as u64;
                     let r = sh2.backend.put(&id.pack_key(), &bytes);
                     sh2.uploads.end(r.as_ref().ok().map(|_| size));
                     r?;
+                    let put_ms = t0.elapsed().as_secs_f64() * 1e3;
                     // The pack is durable once acknowledged: its index object can follow now.
                     if network {
                         let obj = IndexObject { pack: id, pack_size: size, entries };
                         sh2.backend.put(&id.index_key(), &obj.encode())?;
+                        tracing::debug!(target: "strata::store", size, put_ms, index_ms = t0.elapsed().as_secs_f64() * 1e3 - put_ms, "pack and index uploaded");
                         return Ok(Written { no, id, size, entries: obj.entries, indexed: true });
                     }
                     Ok(Written { no, id, size, entries, indexed: false })
