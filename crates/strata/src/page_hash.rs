@@ -46,13 +46,17 @@ fn platform() -> Option<Platform> {
     static P: OnceLock<Option<Platform>> = OnceLock::new();
     *P.get_or_init(|| {
         let p = Platform::detect();
-        let mut page = [0u8; PAGE];
-        for (i, b) in page.iter_mut().enumerate() {
-            *b = (i as u32).wrapping_mul(2654435761).to_le_bytes()[3];
+        // A full group, so the widest SIMD path is the one checked.
+        let mut pages = vec![[0u8; PAGE]; LANES];
+        for (n, page) in pages.iter_mut().enumerate() {
+            for (i, b) in page.iter_mut().enumerate() {
+                *b = ((i + n * PAGE) as u32).wrapping_mul(2654435761).to_le_bytes()[3];
+            }
         }
-        let mut got = [ChunkId::ZERO; 1];
-        group(p, &[&page], &mut got);
-        if got[0] == ChunkId::of(&page) {
+        let refs: Vec<&[u8; PAGE]> = pages.iter().collect();
+        let mut got = [ChunkId::ZERO; LANES];
+        group(p, &refs, &mut got);
+        if refs.iter().zip(&got).all(|(page, id)| *id == ChunkId::of(&page[..])) {
             Some(p)
         } else {
             tracing::warn!(target: "strata::id", "batched page hashing disagrees with blake3::hash; hashing one page at a time");
