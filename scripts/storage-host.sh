@@ -99,7 +99,7 @@ up() {
 	secret="$(od -An -N16 -tx8 /dev/urandom | tr -d ' \n')"
 	printf '%s' "$key" >"$DIR/s3.key"
 	printf '%s' "$secret" >"$DIR/s3.secret"
-	ip netns exec "$NS" setsid versitygw --access "$key" --secret "$secret" --port "$STORE_IP:$S3_PORT" --quiet \
+	ip netns exec "$NS" setsid versitygw --access "$key" --secret "$secret" --port "$STORE_IP:$S3_PORT" --quiet --keep-alive \
 		posix "$DIR/s3" >"$DIR/versitygw.log" 2>&1 </dev/null &
 	echo $! >"$DIR/versitygw.pid"
 	ip netns exec "$NS" redis-server --bind "$STORE_IP" --port "$REDIS_PORT" --dir "$DIR/redis" \

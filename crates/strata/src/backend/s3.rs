@@ -516,7 +516,10 @@ impl Backend for S3Backend {
         let path = self.path(key)?;
         let store = self.store.clone();
         let payload = PutPayload::from(Bytes::copy_from_slice(data));
-        self.call("put", key, async move { store.put(&path, payload).await }).map(|_| ())
+        let t = std::time::Instant::now();
+        let r = self.call("put", key, async move { store.put(&path, payload).await }).map(|_| ());
+        tracing::debug!(target: TARGET, key, bytes = data.len(), ms = t.elapsed().as_secs_f64() * 1e3, ok = r.is_ok(), "put");
+        r
     }
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {

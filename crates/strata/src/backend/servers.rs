@@ -148,6 +148,10 @@ impl S3Server {
             .arg("--port")
             .arg(format!("{}:{}", self.host, self.port))
             .arg("--quiet")
+            // HTTP keep-alive, as AWS S3, MinIO and Ceph RGW keep connections open; versitygw
+            // defaults to `Connection: close`, which costs every request a new TCP connection
+            // (and its slow start through the benchmarks' shaped link).
+            .arg("--keep-alive")
             .arg("posix")
             .arg(&self.root)
             .stdin(Stdio::null())
