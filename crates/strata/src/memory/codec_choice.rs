@@ -56,7 +56,11 @@ pub const PROBE_BYTES: usize = 16 << 20;
 /// Speed_Transfer assumed for a network backend until its uploads are measured: 1 Gbit/s.
 pub const DEFAULT_NETWORK_BPS: f64 = 125e6;
 /// Uploaded bytes before the measured speed replaces the prior.
-pub const METER_MIN_BYTES: u64 = 1 << 20;
+/// 4 MiB: a shaped link lets its first burst (`tbf` burst 256 KiB here, a switch's buffers
+/// in general) through at wire speed, so a small first upload measures a link several times
+/// faster than it is, and the chooser then picked lz4 for up to 130 frames of a 128 MiB save
+/// (+1 MB stored) before the measurement settled.
+pub const METER_MIN_BYTES: u64 = 4 << 20;
 /// How long a speed measured by an earlier save is trusted as the prior.
 pub const REMEMBER_SECS: u64 = 7 * 24 * 3600;
 /// File in the store's local directory holding the last measured speed.
@@ -169,20 +173,63 @@ pub struct Decision {
     pub estimates: Vec<CodecEstimate>,
 }
 
-/// Apply the inequality. `backend_bps`: bytes/s the backend stores raw; `parallel`: workers
-/// compressing at once; `measures`: per candidate, raw/stored bytes and wall time of samples.
+/// How compression and the transfer share the save's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Model {
+    /// The paper's: compressing, then writing, one after the other. Time per byte is
+    /// `1/Speed_Comp + Rate/Speed_Transfer`; compression pays when
+    /// `Speed_Transfer <= Speed_Comp x (1 - Rate)`. Used for local disks, whose writes cost
+    /// this host's CPU and memory bandwidth too (page-cache copies, fdatasync), so the two
+    /// stages do not fully overlap.
+    Serial,
+    /// strata's pipeline on a network backend: the pool compresses while earlier packs are
+    /// uploading, and an upload costs this host little CPU, so the save runs at the slower
+    /// stage's speed. Time per byte is `max(1/Speed_Comp, Rate/Speed_Transfer)`; compression
+    /// pays when `Speed_Comp > Speed_Transfer`. On 1 Gbit/s with one usable core the serial
+    /// model sat on its threshold (lz4 123 MB/s x (1 - Rate) against the link's 125) and
+    /// stored a 128 MiB save's frames raw for hundreds of frames, 1.5x slower.
+    Overlapped,
+}
+
+impl std::fmt::Display for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Model::Serial => "serial",
+            Model::Overlapped => "overlapped",
+        })
+    }
+}
+
+/// Apply the paper's inequality ([`Model::Serial`]). `backend_bps`: bytes/s the backend
+/// stores raw; `parallel`: workers compressing at once; `measures`: per candidate, raw/stored
+/// bytes and CPU time of samples.
 pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) -> Decision {
+    decide_with(Model::Serial, backend_bps, parallel, measures)
+}
+
+/// Choose a codec under `model`: among the codecs that pay, the smallest expected time per
+/// byte; none paying means raw.
+pub fn decide_with(model: Model, backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) -> Decision {
     let mb = |bps: f64| bps / 1e6;
     let mut estimates = Vec::new();
     let mut best: Option<(f64, Codec, f64, f64)> = None;
+    let raw_t = 1.0 / backend_bps;
     for (codec, m) in measures {
         if m.raw == 0 || m.nanos == 0 {
             continue;
         }
         let rate = (m.stored as f64 / m.raw as f64).min(1.0);
         let comp = m.raw as f64 / (m.nanos as f64 / 1e9) * parallel.max(1.0);
-        let expected = comp * (1.0 - rate);
-        let pays = backend_bps <= expected;
+        let (secs_per_byte, expected, pays) = match model {
+            Model::Serial => {
+                let expected = comp * (1.0 - rate);
+                (1.0 / comp + rate / backend_bps, expected, backend_bps <= expected)
+            }
+            Model::Overlapped => {
+                let t = (1.0 / comp).max(rate / backend_bps);
+                (t, 1.0 / t, t < raw_t)
+            }
+        };
         estimates.push(CodecEstimate {
             codec: codec.to_string(),
             ratio: rate,
@@ -190,16 +237,12 @@ pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) ->
             expected_mb_s: mb(expected),
             pays,
         });
-        if pays {
-            let secs_per_byte = 1.0 / comp + rate / backend_bps;
-            if best.is_none_or(|(t, ..)| secs_per_byte < t) {
-                best = Some((secs_per_byte, *codec, comp, rate));
-            }
+        if pays && best.is_none_or(|(t, ..)| secs_per_byte < t) {
+            best = Some((secs_per_byte, *codec, comp, rate));
         }
     }
-    let raw_t = 1.0 / backend_bps;
-    match best {
-        Some((t, codec, comp, rate)) => Decision {
+    match (best, model) {
+        (Some((t, codec, comp, rate)), Model::Serial) => Decision {
             codec,
             why: format!(
                 "backend {:.0} MB/s <= {codec} {:.0} MB/s x (1 - {:.2}) = {:.0} MB/s; expected {:.2} s/GB vs {:.2} s/GB raw",
@@ -212,18 +255,34 @@ pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) ->
             ),
             estimates,
         },
-        None => {
+        (Some((t, codec, comp, rate)), Model::Overlapped) => Decision {
+            codec,
+            why: format!(
+                "{codec} compresses {:.0} MB/s > backend {:.0} MB/s, overlapped with the upload: min({:.0}, {:.0} / {:.2}) = {:.0} MB/s; expected {:.2} s/GB vs {:.2} s/GB raw",
+                mb(comp),
+                mb(backend_bps),
+                mb(comp),
+                mb(backend_bps),
+                rate,
+                mb(1.0 / t),
+                t * 1e9,
+                raw_t * 1e9
+            ),
+            estimates,
+        },
+        (None, _) => {
             let top = estimates
                 .iter()
                 .max_by(|a, b| a.expected_mb_s.total_cmp(&b.expected_mb_s))
                 .map(|e| format!("; best was {} at {:.0} MB/s", e.codec, e.expected_mb_s))
                 .unwrap_or_default();
+            let test = match model {
+                Model::Serial => "Speed_Comp x (1 - Rate) too low",
+                Model::Overlapped => "no codec compresses faster than the backend stores raw",
+            };
             Decision {
                 codec: Codec::None,
-                why: format!(
-                    "no codec beats the backend's {:.0} MB/s (Speed_Comp x (1 - Rate) too low{top}): storing raw",
-                    mb(backend_bps)
-                ),
+                why: format!("no codec beats the backend's {:.0} MB/s ({test}{top}): storing raw", mb(backend_bps)),
                 estimates,
             }
         }
@@ -322,6 +381,7 @@ pub struct Chooser {
     prior_from: String,
     metered: std::sync::atomic::AtomicBool,
     parallel: f64,
+    model: Model,
     /// Index into `CANDIDATES`, or `usize::MAX` for raw.
     current: AtomicUsize,
     frames: AtomicU64,
@@ -350,6 +410,7 @@ impl Chooser {
             prior_from: String::new(),
             metered: std::sync::atomic::AtomicBool::new(false),
             parallel: parallel.max(1) as f64,
+            model: Model::Serial,
             current: AtomicUsize::new(start),
             frames: AtomicU64::new(0),
             samples: AtomicU64::new(0),
@@ -367,6 +428,12 @@ impl Chooser {
     pub fn with_meter(mut self, meter: Meter, prior_from: &str) -> Chooser {
         self.meter = Some(meter);
         self.prior_from = prior_from.into();
+        self
+    }
+
+    /// Decide with `model` (default [`Model::Serial`]).
+    pub fn with_model(mut self, model: Model) -> Chooser {
+        self.model = model;
         self
     }
 
@@ -438,7 +505,7 @@ impl Chooser {
             self.backend_bps.store(bps.max(1.0).to_bits(), Ordering::Relaxed);
             self.metered.store(true, Ordering::Relaxed);
         }
-        let d = decide(self.backend_bps(), self.parallel, &sums);
+        let d = decide_with(self.model, self.backend_bps(), self.parallel, &sums);
         let new = slot(d.codec);
         let old = self.current.swap(new, Ordering::Relaxed);
         if old != new && w.decision.is_some() {
@@ -474,6 +541,7 @@ impl Chooser {
             chosen,
             why,
             policy: self.policy.to_string(),
+            model: if self.policy == CodecPolicy::Auto { self.model.to_string() } else { String::new() },
             backend_mb_s: if self.policy == CodecPolicy::Auto {
                 self.backend_bps() / 1e6
             } else {
@@ -549,6 +617,31 @@ mod tests {
         assert_eq!(decide(10e6, 2.0, &rnd).codec, Codec::None);
         // No measurements: raw.
         assert_eq!(decide(10e6, 2.0, &[]).codec, Codec::None);
+    }
+
+    #[test]
+    fn overlapped_model_compresses_whenever_the_pool_outruns_the_link() {
+        // Measured at the start of a 128 MiB save to S3 over 1 Gbit/s, one usable core: the
+        // serial model's best was lz4 at 123 MB/s against the link's 125, so it stored raw.
+        let ms = [(Codec::Lz4, m(250.0, 0.51)), (Codec::Zstd(1), m(200.0, 0.45))];
+        assert_eq!(decide(125e6, 1.0, &ms).codec, Codec::None);
+        let d = decide_with(Model::Overlapped, 125e6, 1.0, &ms);
+        // Both compress faster than the link stores raw, so both pay; the save runs at
+        // min(250, 125 / 0.51) = 245 MB/s with lz4 and min(200, 125 / 0.45) = 200 with zstd:1.
+        assert!(d.estimates.iter().all(|e| e.pays), "{d:?}");
+        assert_eq!(d.codec, Codec::Lz4, "{}", d.why);
+        assert!((d.estimates[0].expected_mb_s - 245.1).abs() < 0.5, "{:?}", d.estimates[0]);
+        // When the link is the bottleneck, the better ratio wins even if it is slower.
+        let ms = [(Codec::Lz4, m(450.0, 0.55)), (Codec::Zstd(1), m(430.0, 0.43)), (Codec::Zstd(3), m(250.0, 0.41))];
+        assert_eq!(decide_with(Model::Overlapped, 117e6, 1.0, &ms).codec, Codec::Zstd(1));
+        // ... and zstd:3 once two cores compress (250 x 2 > 117 / 0.41 = 285).
+        assert_eq!(decide_with(Model::Overlapped, 117e6, 2.0, &ms).codec, Codec::Zstd(3));
+        // A disk faster than any codec: raw, as in the serial model.
+        let d = decide_with(Model::Overlapped, 1500e6, 1.0, &ms);
+        assert_eq!(d.codec, Codec::None);
+        assert!(d.why.contains("storing raw"), "{}", d.why);
+        // Incompressible data never pays.
+        assert_eq!(decide_with(Model::Overlapped, 10e6, 2.0, &[(Codec::Lz4, m(3000.0, 1.0))]).codec, Codec::None);
     }
 
     #[test]

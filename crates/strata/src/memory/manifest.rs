@@ -156,9 +156,11 @@ pub struct CodecEstimate {
     pub ratio: f64,
     /// Aggregate compression speed of the pool, MB/s of raw input.
     pub comp_mb_s: f64,
-    /// Speed_Comp × (1 − Rate), MB/s: what the paper's inequality compares with the backend.
+    /// Serial model: Speed_Comp × (1 − Rate), MB/s, what the paper's inequality compares with
+    /// the backend. Overlapped model: the raw MB/s the save would reach,
+    /// min(Speed_Comp, Speed_Transfer / Rate).
     pub expected_mb_s: f64,
-    /// True when Speed_Transfer ≤ Speed_Comp × (1 − Rate).
+    /// Serial: Speed_Transfer ≤ Speed_Comp × (1 − Rate). Overlapped: Speed_Comp > Speed_Transfer.
     pub pays: bool,
 }
 
@@ -170,6 +172,10 @@ pub struct CodecReport {
     pub why: String,
     /// `auto` or the codec forced with `--codec`.
     pub policy: String,
+    /// Time model of the decisions: `serial` (the paper's, local disks) or `overlapped`
+    /// (network backends, whose uploads overlap compression); empty in older manifests.
+    #[serde(default)]
+    pub model: String,
     /// Backend write speed used by the last decision (MB/s), 0 for a fixed codec.
     pub backend_mb_s: f64,
     /// Where that speed came from: `probe`, a speed remembered from an earlier save, an
@@ -501,6 +507,7 @@ mod tests {
                 chosen: "lz4".into(),
                 why: "test".into(),
                 policy: "auto".into(),
+                model: "serial".into(),
                 backend_mb_s: 300.0,
                 backend_speed_from: "probe".into(),
                 frames: BTreeMap::from([("lz4".into(), 5)]),

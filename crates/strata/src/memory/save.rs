@@ -23,6 +23,7 @@
 //!    ref; what was put is garbage for GC. If a save fails, a VM that was running is resumed.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,7 +33,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 
 use super::codec_choice::{
-    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, CodecPolicy,
+    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy,
     DEFAULT_NETWORK_BPS, PROBE_BYTES,
 };
 use super::delta::{select_base, BasePolicy};
@@ -198,7 +199,11 @@ fn accept(listener: &UnixListener, conn: &Conn, timeout: Duration) -> Result<Uni
                 if conn.cancel.load(Ordering::SeqCst) || t0.elapsed() > timeout {
                     return Err(RxError::NoConnection);
                 }
-                std::thread::sleep(Duration::from_millis(2));
+                // Wake as soon as QEMU connects (a sleep-and-retry loop cost a save up to its
+                // sleep before the first byte), and every 20 ms to look at cancel and timeout.
+                let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd for the duration of the call.
+                unsafe { libc::poll(&mut pfd, 1, 20) };
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(RxError::Accept(e)),
@@ -293,14 +298,19 @@ pub fn save(
     }
     let rname = ref_name(name);
     // One writer per checkpoint name, across hosts (docs/backends.md), from before the first page.
-    let _lease = store.lease_if_needed(&rname).map_err(MemError::store("lease", name))?;
-    let exists = store
-        .get_ref(&rname)
-        .map_err(MemError::store("lookup", name))?
-        .is_some();
-    if exists && !opts.replace {
-        return Err(MemError::Exists { name: name.into() });
-    }
+    // The lease and the existence check are backend round trips: they run beside the read-only
+    // QMP queries below, and both finish before QEMU is changed or sends a page.
+    let pre = {
+        let (store, rname) = (store.clone(), rname.clone());
+        std::thread::Builder::new()
+            .name("strata-save-lease".into())
+            .spawn(move || -> Result<(Option<crate::store::lease::LeaseGuard>, bool), (&'static str, crate::store::StoreError)> {
+                let lease = store.lease_if_needed(&rname).map_err(|e| ("lease", e))?;
+                let exists = store.get_ref(&rname).map_err(|e| ("lookup", e))?.is_some();
+                Ok((lease, exists))
+            })
+            .map_err(|_| MemError::Panic { what: "lease" })?
+    };
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
     // Step 2's prior: remembered, assumed (network) or probed (local disk, while the QMP
@@ -314,24 +324,34 @@ pub fn save(
     });
 
     // 1. The source, and what it would send.
-    let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
-    if ACTIVE.contains(&mig.status.as_str()) {
-        return Err(MemError::Busy {
-            path,
-            status: mig.status,
+    let source = (|| {
+        let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
+        if ACTIVE.contains(&mig.status.as_str()) {
+            return Err(MemError::Busy {
+                path: path.clone(),
+                status: mig.status,
+            });
+        }
+        qmp.ensure_storable_capabilities(&CapabilityPolicy::default())
+            .map_err(q("capability check"))?;
+        let status = qmp.query_status().map_err(q("query-status"))?;
+        let machine = qmp.machine_type().map_err(q("query-machines"))?;
+        let version = qmp.version().clone();
+        let local = qmp.peer_pid().is_ok();
+        let cmdline = qmp.peer_cmdline().unwrap_or_else(|e| {
+            tracing::warn!(target: TARGET, error = %e, "QEMU's command line is unknown; `vm restore --launch` will not work for this checkpoint");
+            Vec::new()
         });
+        Ok((status, machine, version, local, cmdline))
+    })();
+    let (_lease, exists) = pre
+        .join()
+        .map_err(|_| MemError::Panic { what: "lease" })?
+        .map_err(|(op, e)| MemError::store(op, name)(e))?;
+    if exists && !opts.replace {
+        return Err(MemError::Exists { name: name.into() });
     }
-    qmp.ensure_storable_capabilities(&CapabilityPolicy::default())
-        .map_err(q("capability check"))?;
-    let status = qmp.query_status().map_err(q("query-status"))?;
-    let machine = qmp.machine_type().map_err(q("query-machines"))?;
-    let version = qmp.version().clone();
-    let local = qmp.peer_pid().is_ok();
-    let cmdline = qmp.peer_cmdline().unwrap_or_else(|e| {
-        tracing::warn!(target: TARGET, error = %e, "QEMU's command line is unknown; `vm restore --launch` will not work for this checkpoint");
-        Vec::new()
-    });
-
+    let (status, machine, version, local, cmdline) = source?;
     // The delta base: the newest checkpoint with this machine type and RAM layout.
     let base = match &opts.base {
         BasePolicy::Off => None,
@@ -379,7 +399,11 @@ pub fn save(
         let (b, t) = meter_store.upload_speed();
         metered_speed(b - b0, t.saturating_sub(t0_busy))
     });
-    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers)).with_meter(meter, &prior_from);
+    // Uploads to a network backend overlap compression (docs/memory.md, "Adaptive compression").
+    let model = if network { Model::Overlapped } else { Model::Serial };
+    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers))
+        .with_meter(meter, &prior_from)
+        .with_model(model);
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
     let caps = qmp
         .query_migrate_capabilities()

@@ -184,13 +184,16 @@ impl Shared {
     }
 }
 
-/// Smallest pack sealed early while one pack is waiting or uploading, on a network backend.
-pub const EARLY_SEAL_BYTES: u64 = 4 << 20;
+/// Smallest pack sealed early while one pack is waiting or uploading, on a network backend:
+/// a second upload starts as soon as a MiB is ready, so the link always has two in flight
+/// and one request's latency is hidden behind the other (with 4 MiB here, a 128 MiB save
+/// ran one upload at a time for its first 100 ms and the link was ~85% busy; `bench
+/// save-restore --remote`, session 5). While both are in flight packs grow, so a large save
+/// does not pay a request per MiB.
+pub const EARLY_SEAL_BYTES: u64 = 1 << 20;
 /// Smallest pack sealed early while nothing is uploading: the link would otherwise idle until
-/// [`EARLY_SEAL_BYTES`] are full (at the start of a save, 38 ms of a 128 MiB guest's 0.28 s,
-/// measured by `bench save-restore --remote`). While the link is busy packs stay larger, so
-/// a large save does not pay a request per MiB.
-pub const EARLY_SEAL_IDLE_BYTES: u64 = 1 << 20;
+/// more is ready. 256 KiB: the first pack of a 128 MiB save left ~5 ms sooner than at 1 MiB.
+pub const EARLY_SEAL_IDLE_BYTES: u64 = 256 << 10;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
