@@ -43,6 +43,10 @@ use crate::store::{Session, StoreError};
 
 const TARGET: &str = "strata::memory";
 const READ_BYTES: usize = 1 << 20;
+/// The first batches of a stream are a quarter of the usual size, so every worker has pages
+/// at once and the first pack (and the first upload) is ready sooner: one full batch is 16
+/// frames for a single worker, while the other waits for the next batch.
+const RAMP_BATCHES: u64 = 4;
 /// Batches queued between the parse thread and the pool, in bytes.
 const QUEUE_BYTES: usize = 32 << 20;
 
@@ -371,6 +375,8 @@ struct Dispatch<'a, 'p> {
     zeros: Vec<(u32, u32, u64)>,
     rec: u64,
     batch_pages: usize,
+    /// Batches handed to the pool so far (the first [`RAMP_BATCHES`] are smaller).
+    sent: u64,
     progress: &'p dyn Progress,
     pending_progress: u64,
     /// Pages seen once already (one bit per page).
@@ -470,7 +476,9 @@ impl Dispatch<'_, '_> {
     fn push(&mut self, block: u32, page: u32, rec: u64, data: &[u8]) -> Result<(), SinkError> {
         self.cur.data.extend_from_slice(data);
         self.cur.pages.push((block, page, rec));
-        if self.cur.pages.len() >= self.batch_pages {
+        let target = if self.sent < RAMP_BATCHES { (self.batch_pages / 4).max(16) } else { self.batch_pages };
+        if self.cur.pages.len() >= target {
+            self.sent += 1;
             self.send()?;
         }
         Ok(())
@@ -632,6 +640,7 @@ pub fn ingest<R: Read>(
             zeros: Vec::new(),
             rec: 0,
             batch_pages,
+            sent: 0,
             progress,
             pending_progress: 0,
             seen: Vec::new(),
