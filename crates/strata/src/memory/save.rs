@@ -40,7 +40,7 @@ use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
-    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats,
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats, REF_PREFIX,
     StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
 };
 use crate::codec::Codec;
@@ -304,10 +304,13 @@ pub fn save(
         let (store, rname) = (store.clone(), rname.clone());
         std::thread::Builder::new()
             .name("strata-save-lease".into())
-            .spawn(move || -> Result<(Option<crate::store::lease::LeaseGuard>, bool), (&'static str, crate::store::StoreError)> {
+            .spawn(move || -> Result<(Option<crate::store::lease::LeaseGuard>, bool, bool), (&'static str, crate::store::StoreError)> {
                 let lease = store.lease_if_needed(&rname).map_err(|e| ("lease", e))?;
                 let exists = store.get_ref(&rname).map_err(|e| ("lookup", e))?.is_some();
-                Ok((lease, exists))
+                // Whether any checkpoint could be a delta base (else the ramblock query and
+                // the base search are skipped).
+                let any = exists || !store.list_refs(REF_PREFIX).map_err(|e| ("list", e))?.is_empty();
+                Ok((lease, exists, any))
             })
             .map_err(|_| MemError::Panic { what: "lease" })?
     };
@@ -332,8 +335,10 @@ pub fn save(
                 status: mig.status,
             });
         }
-        qmp.ensure_storable_capabilities(&CapabilityPolicy::default())
-            .map_err(q("capability check"))?;
+        // One query serves the check and the restore of the settings at the end.
+        let caps = qmp.query_migrate_capabilities().map_err(q("capability check"))?;
+        crate::qmp::check_capabilities_with(&caps, &CapabilityPolicy::default())
+            .map_err(|e| q("capability check")(e.into()))?;
         let status = qmp.query_status().map_err(q("query-status"))?;
         let machine = qmp.machine_type().map_err(q("query-machines"))?;
         let version = qmp.version().clone();
@@ -342,19 +347,20 @@ pub fn save(
             tracing::warn!(target: TARGET, error = %e, "QEMU's command line is unknown; `vm restore --launch` will not work for this checkpoint");
             Vec::new()
         });
-        Ok((status, machine, version, local, cmdline))
+        Ok((status, machine, version, local, cmdline, caps))
     })();
-    let (_lease, exists) = pre
+    let (_lease, exists, any_checkpoint) = pre
         .join()
         .map_err(|_| MemError::Panic { what: "lease" })?
         .map_err(|(op, e)| MemError::store(op, name)(e))?;
     if exists && !opts.replace {
         return Err(MemError::Exists { name: name.into() });
     }
-    let (status, machine, version, local, cmdline) = source?;
+    let (status, machine, version, local, cmdline, caps) = source?;
     // The delta base: the newest checkpoint with this machine type and RAM layout.
     let base = match &opts.base {
         BasePolicy::Off => None,
+        BasePolicy::Auto if !any_checkpoint => None,
         policy => match qmp.ram_blocks() {
             Ok(ram) => {
                 let ram: Vec<(String, u64)> = ram.into_iter().map(|b| (b.name, b.used)).collect();
@@ -405,9 +411,6 @@ pub fn save(
         .with_meter(meter, &prior_from)
         .with_model(model);
     let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
-    let caps = qmp
-        .query_migrate_capabilities()
-        .map_err(q("query-migrate-capabilities"))?;
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: caps
