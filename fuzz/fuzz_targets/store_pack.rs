@@ -1,6 +1,6 @@
 //! Fuzz the pack parser (header, footer, raw or zstd-compressed entry table) on arbitrary bytes.
-//! The corpus holds version-2 packs (compressed tables); version-1 ones come from mutations of
-//! the header's version byte and from `fuzz/seeds/store_pack` if present.
+//! `fuzz/seeds/store_pack` holds a small pack of each version (written by strata before and
+//! after version 2); `scripts/fuzz.sh` adds version-2 packs of a fresh store.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use strata::store::pack::{index_object_of_pack, parse_pack, parse_pack_footer, parse_pack_header, IndexObject};
