@@ -1,7 +1,7 @@
 //! Pack files and index objects: how chunks are laid out in the backend.
 //!
 //! A pack is an append-only object: a 32-byte header, then *frames* back to back, then a trailer
-//! of 64-byte entries (one per chunk) and a 32-byte footer. A frame is a run of one or more
+//! (the table of 64-byte entries, one per chunk) and a 32-byte footer. A frame is a run of one or more
 //! chunks compressed together: disk blocks use one chunk per frame, memory pages pack 16 pages
 //! per frame so the codec sees 64 KiB of context while dedup still works per 4 KiB page. Each
 //! entry locates its chunk (frame offset/length, offset inside the decompressed frame) and
@@ -14,7 +14,7 @@
 //! Packs and index objects have their own format version ([`PACK_VERSION`]). Version 2 stores
 //! the entry table as one zstd frame (level 1) followed by a CRC-32C of that frame: half of an
 //! entry is a random id, but the other half repeats for every chunk of a frame, so the table
-//! shrinks to ~55% (~0.9 MB less per 128 MiB memory save, twice: trailer and index). The index
+//! shrinks to ~55% (a 128 MiB memory save moves 0.9 MB less: trailers and indexes). The index
 //! object's body is the pack's trailer byte for byte, so the writer copies it instead of
 //! compressing twice. Version 1 (raw 64-byte entries) is still read. Decompression is bounded:
 //! the output must be exactly 64·N bytes (N capped), whatever the zstd frame header claims.
