@@ -3,12 +3,17 @@
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use strata::store::objects::{Ref, StoreConfig, Tree};
-use strata::store::pack::{parse_pack, ChunkKind, IndexObject, PackEntry};
+use strata::store::pack::{parse_pack, parse_pack_footer, ChunkKind, IndexObject, PackEntry, PACK_VERSION_RAW};
 use strata::store::Store;
 use strata::{ChunkId, PackId};
 
 fn version_at(b: &[u8], off: usize) -> u16 {
     b.get(off..off + 2).map(|v| u16::from_le_bytes([v[0], v[1]])).unwrap_or(0)
+}
+
+/// How a pack's or index object's entry table of `version` is stored.
+fn table_encoding(version: u16) -> &'static str {
+    if version == PACK_VERSION_RAW { "raw" } else { "zstd" }
 }
 
 fn entry_json(e: &PackEntry) -> serde_json::Value {
@@ -46,9 +51,11 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
             let id = pack_id(need()?)?;
             let b = be.get(&id.pack_key())?;
             let (pid, entries) = parse_pack(&b)?;
+            let f = parse_pack_footer(&b[b.len() - 32..], b.len() as u64)?;
             json!({
                 "object": id.pack_key(), "format_version": version_at(&b, 8), "pack_id": pid.to_hex(),
                 "bytes": b.len(), "chunks": entries.len(),
+                "entry_table": table_encoding(version_at(&b, 8)), "entry_table_bytes": f.trailer_len,
                 "entries": entries.iter().take(64).map(entry_json).collect::<Vec<_>>(),
                 "entries_shown": entries.len().min(64),
             })
@@ -60,6 +67,7 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
             json!({
                 "object": id.index_key(), "format_version": version_at(&b, 8), "pack_size": i.pack_size,
                 "chunks": i.entries.len(),
+                "entry_table": table_encoding(version_at(&b, 8)), "entry_table_bytes": b.len() - 48,
                 "entries": i.entries.iter().take(64).map(entry_json).collect::<Vec<_>>(),
             })
         }

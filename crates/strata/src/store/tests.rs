@@ -439,3 +439,52 @@ fn durable_pack_buffers_are_reused_while_a_session_writes_and_dropped_after() {
     drop(ses);
     assert_eq!(s.inner.sh.spare_packs.lock().len(), 0, "no spare buffers kept once no session writes");
 }
+
+/// Packs are sealed (their entry tables compressed) outside the open-pack lock: a chunk in a
+/// pack being sealed stays readable, and a flush waits for seals other threads started.
+#[test]
+fn chunks_stay_readable_and_flushable_while_their_pack_is_sealed() {
+    // 64-byte chunks: a 1 MiB pack holds ~16k entries, so each seal compresses ~1 MiB of
+    // entries and the window between leaving the open pack and reaching memory is wide.
+    let (_d, s, b) = mem_store(1 << 20);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        for w in 0..2u64 {
+            let (s, stop) = (&s, &stop);
+            sc.spawn(move || {
+                let ses = s.session();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    ses.put_with(&data(w << 40 | i, 64), ChunkKind::Data, Codec::None).unwrap();
+                    i += 1;
+                }
+            });
+        }
+        // Stop the writers even when an assertion below fails (the scope joins them).
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        let ses = s.session();
+        // Put a chunk, wait until a writer thread takes its pack for sealing, then at once
+        // read the chunk (first half) or flush and expect its pack indexed (second half).
+        for i in 0..40u64 {
+            let id = ses.put_with(&data(7 << 40 | i, 64), ChunkKind::Data, Codec::None).unwrap();
+            let no = s.inner.sh.index.read().chunks[&id].pack;
+            let t = std::time::Instant::now();
+            while s.inner.open.lock().no == no && t.elapsed() < std::time::Duration::from_secs(10) {
+                std::hint::spin_loop();
+            }
+            if i < 20 {
+                s.get(&id).unwrap_or_else(|e| panic!("chunk unreadable while its pack was sealed: {e}"));
+            } else {
+                s.flush().unwrap();
+                let (pack, _) = s.locate(&id).unwrap();
+                assert!(b.get(&pack.index_key()).is_ok(), "flush returned before the pack of a chunk put before it was indexed");
+            }
+        }
+    });
+}

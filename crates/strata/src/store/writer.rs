@@ -20,7 +20,7 @@
 //! closes; a crash before that only means the next open reads those index objects.
 
 use super::meta::Meta;
-use super::pack::{IndexObject, PackEntry};
+use super::pack::{index_object_of_pack, IndexObject, PackEntry};
 use super::{Index, Loc, PackSlot, Result, Shared, StoreError};
 use crate::backend::Backend;
 use crate::id::PackId;
@@ -113,8 +113,17 @@ struct Written {
     id: PackId,
     size: u64,
     entries: Vec<PackEntry>,
-    /// Its index object is already written (network backends).
-    indexed: bool,
+    /// Its index object, still to be written; `None` once written (network backends).
+    index: Option<Vec<u8>>,
+}
+
+/// The index object of a pack we sealed: its trailer copied (already compressed), or, should
+/// the pack not parse (it always does), encoded afresh from the entries.
+fn index_bytes(id: PackId, pack: &[u8], entries: &[PackEntry]) -> Vec<u8> {
+    index_object_of_pack(pack).unwrap_or_else(|e| {
+        tracing::warn!(target: "strata::store", pack = %id, error = %e, "sealed pack does not parse; index object re-encoded");
+        IndexObject { pack: id, pack_size: pack.len() as u64, entries: entries.to_vec() }.encode()
+    })
 }
 
 /// Sealed packs not yet uploaded, and how fast uploads go.
@@ -237,14 +246,15 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                     sh2.uploads.end(r.as_ref().ok().map(|_| size));
                     r?;
                     let put_ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let index = index_bytes(id, &bytes, &entries);
+                    drop(bytes);
                     // The pack is durable once acknowledged: its index object can follow now.
                     if network {
-                        let obj = IndexObject { pack: id, pack_size: size, entries };
-                        sh2.backend.put(&id.index_key(), &obj.encode())?;
-                        tracing::debug!(target: "strata::store", size, put_ms, index_ms = t0.elapsed().as_secs_f64() * 1e3 - put_ms, "pack and index uploaded");
-                        return Ok(Written { no, id, size, entries: obj.entries, indexed: true });
+                        sh2.backend.put(&id.index_key(), &index)?;
+                        tracing::debug!(target: "strata::store", size, put_ms, index_bytes = index.len(), index_ms = t0.elapsed().as_secs_f64() * 1e3 - put_ms, "pack and index uploaded");
+                        return Ok(Written { no, id, size, entries, index: None });
                     }
-                    Ok(Written { no, id, size, entries, indexed: false })
+                    Ok(Written { no, id, size, entries, index: Some(index) })
                 });
                 match spawned {
                     Ok(h) => inflight.push_back(h),
@@ -280,19 +290,18 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
     sh.sync()?;
     // Index objects are independent: put them concurrently (a flush after a large save has
     // one per pack, and each is a round trip on a remote backend).
-    let todo: Vec<&Written> = written.iter().filter(|w| !w.indexed).collect();
+    let todo: Vec<(PackId, &[u8])> = written.iter().filter_map(|w| Some((w.id, w.index.as_deref()?))).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed: Mutex<Option<crate::backend::BackendError>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..INDEX_PUTS.min(todo.len()) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(w) = todo.get(i) else { return };
+                let Some(&(id, index)) = todo.get(i) else { return };
                 if failed.lock().is_some() {
                     return;
                 }
-                let obj = IndexObject { pack: w.id, pack_size: w.size, entries: w.entries.clone() };
-                if let Err(e) = sh.backend.put(&w.id.index_key(), &obj.encode()) {
+                if let Err(e) = sh.backend.put(&id.index_key(), index) {
                     failed.lock().get_or_insert(e);
                     return;
                 }
