@@ -62,7 +62,12 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
         }
         "index" => {
             let id = pack_id(need()?)?;
-            let b = be.get(&id.index_key())?;
+            let b = match be.get(&id.index_key()) {
+                Err(e) if e.is_not_found() && be.capabilities().network && be.get_range(&id.pack_key(), 0, 32).is_ok() => {
+                    bail!("Pack {id} has no index object: on a network backend a pack is its own index; use `strata inspect pack {id}`")
+                }
+                r => r?,
+            };
             let i = IndexObject::decode(&b)?;
             json!({
                 "object": id.index_key(), "format_version": version_at(&b, 8), "pack_size": i.pack_size,

@@ -8,7 +8,7 @@
 //! or warnings (space is wasted: orphan packs).
 
 use super::objects::Tree;
-use super::pack::{parse_pack, ChunkKind, IndexObject, PackEntry};
+use super::pack::{parse_pack, ChunkKind, PackEntry};
 use super::{decode_chunk, Result, Store, StoreError};
 use crate::id::{ChunkId, PackId};
 use crate::progress::{Progress, Unit};
@@ -78,18 +78,20 @@ impl Store {
             .into_iter()
             .filter_map(|o| o.key.rsplit('/').next().and_then(PackId::from_hex).map(|p| (p, o.size)))
             .collect();
-        let indexes: Vec<PackId> =
-            be.list("index/")?.into_iter().filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex)).collect();
-        let total: u64 = indexes.iter().filter_map(|p| packs.get(p)).sum();
+        let visible = super::discover::list_packs(&**be)?;
+        let mut indexes: Vec<(PackId, super::discover::Source)> = visible.iter().map(|(p, s)| (*p, *s)).collect();
+        indexes.sort_unstable_by_key(|(p, _)| *p);
+        let total: u64 = indexes.iter().filter_map(|(p, _)| packs.get(p)).sum();
         progress.phase("checking packs", Some(if opts.read_data { total } else { indexes.len() as u64 }), Unit::Bytes);
 
         let mut indexed: HashSet<ChunkId> = HashSet::new();
         let mut kinds: HashMap<ChunkId, ChunkKind> = HashMap::new();
-        for pid in &indexes {
-            let ikey = pid.index_key();
-            let idx = match be.get(&ikey).map_err(StoreError::from).and_then(|b| {
-                IndexObject::decode(&b).map_err(|source| StoreError::Format { key: ikey.clone(), source })
-            }) {
+        for (pid, source) in &indexes {
+            let ikey = match source {
+                super::discover::Source::Index => pid.index_key(),
+                super::discover::Source::Tail { .. } => pid.pack_key(),
+            };
+            let idx = match super::discover::read_entries(&**be, *pid, *source) {
                 Ok(i) => i,
                 Err(e) => {
                     problem(&mut rep, Severity::Error, ikey.clone(), None, format!("{}; the chunks of pack {pid} are invisible", chain(&e)));
@@ -168,7 +170,7 @@ impl Store {
                 }
             }
         }
-        for pid in packs.keys().filter(|p| !indexes.contains(p)) {
+        for (pid, ..) in super::discover::orphan_packs(&**be, &visible)? {
             let msg = "orphan pack: no index object names it (left by an interrupted write; reclaimable)".to_string();
             problem(&mut rep, Severity::Warning, pid.pack_key(), None, msg);
         }

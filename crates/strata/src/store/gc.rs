@@ -175,6 +175,8 @@ impl Store {
             doomed.into_iter().chain(repack.into_iter().map(|(p, s, _, ids)| (p, s, ids))).collect();
         if !victims.is_empty() {
             let sh = &self.inner.sh;
+            // (A network pack is its own index: deleting it is one atomic step, and the index
+            // object it may have from an older writer goes first all the same.)
             for (pid, ..) in &victims {
                 sh.backend.delete(&pid.index_key())?;
             }
@@ -189,22 +191,16 @@ impl Store {
             sh.meta.remove_packs(&rows, true)?;
         }
         // Orphan packs: written but never indexed (a write interrupted by a crash or a full
-        // disk). Packs this process is still writing are known to its index, and the metadata
-        // lock keeps other processes out of a local store, so nothing in flight is touched.
-        // (Stores shared between hosts need the lease protocol before this is safe there.)
+        // disk; only on backends where packs need index objects, `discover.rs`). Packs this
+        // process is still writing are known to its index, and the metadata lock keeps other
+        // processes out of a local store, so nothing in flight is touched.
         let known: HashSet<PackId> = self.inner.sh.index.read().by_id.keys().copied().collect();
-        let indexed: HashSet<PackId> = self
-            .backend()
-            .list("index/")?
-            .into_iter()
-            .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
-            .collect();
+        let visible = super::discover::list_packs(&**self.backend())?;
         let mut orphans = 0;
-        for o in self.backend().list("packs/")? {
-            let Some(pid) = o.key.rsplit('/').next().and_then(PackId::from_hex) else { continue };
-            if !known.contains(&pid) && !indexed.contains(&pid) {
-                self.backend().delete(&o.key)?;
-                report.bytes_freed += o.size;
+        for (pid, key, size) in super::discover::orphan_packs(&**self.backend(), &visible)? {
+            if !known.contains(&pid) {
+                self.backend().delete(&key)?;
+                report.bytes_freed += size;
                 orphans += 1;
             }
         }

@@ -20,6 +20,7 @@
 //! of GC runs under a write lock that excludes puts, so a dedup hit can't race with a sweep.
 
 pub mod check;
+pub mod discover;
 pub mod du;
 pub mod format;
 pub mod gc;

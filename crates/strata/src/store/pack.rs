@@ -7,9 +7,13 @@
 //! entry locates its chunk (frame offset/length, offset inside the decompressed frame) and
 //! carries the frame's CRC-32C, so `check` can tell a flipped byte from a bad codec.
 //!
-//! After a pack is durable, its trailer is also written as a separate small *index object*
-//! (`index/<pack id>`), so a host opening the store reads only indexes, never whole packs. The
-//! pack's own trailer makes every pack self-describing, for recovery and `check`.
+//! On a local backend, after a pack is durable its trailer is also written as a separate small
+//! *index object* (`index/<pack id>`): a pack file can be torn by a crash, so the index object
+//! is what says it is whole. On a network backend an upload is atomic (a listed object is
+//! whole), so the pack is its own index: a host opening the store reads the last
+//! [`PACK_TAIL_READ`] bytes of each pack it does not know ([`parse_pack_tail`]), never whole
+//! packs, and a save sends each table once (index objects were 2% of a memory save's bytes and
+//! half its requests). Index objects written earlier are still read.
 //!
 //! Packs and index objects have their own format version ([`PACK_VERSION`]). Version 2 stores
 //! the entry table as one zstd frame (level 1) followed by a CRC-32C of that frame: half of an
@@ -392,6 +396,58 @@ pub fn parse_pack(b: &[u8]) -> FResult<(PackId, Vec<PackEntry>)> {
     Ok((id, decode_entries(&raw, f.count, f.trailer_off)?))
 }
 
+/// Bytes read from the end of a pack to find its entries without an index object: the footer
+/// and, in one request, the compressed table of packs of up to ~2000 chunks (a 1 MiB memory
+/// pack's table is 5-30 KB). A larger table takes a second, exact read.
+pub const PACK_TAIL_READ: u64 = 64 << 10;
+
+/// Largest trailer [`parse_pack_tail`] asks for: raw version-1 entries at [`MAX_ENTRIES`].
+pub const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
+
+/// What the last bytes of a pack say (see [`parse_pack_tail`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PackTail {
+    /// The entries, checked against the footer's CRC.
+    Entries(Vec<PackEntry>),
+    /// The trailer starts before the bytes given: read this many bytes from the end instead.
+    Need(u64),
+}
+
+/// The entries of a pack of `pack_len` bytes from its last bytes `tail` (the footer and the
+/// trailer; more is fine): how a network store indexes a pack that has no index object. The
+/// header is not read, so the version comes from the trailer itself: a zstd frame with its
+/// CRC (version 2) or exactly 64·N raw bytes (version 1); either way the footer's CRC of the
+/// raw entries must match, so a misread is caught. `check --read-data` reads the header.
+pub fn parse_pack_tail(tail: &[u8], pack_len: u64) -> FResult<PackTail> {
+    let what = "pack trailer";
+    cap("pack", "size", pack_len, MAX_PACK_SIZE)?;
+    if tail.len() < PACK_FOOTER_LEN || tail.len() as u64 > pack_len || pack_len < (PACK_HEADER_LEN + PACK_FOOTER_LEN) as u64 {
+        return Err(FormatError::Truncated { what, needed: PACK_FOOTER_LEN as u64, have: tail.len() as u64 });
+    }
+    let f = parse_pack_footer(&tail[tail.len() - PACK_FOOTER_LEN..], pack_len)?;
+    let need = pack_len - f.trailer_off;
+    cap(what, "length", f.trailer_len, MAX_TRAILER_LEN)?;
+    if need > tail.len() as u64 {
+        return Ok(PackTail::Need(need));
+    }
+    let trailer = &tail[tail.len() - need as usize..tail.len() - PACK_FOOTER_LEN];
+    let version = if trailer.starts_with(&table::ZSTD_MAGIC) && trailer.len() as u64 != f.count * ENTRY_LEN as u64 {
+        PACK_VERSION
+    } else if trailer.len() as u64 == f.count * ENTRY_LEN as u64 {
+        // A raw table; a compressed one of exactly this length fails the CRC here and is
+        // retried as compressed.
+        match trailer_entries(trailer, &f, PACK_VERSION_RAW, what) {
+            Ok(raw) => return Ok(PackTail::Entries(decode_entries(&raw, f.count, f.trailer_off)?)),
+            Err(e) if !trailer.starts_with(&table::ZSTD_MAGIC) => return Err(e),
+            Err(_) => PACK_VERSION,
+        }
+    } else {
+        PACK_VERSION
+    };
+    let raw = trailer_entries(trailer, &f, version, what)?;
+    Ok(PackTail::Entries(decode_entries(&raw, f.count, f.trailer_off)?))
+}
+
 /// The index object of one pack: its id, size and entries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexObject {
@@ -763,5 +819,36 @@ mod tests {
         // Version 0 never existed.
         idx[8] = 0;
         assert!(IndexObject::decode(&idx).is_err());
+    }
+
+    /// A network store indexes a pack from its last bytes: any suffix that holds the trailer
+    /// gives the same entries as the whole pack, a shorter one says how much to read, and
+    /// every flipped bit of the trailer or footer is refused.
+    #[test]
+    fn pack_tail_gives_the_entries_of_both_versions() {
+        let (v2, entries) = sample_pack();
+        let (v1, _, _) = v1_pack_and_index();
+        for pack in [&v2, &v1] {
+            let n = pack.len() as u64;
+            let (trailer, _) = trailer_of(pack);
+            let need = n - trailer as u64;
+            for start in [0, trailer - 1, trailer] {
+                assert_eq!(parse_pack_tail(&pack[start..], n).unwrap(), PackTail::Entries(entries.clone()));
+            }
+            assert_eq!(parse_pack_tail(&pack[pack.len() - 32..], n).unwrap(), PackTail::Need(need));
+            assert_eq!(parse_pack_tail(&pack[pack.len() - need as usize + 1..], n).unwrap(), PackTail::Need(need));
+            for bit in 0..need * 8 {
+                let mut bad = pack.clone();
+                bad[trailer + (bit / 8) as usize] ^= 1 << (bit % 8);
+                let r = parse_pack_tail(&bad[trailer..], n);
+                assert!(
+                    !matches!(r, Ok(PackTail::Entries(_))),
+                    "bit {bit} of a {need}-byte tail flipped, still accepted: {r:?}"
+                );
+            }
+            // The wrong pack size moves the trailer: refused, never misread.
+            assert!(!matches!(parse_pack_tail(&pack[trailer..], n + 1), Ok(PackTail::Entries(_))));
+            assert!(parse_pack_tail(&pack[..10], n).is_err());
+        }
     }
 }

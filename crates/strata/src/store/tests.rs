@@ -365,7 +365,7 @@ impl Backend for SlowNetwork {
 }
 
 #[test]
-fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
+fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let b = SlowNetwork(mem.clone());
@@ -378,11 +378,11 @@ fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
         ids.push(ses.put(&data(1000 + i, 64 << 10), ChunkKind::Data).unwrap());
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    // Index objects of uploaded packs appear without any flush: at least two packs went up
-    // before the commit (6 MiB would make only one of EARLY_SEAL_BYTES), the first of them
-    // sealed at EARLY_SEAL_IDLE_BYTES because nothing was uploading.
+    // Packs go up without any flush: at least two before the commit (6 MiB would make only
+    // one of EARLY_SEAL_BYTES), the first of them sealed at EARLY_SEAL_IDLE_BYTES because
+    // nothing was uploading.
     let t = std::time::Instant::now();
-    while mem.list("index/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10) {
+    while mem.list("packs/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let early = mem.list("packs/").unwrap();
@@ -397,10 +397,17 @@ fn network_backend_seals_early_and_indexes_each_pack_as_it_lands() {
     ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
     let packs = mem.list("packs/").unwrap().len();
     assert!(packs >= 2, "{packs} packs: nothing sealed early");
-    assert_eq!(mem.list("index/").unwrap().len(), packs, "one index object per pack");
+    assert_eq!(mem.list("index/").unwrap().len(), 0, "a network pack is its own index");
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(s.get(id).unwrap(), data(1000 + i as u64, 64 << 10));
     }
+    // Another host, cold (no metadata cache), finds every chunk from the packs' tails; check
+    // sees no orphan, and its gc keeps everything the ref holds.
+    let other = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("other.redb")).unwrap();
+    assert_eq!(other.get(&ids[0]).unwrap(), data(1000, 64 << 10));
+    let rep = other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
+    assert!(rep.problems.is_empty() && rep.packs == packs, "{rep:?}");
+    drop(other);
     // A local-style backend (not network) keeps one pack for the same data.
     let (_d2, s2, mem2) = mem_store(16 << 20);
     let ses2 = s2.session();
@@ -487,4 +494,43 @@ fn chunks_stay_readable_and_flushable_while_their_pack_is_sealed() {
             }
         }
     });
+}
+
+/// A network pack whose entry table is larger than one tail read is indexed with a second,
+/// exact read; a pack with a damaged tail is reported by `check` and its chunks stay invisible,
+/// and `gc` on a network store deletes no pack for lacking an index object.
+#[test]
+fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let s = Store::init(Arc::new(SlowNetwork(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let ses = s.session();
+    // 3000 chunks of 64 bytes in one frame each: a ~3000-entry table, well over 64 KiB raw,
+    // and over PACK_TAIL_READ compressed (ids are random).
+    let ids: Vec<ChunkId> = (0..3000u64).map(|i| ses.put_with(&data(i, 64), ChunkKind::Data, Codec::None).unwrap()).collect();
+    ses.commit_ref("r", Ref { roots: vec![], ..Default::default() }).unwrap();
+    drop(ses);
+    s.close().unwrap();
+    let packs = mem.list("packs/").unwrap();
+    let big = packs.iter().max_by_key(|o| o.size).unwrap();
+    let bytes = mem.get(&big.key).unwrap();
+    let trailer_off = u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
+    assert!(big.size - trailer_off > crate::store::pack::PACK_TAIL_READ, "table of {} bytes fits one read", big.size - trailer_off);
+    let other = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("b.redb")).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(other.get(id).unwrap(), data(i as u64, 64));
+    }
+    other.close().unwrap();
+    // Flip a byte of the big pack's table: a cold host does not see its chunks, check names it.
+    let mut bad = bytes.clone();
+    bad[trailer_off as usize + 100] ^= 0x40;
+    mem.put(&big.key, &bad).unwrap();
+    let third = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("c.redb")).unwrap();
+    let in_big = ids.iter().filter(|id| matches!(third.get(id), Err(StoreError::ChunkMissing { .. }))).count();
+    assert!(in_big > 1000, "{in_big} chunks invisible");
+    let rep = third.check(CheckOptions::default(), &NoProgress).unwrap();
+    assert!(rep.problems.iter().any(|p| p.object == big.key), "{:?}", rep.problems);
+    let r = third.gc(&NoProgress).unwrap();
+    assert_eq!(r.orphan_packs_deleted, 0);
+    assert!(mem.get(&big.key).is_ok(), "gc deleted a pack it could not read");
 }

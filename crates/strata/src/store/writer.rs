@@ -6,20 +6,22 @@
 //! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
 //! hands them to the metadata-cache thread. Any failure poisons the store.
 //!
-//! On a network backend (`Capabilities::network`: an acknowledged put is durable, `sync` adds
-//! nothing) each upload thread writes the pack's index object right after the pack, so a
-//! flush only waits for the uploads still running instead of a round of index PUTs. Every
+//! On a network backend (`Capabilities::network`: an acknowledged put is durable and atomic,
+//! `sync` adds nothing) a pack is its own index (`discover.rs`): no index object is written,
+//! so a flush only waits for the uploads still running, and a save sends each entry table
+//! once, in one request per pack. Every
 //! upload is timed ([`UploadMeter`]: bytes over the wall time with at least one upload in
 //! flight), which is how a memory save learns the backend's speed from its own packs.
 //!
-//! The metadata cache (redb) is only a cache of the index objects (a store opens without it,
-//! reading index objects instead), so updating it is off the commit path: a low-priority
+//! The metadata cache (redb) is only a cache of the index objects and pack tails (a store
+//! opens without it, reading those instead), so updating it is off the commit path: a low-priority
 //! thread applies the rows of durable packs in order, after `flush` has returned. Inserting a
 //! save's ~100k chunk rows cost ~0.1 s per 30k rows inside every flush before; now a flush
 //! waits only for the data. The thread is joined (and the cache persisted) when the store
 //! closes; a crash before that only means the next open reads those index objects.
 
 use super::meta::Meta;
+use super::discover::{self, Source};
 use super::pack::{index_object_of_pack, IndexObject, PackEntry};
 use super::{Index, Loc, PackSlot, Result, Shared, StoreError};
 use crate::backend::Backend;
@@ -245,15 +247,13 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                     let r = sh2.backend.put(&id.pack_key(), &bytes);
                     sh2.uploads.end(r.as_ref().ok().map(|_| size));
                     r?;
-                    let put_ms = t0.elapsed().as_secs_f64() * 1e3;
-                    let index = index_bytes(id, &bytes, &entries);
-                    drop(bytes);
-                    // The pack is durable once acknowledged: its index object can follow now.
+                    // Acknowledged on a network backend: durable, whole, and its own index.
                     if network {
-                        sh2.backend.put(&id.index_key(), &index)?;
-                        tracing::debug!(target: "strata::store", size, put_ms, index_bytes = index.len(), index_ms = t0.elapsed().as_secs_f64() * 1e3 - put_ms, "pack and index uploaded");
+                        tracing::debug!(target: "strata::store", size, put_ms = t0.elapsed().as_secs_f64() * 1e3, "pack uploaded");
                         return Ok(Written { no, id, size, entries, index: None });
                     }
+                    let index = index_bytes(id, &bytes, &entries);
+                    drop(bytes);
                     Ok(Written { no, id, size, entries, index: Some(index) })
                 });
                 match spawned {
@@ -331,25 +331,23 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
     Ok(())
 }
 
-/// Build the in-memory index from the metadata cache, reconciled with the backend's
-/// `index/` objects (the source of truth).
+/// Build the in-memory index from the metadata cache, reconciled with the packs the backend
+/// makes visible (`discover.rs`: index objects, and on a network backend the packs
+/// themselves), which are the source of truth.
 pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
-    let listed: HashSet<PackId> = backend
-        .list("index/")?
-        .into_iter()
-        .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
-        .collect();
+    let visible = discover::list_packs(backend)?;
+    let listed: HashSet<PackId> = visible.keys().copied().collect();
     let cached: HashMap<PackId, u64> = meta.packs()?.into_iter().collect();
+    let todo: Vec<(PackId, Source)> = visible.iter().filter(|(p, _)| !cached.contains_key(p)).map(|(p, s)| (*p, *s)).collect();
     let mut fresh = Vec::new();
-    for pid in listed.iter().filter(|p| !cached.contains_key(p)) {
-        let key = pid.index_key();
-        let obj = backend.get(&key).map_err(StoreError::Backend).and_then(|b| {
-            IndexObject::decode(&b).map_err(|source| StoreError::Format { key: key.clone(), source })
-        });
-        match obj {
-            Ok(o) if o.pack == *pid => fresh.push(o),
-            Ok(_) => tracing::warn!(target: "strata::store", key, "index object names another pack; ignored (run `strata check`)"),
-            Err(e) => tracing::warn!(target: "strata::store", key, error = %e, "unreadable index object ignored (run `strata check`)"),
+    for ((pid, source), r) in todo.iter().zip(discover::read_many(backend, &todo)) {
+        let key = match source {
+            Source::Index => pid.index_key(),
+            Source::Tail { .. } => pid.pack_key(),
+        };
+        match r {
+            Ok(o) => fresh.push(o),
+            Err(e) => tracing::warn!(target: "strata::store", key, error = %e, "unreadable pack index ignored (run `strata check`)"),
         }
     }
     if !fresh.is_empty() {
@@ -380,31 +378,23 @@ pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
     Ok(idx)
 }
 
-/// Load index objects other hosts wrote since this instance opened (the store is shared:
+/// Load the packs other hosts wrote since this instance opened (the store is shared:
 /// `docs/backends.md`). Only adds; packs never vanish while we are open, because GC needs the
 /// store to itself. Returns how many packs were new.
 pub(crate) fn refresh_index(sh: &Shared) -> Result<usize> {
-    let listed: Vec<PackId> = sh
-        .backend
-        .list("index/")?
-        .into_iter()
-        .filter_map(|o| o.key.strip_prefix("index/").and_then(PackId::from_hex))
-        .collect();
-    let unknown: Vec<PackId> = {
+    let visible = discover::list_packs(&*sh.backend)?;
+    let unknown: Vec<(PackId, Source)> = {
         let idx = sh.index.read();
-        listed.into_iter().filter(|p| !idx.by_id.contains_key(p)).collect()
+        visible.into_iter().filter(|(p, _)| !idx.by_id.contains_key(p)).collect()
     };
     let mut fresh = Vec::new();
-    for pid in unknown {
-        let key = pid.index_key();
-        match sh.backend.get(&key) {
-            Ok(b) => match IndexObject::decode(&b) {
-                Ok(o) if o.pack == pid => fresh.push(o),
-                _ => tracing::warn!(target: "strata::store", key, "unreadable index object ignored (run `strata check`)"),
-            },
+    for ((pid, _), r) in unknown.iter().zip(discover::read_many(&*sh.backend, &unknown)) {
+        match r {
+            Ok(o) => fresh.push(o),
             // Our own writer may be renaming it right now; it is ours then, and known.
-            Err(e) if e.is_not_found() => {}
-            Err(e) => return Err(e.into()),
+            Err(StoreError::Backend(e)) if e.is_not_found() => {}
+            Err(StoreError::Backend(e)) => return Err(e.into()),
+            Err(e) => tracing::warn!(target: "strata::store", pack = %pid, error = %e, "unreadable pack index ignored (run `strata check`)"),
         }
     }
     if fresh.is_empty() {
