@@ -397,9 +397,10 @@ pub fn parse_pack(b: &[u8]) -> FResult<(PackId, Vec<PackEntry>)> {
 }
 
 /// Bytes read from the end of a pack to find its entries without an index object: the footer
-/// and, in one request, the compressed table of packs of up to ~2000 chunks (a 1 MiB memory
-/// pack's table is 5-30 KB). A larger table takes a second, exact read.
-pub const PACK_TAIL_READ: u64 = 64 << 10;
+/// and, in one request, the compressed table of packs of up to ~900 chunks (~35 bytes per
+/// entry compressed). The 1 MiB packs of a 128 MiB memory save had 4.5-30 KB tables, a 16 MiB
+/// disk pack of 64 KiB blocks ~10-20 KB. A larger table takes a second, exact read.
+pub const PACK_TAIL_READ: u64 = 32 << 10;
 
 /// Largest trailer [`parse_pack_tail`] asks for: raw version-1 entries at [`MAX_ENTRIES`].
 pub const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
