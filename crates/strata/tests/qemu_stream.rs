@@ -333,7 +333,11 @@ fn precopy_multi_pass_latest_wins() {
         "multipass: {bytes} B in {reads} reads, {} PART sections, {syncs} dirty syncs, {} page + {} zero records, {} pages repeated, downtime {:?} ms",
         info.stats.part_sections, info.stats.page_records, info.stats.zero_records, img.repeated(), mi.downtime_ms
     );
-    assert!(syncs >= 5);
+    // `live_precopy` forces five dirty syncs, but a guest starved of CPU on a loaded host may
+    // dirty nothing in a pass, and QEMU then completes early (CI once saw 4 syncs, 7 PART
+    // sections and 2049 resent pages): at least two passes after the bulk one, and resent
+    // pages (below), are what this test needs.
+    assert!(syncs >= 3, "{syncs} dirty syncs");
     assert!(info.stats.part_sections >= 5);
     assert_eq!(info.stats.end_sections, 1);
     assert!(

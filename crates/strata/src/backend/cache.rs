@@ -665,6 +665,13 @@ impl Backend for CacheBackend {
         Ok(v)
     }
 
+    fn get_meta_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
+        let v = self.sh.inner.get_meta_range(key, offset, len)?;
+        bump(&self.sh.stats.bypass, 1);
+        bump(&self.sh.stats.bypass_bytes, len);
+        Ok(v)
+    }
+
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
         let sh = &*self.sh;
         if !(sh.opts.cacheable)(key) || !self.entry_fits(len) {

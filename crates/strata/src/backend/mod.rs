@@ -159,6 +159,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(all[offset as usize..end as usize].to_vec())
     }
 
+    /// [`get_range`](Self::get_range) of metadata read once per host (a network pack's tail,
+    /// its index): caches pass it through instead of keeping it beside chunk data. Other
+    /// decorators need not forward it: the default is their own `get_range`.
+    fn get_meta_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
+        self.get_range(key, offset, len)
+    }
+
     /// Read several ranges of one object: the result holds one buffer per range, in order.
     /// Backends that pay per request (S3) merge nearby ranges into fewer, concurrent reads;
     /// decorators forward the call whole so that merging happens. Errors as `get_range`.

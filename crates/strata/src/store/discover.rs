@@ -7,7 +7,9 @@
 //! * on a **network** backend (`Capabilities::network`), the **pack itself**: an upload is
 //!   atomic, so a listed pack is whole, and its last bytes (footer and entry table) are its
 //!   index. One range GET of [`PACK_TAIL_READ`] bytes reads them ([`parse_pack_tail`]); a
-//!   bigger table takes a second, exact one.
+//!   bigger table takes a second, exact one. Tails are read with `get_meta_range`, so an SSD
+//!   cache in front passes them through: they are read once per host, then live in its
+//!   metadata cache, and would only push chunk data out.
 //!
 //! Opening a store, refreshing it for other hosts' packs, `check` and `gc` all list packs
 //! here, so they agree on what the store holds. Reads run on [`READERS`] threads: a host
@@ -91,11 +93,11 @@ pub fn read_entries(backend: &dyn Backend, pid: PackId, source: Source) -> Resul
             let key = pid.pack_key();
             let fmt = |source| StoreError::Format { key: key.clone(), source };
             let n = size.min(PACK_TAIL_READ);
-            let tail = backend.get_range(&key, size - n, n)?;
+            let tail = backend.get_meta_range(&key, size - n, n)?;
             let entries = match parse_pack_tail(&tail, size).map_err(fmt)? {
                 PackTail::Entries(e) => e,
                 PackTail::Need(need) => {
-                    let tail = backend.get_range(&key, size - need, need)?;
+                    let tail = backend.get_meta_range(&key, size - need, need)?;
                     match parse_pack_tail(&tail, size).map_err(fmt)? {
                         PackTail::Entries(e) => e,
                         // Only a backend returning fewer bytes than asked gets here.
