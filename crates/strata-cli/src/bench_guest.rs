@@ -182,10 +182,11 @@ pub(crate) fn console_command(path: &Path, line: &str) -> Result<String> {
     }
 }
 
-/// `migrate URI` from a paused source, then `sync` when asked; returns seconds.
+/// `stop` the running source and `migrate URI`, then `sync` when asked; returns seconds from
+/// the `stop` (strata's `vm save` stops the guest inside its own clock too).
 pub(crate) fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64> {
-    q.stop()?;
     let t = Instant::now();
+    q.stop()?;
     q.migrate(uri)?;
     q.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
     if sync {

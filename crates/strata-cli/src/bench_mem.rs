@@ -696,7 +696,7 @@ fn bench_save_restore(
         "benchmark": "save-restore",
         "command": format!("strata bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
         "paper": "000 Figs 2 and 3",
-        "how": "one guest per size; each QEMU baseline: stop, migrate to the URI, wait, then `sync` (save time includes it), cont; strata: `vm save` into a fresh local store (durable packs, index and ref). Restores: a fresh QEMU with the same arguments and -incoming defer -S; time from migrate-incoming to completed (strata: the whole `vm restore`, including target checks and verification of every page); strata's restored guest is resumed and its memwork `sum` compared",
+        "how": "one guest per size; each QEMU baseline: stop, migrate to the URI, wait, then `sync` (save time runs from the stop and includes the sync, as strata's includes its own stop), cont; strata: `vm save` into a fresh local store (durable packs, index and ref). Restores: a fresh QEMU with the same arguments and -incoming defer -S; time from migrate-incoming to completed (strata: the whole `vm restore`, including target checks and verification of every page); strata's restored guest is resumed and its memwork `sum` compared",
         "workloads": workloads,
         "strata_reports": reports.iter().map(|(m, r)| serde_json::json!({"mem_mib": m, "report": r})).collect::<Vec<_>>(),
         "same_image_guests": multi,

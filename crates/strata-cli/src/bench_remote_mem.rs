@@ -7,7 +7,8 @@
 //!   on the storage host's disk (starting writeback every 4 MiB as it arrives) and fsyncs it:
 //!   `cat` (raw), `zstd -1` and `lzop`, compressing
 //!   on this host before the link (as the paper's compressed save does). Save time runs from
-//!   `migrate` on the stopped guest to the fsync on the storage host. Restores start a fresh
+//!   the `stop` of the running guest (then `migrate`) to the fsync on the storage host, as
+//!   strata's `vm save` clock runs from the request on the running guest (it stops it itself). Restores start a fresh
 //!   QEMU with `-incoming defer`; the relay serves the file and the filter decompresses here.
 //! * **strata** saves into a store on the storage host's S3 (versitygw) with no SSD cache, so
 //!   the restore really reads through the link. The codec is chosen adaptively (the measured
@@ -51,10 +52,12 @@ struct Row {
     verified: bool,
 }
 
-/// Save the stopped guest with QEMU through `relay`; seconds until the file is fsynced there.
+/// Save the running guest with QEMU through `relay` (`stop`, then `migrate`); seconds from the
+/// `stop` until the file is fsynced there. strata's `vm save` stops the guest inside its own
+/// clock too, so both clocks start at the same point: a running desktop and a save request.
 fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> Result<(f64, u64)> {
-    q.stop()?;
     let t = Instant::now();
+    q.stop()?;
     q.migrate(uri)?;
     q.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
     let (n, end) = relay.wait()?;
@@ -103,7 +106,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
         let wb = StorageHost::sync_objects(host.bucket_dir().join(&prefix));
         let r = save(&store, &mut q, "bench", &SaveOptions::new(Mode::Save), &NoProgress);
-        wb.stop();
+        let synced_live = wb.stop();
         let r: SaveReport = r?;
         let t = Instant::now();
         let files = StorageHost::fsync_tree(&host.bucket_dir().join(&prefix))?;
@@ -113,7 +116,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         q.cont()?;
         let strata_save = r.total_ms / 1e3 + fsync_s;
         eprintln!(
-            "  {:<14} save {strata_save:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {save_s3_cpu:.1}, strata {save_own_cpu:.1}; codec {}: {}; fsync of {files} objects {fsync_s:.2} s)",
+            "  {:<14} save {strata_save:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {save_s3_cpu:.1}, strata {save_own_cpu:.1}; codec {}: {}; {synced_live} objects fsynced as they landed, then all {files} again in {fsync_s:.2} s)",
             "strata",
             mb(r.stored_bytes),
             mb(save_link.total()),
@@ -180,7 +183,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
             verified: true,
         });
         reports.push(serde_json::json!({
-            "mem_mib": mem, "save": r, "save_fsync_s": fsync_s, "restore": rr,
+            "mem_mib": mem, "save": r, "save_fsync_s": fsync_s, "save_objects_synced_live": synced_live, "restore": rr,
             "cpu_s": {"save_versitygw": save_s3_cpu, "save_strata": save_own_cpu, "restore_versitygw": restore_s3_cpu, "restore_strata": restore_own_cpu},
         }));
         workloads.push(serde_json::json!({"mem_mib": mem, "workload": w}));
@@ -238,7 +241,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         "command": format!("strata bench save-restore --remote --sizes {} --machine {mach}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
         "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw (S3, posix backend) there",
-        "how": "QEMU baselines: stopped guest, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = migrate to fsync. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands, polling every 5 ms, and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared",
+        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands, polling every 5 ms, and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
         "restore_workers": workers,
         "restore_read_bytes": RESTORE_READ_BYTES,

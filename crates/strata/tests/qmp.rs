@@ -162,6 +162,38 @@ fn timeout_then_recovery() {
     q.quit();
 }
 
+/// `pipeline` sends several commands in one write; the typed wrappers then get the read-ahead
+/// replies in order (a command's own error included), and a command out of order drops them
+/// and goes to QEMU.
+#[test]
+fn pipelined_replies_in_order() {
+    let dir = workdir("qmp-pipeline");
+    let mut q = Qemu::start(&dir, "vm", &vm_args("pc", 64, false));
+    let machine = serde_json::json!({ "path": "/machine", "property": "type" });
+    q.qmp
+        .pipeline(&[
+            ("query-status", None),
+            ("no-such-command", None),
+            ("qom-get", Some(machine.clone())),
+            ("stop", None),
+        ])
+        .unwrap();
+    // `stop` already ran: the pipelined query-status reply predates it, the fresh one does not.
+    assert!(q.qmp.query_status().unwrap().running);
+    match q.qmp.execute("no-such-command", None) {
+        Err(QmpError::Command { class, .. }) => assert_eq!(class, "CommandNotFound"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(q.qmp.machine_type().unwrap(), "pc-i440fx-7.2");
+    q.qmp.stop().unwrap();
+    assert!(!q.qmp.query_status().unwrap().running);
+    // Read ahead, then asked out of order: the replies are dropped, QEMU answers afresh.
+    q.qmp.pipeline(&[("query-status", None), ("cont", None)]).unwrap();
+    assert_eq!(q.qmp.machine_type().unwrap(), "pc-i440fx-7.2");
+    assert!(q.qmp.query_status().unwrap().running, "cont ran in the pipeline");
+    q.quit();
+}
+
 /// Enabling each capability strata cannot store makes the check refuse it, by name.
 #[test]
 fn capability_refusal_against_qemu() {

@@ -501,6 +501,38 @@ impl CacheBackend {
         len > 0 && len <= 1u64 << (self.sh.geo.min_shift as u32 + self.sh.geo.top_order as u32)
     }
 
+    /// Write-through `put`: the backend first, then the object's chunks are staged for the
+    /// cache. `shared` is the caller's buffer when it has one (`put_shared`): it goes down
+    /// uncopied and the staged slices point into it.
+    fn put_through(&self, key: &str, data: &[u8], shared: Option<&Arc<Vec<u8>>>) -> BResult<()> {
+        let cacheable = (self.sh.opts.cacheable)(key);
+        if cacheable {
+            // Entries of the old object must not outlive it (packs are never overwritten, but
+            // the predicate is configurable).
+            self.invalidate(key);
+        }
+        match shared {
+            Some(b) => self.sh.inner.put_shared(key, b)?,
+            None => self.sh.inner.put(key, data)?,
+        }
+        if let (true, Some(split)) = (cacheable, &self.sh.opts.splitter) {
+            let buf = match shared {
+                Some(b) => b.clone(),
+                None => Arc::new(data.to_vec()),
+            };
+            let k: Arc<str> = Arc::from(key);
+            for (off, len) in split(key, data) {
+                let in_bounds = off.checked_add(len).is_some_and(|e| e <= data.len() as u64);
+                if in_bounds && self.entry_fits(len) {
+                    let s = Slice { buf: buf.clone(), off: off as usize, len: len as usize };
+                    self.stage((k.clone(), off, len), s);
+                }
+            }
+        }
+        Ok(())
+    }
+
+
     /// Drop every entry and staged fill of `key` (its object was deleted or overwritten).
     fn invalidate(&self, key: &str) {
         let k: Arc<str> = Arc::from(key);
@@ -741,30 +773,17 @@ impl Backend for CacheBackend {
     }
 
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
-        let cacheable = (self.sh.opts.cacheable)(key);
-        if cacheable {
-            // Entries of the old object must not outlive it (packs are never overwritten, but
-            // the predicate is configurable).
-            self.invalidate(key);
-        }
-        self.sh.inner.put(key, data)?;
-        if let (true, Some(split)) = (cacheable, &self.sh.opts.splitter) {
-            let buf = Arc::new(data.to_vec());
-            let k: Arc<str> = Arc::from(key);
-            for (off, len) in split(key, data) {
-                let in_bounds = off.checked_add(len).is_some_and(|e| e <= data.len() as u64);
-                if in_bounds && self.entry_fits(len) {
-                    let s = Slice { buf: buf.clone(), off: off as usize, len: len as usize };
-                    self.stage((k.clone(), off, len), s);
-                }
-            }
-        }
-        Ok(())
+        self.put_through(key, data, None)
+    }
+
+    fn put_shared(&self, key: &str, data: &Arc<Vec<u8>>) -> BResult<()> {
+        self.put_through(key, data, Some(data))
     }
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {
         self.sh.inner.put_if_absent(key, data)
     }
+
 
     fn list(&self, prefix: &str) -> BResult<Vec<ObjectInfo>> {
         self.sh.inner.list(prefix)

@@ -176,6 +176,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Create or replace an object, atomically.
     fn put(&self, key: &str, data: &[u8]) -> BResult<()>;
 
+    /// [`put`](Self::put) of a buffer the caller shares: a backend that sends from memory it
+    /// owns (S3: the HTTP body) takes a reference instead of a copy, so the pack writer gets
+    /// the buffer back for the next pack once the upload is done. Decorators forward it; the
+    /// default copies through `put`.
+    fn put_shared(&self, key: &str, data: &std::sync::Arc<Vec<u8>>) -> BResult<()> {
+        self.put(key, data)
+    }
+
     /// Like `put`, for objects that need not survive a power cut (leases, which then simply
     /// expire): backends that sync per object may skip it. Atomic all the same.
     fn put_volatile(&self, key: &str, data: &[u8]) -> BResult<()> {

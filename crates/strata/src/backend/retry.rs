@@ -23,6 +23,7 @@
 use super::{BResult, Backend, BackendError, Capabilities, DynBackend, ErrorKind, ObjectInfo};
 use rand::Rng;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TARGET: &str = "strata::backend::retry";
@@ -167,6 +168,10 @@ impl Backend for RetryBackend {
 
     fn put(&self, key: &str, data: &[u8]) -> BResult<()> {
         self.retry("put", key, |_| self.inner.put(key, data))
+    }
+
+    fn put_shared(&self, key: &str, data: &Arc<Vec<u8>>) -> BResult<()> {
+        self.retry("put", key, |_| self.inner.put_shared(key, data))
     }
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {

@@ -46,6 +46,15 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A shared pack buffer as an HTTP body (`Bytes::from_owner`).
+struct SharedBuf(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for SharedBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 const TARGET: &str = "strata::backend::s3";
 
 /// Largest single PUT S3 accepts.
@@ -516,6 +525,17 @@ impl Backend for S3Backend {
         let path = self.path(key)?;
         let store = self.store.clone();
         let payload = PutPayload::from(Bytes::copy_from_slice(data));
+        let t = std::time::Instant::now();
+        let r = self.call("put", key, async move { store.put(&path, payload).await }).map(|_| ());
+        tracing::debug!(target: TARGET, key, bytes = data.len(), ms = t.elapsed().as_secs_f64() * 1e3, ok = r.is_ok(), "put");
+        r
+    }
+
+    fn put_shared(&self, key: &str, data: &Arc<Vec<u8>>) -> BResult<()> {
+        let path = self.path(key)?;
+        let store = self.store.clone();
+        // The body is the caller's buffer (no copy); the reference is gone when the put returns.
+        let payload = PutPayload::from(Bytes::from_owner(SharedBuf(data.clone())));
         let t = std::time::Instant::now();
         let r = self.call("put", key, async move { store.put(&path, payload).await }).map(|_| ());
         tracing::debug!(target: TARGET, key, bytes = data.len(), ms = t.elapsed().as_secs_f64() * 1e3, ok = r.is_ok(), "put");

@@ -47,8 +47,10 @@ const READ_BYTES: usize = 1 << 20;
 /// at once and the first pack (and the first upload) is ready sooner: one full batch is 16
 /// frames for a single worker, while the other waits for the next batch.
 const RAMP_BATCHES: u64 = 4;
-/// Batches queued between the parse thread and the pool, in bytes.
-const QUEUE_BYTES: usize = 32 << 20;
+/// Batches queued between the parse thread and the pool, in bytes (the default).
+pub const QUEUE_BYTES: usize = 32 << 20;
+/// The queue of a stop-and-copy save ([`IngestOptions::queue_bytes`]).
+pub const SAVE_QUEUE_BYTES: usize = 8 << 20;
 
 /// Tuning of the pipeline.
 #[derive(Debug, Clone)]
@@ -65,6 +67,13 @@ pub struct IngestOptions {
     /// Make stored packs durable (`Store::flush`, on a helper thread) every time this many
     /// new bytes were stored, so the final commit has little left to do (0: only at the end).
     pub flush_every: u64,
+    /// Bytes of batches queued between the parse thread and the pool. A deep queue rides out
+    /// short stalls of the pool without QEMU's sender blocking, which a live checkpoint wants
+    /// (the guest runs meanwhile). A stop-and-copy save gains nothing from QEMU finishing
+    /// early, and every queued batch beyond the few in flight is fresh memory: 32 MiB of
+    /// batches cost a 128 MiB save ~6,000 page faults, so `save` queues
+    /// [`SAVE_QUEUE_BYTES`].
+    pub queue_bytes: usize,
     pub limits: Limits,
     /// Base checkpoint for delta pages (`delta`); None stores every new page whole.
     pub base: Option<std::sync::Arc<Base>>,
@@ -78,6 +87,7 @@ impl Default for IngestOptions {
             frame_pages: 16,
             hot_bytes: 256 << 20,
             flush_every: 128 << 20,
+            queue_bytes: QUEUE_BYTES,
             limits: Limits::default(),
             base: None,
         }
@@ -584,9 +594,9 @@ pub fn ingest<R: Read>(
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
-    // A deep queue (QUEUE_BYTES of batches) rides out short stalls of the pool (a pack write,
-    // a background flush) without QEMU's sender blocking on the socket.
-    let depth = (QUEUE_BYTES / (batch_pages * PAGE_SIZE)).max(workers * 2);
+    // A deep queue rides out short stalls of the pool (a pack write, a background flush)
+    // without QEMU's sender blocking on the socket (`IngestOptions::queue_bytes`).
+    let depth = (opts.queue_bytes / (batch_pages * PAGE_SIZE)).max(workers * 2);
     let (tx, rx) = mpsc::sync_channel::<Batch>(depth);
     let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(depth + workers + 2);
     let rx = Mutex::new(rx);

@@ -47,7 +47,7 @@ use crate::codec::Codec;
 use crate::disk::map::write_map;
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
-use crate::qmp::{CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent};
+use crate::qmp::{machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent, Request};
 use crate::store::pack::ChunkKind;
 use crate::store::{Session, Store};
 
@@ -259,7 +259,23 @@ struct Restorer {
 }
 
 impl Restorer {
+    /// Put the settings back, in one round trip, with a `query-status` read ahead for the
+    /// caller's next step.
     fn put_back(&self, qmp: &mut QmpClient) {
+        let set = self.max_bandwidth.map(|bw| MigrateParameters {
+            max_bandwidth: Some(bw),
+            ..Default::default()
+        });
+        let mut reqs: Vec<Request> = Vec::new();
+        if let Some(r) = set.as_ref().and_then(|p| p.request().ok()) {
+            reqs.push(r);
+        }
+        if let Some(state) = self.background_snapshot {
+            reqs.push(set_capabilities_request(&[("background-snapshot", state)]));
+        }
+        reqs.push(("query-status", None));
+        // A transport failure shows again at the next command.
+        let _ = qmp.pipeline(&reqs);
         if let Some(bw) = self.max_bandwidth {
             let _ = qmp.migrate_set_parameters(&MigrateParameters {
                 max_bandwidth: Some(bw),
@@ -292,6 +308,19 @@ pub fn save(
     opts: &SaveOptions,
     progress: &dyn Progress,
 ) -> Result<SaveReport, MemError> {
+    let r = save_inner(store, qmp, name, opts, progress);
+    // Replies read ahead for a step an error skipped must not answer the caller's next query.
+    qmp.discard_pipelined();
+    r
+}
+
+fn save_inner(
+    store: &Store,
+    qmp: &mut QmpClient,
+    name: &str,
+    opts: &SaveOptions,
+    progress: &dyn Progress,
+) -> Result<SaveReport, MemError> {
     let t0 = Instant::now();
     if !valid_name(name) {
         return Err(MemError::BadName { name: name.into() });
@@ -305,12 +334,18 @@ pub fn save(
         std::thread::Builder::new()
             .name("strata-save-lease".into())
             .spawn(move || -> Result<(Option<crate::store::lease::LeaseGuard>, bool, bool), (&'static str, crate::store::StoreError)> {
-                let lease = store.lease_if_needed(&rname).map_err(|e| ("lease", e))?;
-                let exists = store.get_ref(&rname).map_err(|e| ("lookup", e))?.is_some();
-                // Whether any checkpoint could be a delta base (else the ramblock query and
-                // the base search are skipped).
-                let any = exists || !store.list_refs(REF_PREFIX).map_err(|e| ("list", e))?.is_empty();
-                Ok((lease, exists, any))
+                // One listing answers both whether the name is taken (the commit checks again
+                // under the lease) and whether any checkpoint could be a delta base (else the
+                // ramblock query and the base search are skipped); it runs beside the lease.
+                let (lease, refs) = std::thread::scope(|s| {
+                    let refs = s.spawn(|| store.list_refs(REF_PREFIX));
+                    let lease = store.lease_if_needed(&rname);
+                    (lease, refs.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                });
+                let lease = lease.map_err(|e| ("lease", e))?;
+                let refs = refs.map_err(|e| ("list", e))?;
+                let exists = refs.iter().any(|r| *r == rname);
+                Ok((lease, exists, !refs.is_empty()))
             })
             .map_err(|_| MemError::Panic { what: "lease" })?
     };
@@ -326,8 +361,16 @@ pub fn save(
         std::thread::spawn(move || probe_backend(&*backend, PROBE_BYTES))
     });
 
-    // 1. The source, and what it would send.
+    // 1. The source, and what it would send. The queries go in one write (one round trip).
     let source = (|| {
+        qmp.pipeline(&[
+            ("query-migrate", None),
+            ("query-migrate-capabilities", None),
+            ("query-status", None),
+            machine_type_request(),
+            ("query-migrate-parameters", None),
+        ])
+        .map_err(q("query-migrate"))?;
         let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
         if ACTIVE.contains(&mig.status.as_str()) {
             return Err(MemError::Busy {
@@ -341,13 +384,14 @@ pub fn save(
             .map_err(|e| q("capability check")(e.into()))?;
         let status = qmp.query_status().map_err(q("query-status"))?;
         let machine = qmp.machine_type().map_err(q("query-machines"))?;
+        let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
         let version = qmp.version().clone();
         let local = qmp.peer_pid().is_ok();
         let cmdline = qmp.peer_cmdline().unwrap_or_else(|e| {
             tracing::warn!(target: TARGET, error = %e, "QEMU's command line is unknown; `vm restore --launch` will not work for this checkpoint");
             Vec::new()
         });
-        Ok((status, machine, version, local, cmdline, caps))
+        Ok((status, machine, version, local, cmdline, caps, params))
     })();
     let (_lease, exists, any_checkpoint) = pre
         .join()
@@ -356,7 +400,7 @@ pub fn save(
     if exists && !opts.replace {
         return Err(MemError::Exists { name: name.into() });
     }
-    let (status, machine, version, local, cmdline, caps) = source?;
+    let (status, machine, version, local, cmdline, caps, params) = source?;
     // The delta base: the newest checkpoint with this machine type and RAM layout.
     let base = match &opts.base {
         BasePolicy::Off => None,
@@ -377,6 +421,9 @@ pub fn save(
     }
     let mut with_base = opts.clone();
     with_base.ingest.base = base.map(std::sync::Arc::new);
+    if opts.mode == Mode::Save {
+        with_base.ingest.queue_bytes = with_base.ingest.queue_bytes.min(super::ingest::SAVE_QUEUE_BYTES);
+    }
     let opts = &with_base;
 
     // 2. Codec inputs and QEMU settings.
@@ -410,7 +457,6 @@ pub fn save(
     let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers))
         .with_meter(meter, &prior_from)
         .with_model(model);
-    let params = qmp.query_migrate_parameters().map_err(q("query-migrate-parameters"))?;
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: caps
@@ -427,11 +473,16 @@ pub fn save(
         });
     }
     let result = (|| {
-        qmp.migrate_set_parameters(&MigrateParameters {
+        let set = MigrateParameters {
             max_bandwidth: Some(opts.max_bandwidth),
             ..Default::default()
-        })
-        .map_err(q("migrate-set-parameters"))?;
+        };
+        let mut settings: Vec<Request> = vec![set.request().map_err(q("migrate-set-parameters"))?];
+        if restorer.background_snapshot.is_some() {
+            settings.push(set_capabilities_request(&[("background-snapshot", want_bg)]));
+        }
+        qmp.pipeline(&settings).map_err(q("migrate-set-parameters"))?;
+        qmp.migrate_set_parameters(&set).map_err(q("migrate-set-parameters"))?;
         if restorer.background_snapshot.is_some() {
             qmp.migrate_set_capabilities(&[("background-snapshot", want_bg)])
                 .map_err(q("migrate-set-capabilities"))?;
@@ -581,18 +632,19 @@ pub fn save(
         map_roots,
         generation: 0,
     };
-    if !opts.replace
-        && store
-            .get_ref(&rname)
-            .map_err(MemError::store("lookup", name))?
-            .is_some()
-    {
-        return Err(MemError::Exists { name: name.into() });
-    }
     let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;
     let t_ref = Instant::now();
-    ses.commit_ref(&rname, ckpt.to_ref())
-        .map_err(MemError::store("commit", name))?;
+    // Without --replace the name must still be free: checked at the start, and again by the
+    // commit, under the lease, while the last packs flush.
+    let committed = if opts.replace {
+        ses.commit_ref(&rname, ckpt.to_ref())
+    } else {
+        ses.commit_new_ref(&rname, ckpt.to_ref())
+    };
+    committed.map_err(|e| match e {
+        crate::store::StoreError::RefExists { .. } => MemError::Exists { name: name.into() },
+        e => MemError::store("commit", name)(e),
+    })?;
     let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
     if let Some(bps) = chooser.measured_bps() {
         remember_speed(store.local_dir(), &location, bps);

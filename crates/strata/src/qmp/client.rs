@@ -61,6 +61,15 @@ pub struct QmpClient {
     events: VecDeque<QmpEvent>,
     next_id: u64,
     timeout: Duration,
+    /// Replies read ahead by [`QmpClient::pipeline`], handed out in order by `execute`.
+    pipelined: VecDeque<Pipelined>,
+}
+
+/// One reply read ahead by [`QmpClient::pipeline`].
+struct Pipelined {
+    cmd: String,
+    args: Option<Value>,
+    reply: Result<Value, QmpError>,
 }
 
 impl QmpClient {
@@ -106,6 +115,7 @@ impl QmpClient {
             events: VecDeque::new(),
             next_id: 1,
             timeout,
+            pipelined: VecDeque::new(),
         };
         let greeting = c.read_message("the QMP greeting", Instant::now() + timeout, timeout)?;
         c.parse_greeting(&greeting)?;
@@ -179,22 +189,88 @@ impl QmpClient {
 
     /// Run a command and return its `return` value. A QMP `error` becomes
     /// [`QmpError::Command`] with QEMU's class and description.
+    ///
+    /// If [`pipeline`](Self::pipeline) sent this command next (same name and arguments), its
+    /// reply is returned without another round trip; any other command first drops the
+    /// pipelined replies nobody asked for.
     pub fn execute(&mut self, cmd: &str, args: Option<Value>) -> Result<Value, QmpError> {
+        if let Some(p) = self.pipelined.pop_front() {
+            if p.cmd == cmd && p.args == args {
+                tracing::debug!(target: TARGET, cmd, "QMP reply (pipelined)");
+                return p.reply;
+            }
+            tracing::debug!(target: TARGET, cmd, unused = self.pipelined.len() + 1, "dropping pipelined QMP replies");
+            self.pipelined.clear();
+        }
+        let (id, line) = self.request(cmd, args.as_ref())?;
+        self.sock
+            .write_all(&line)
+            .map_err(|source| self.io_error(cmd, source))?;
+        tracing::debug!(target: TARGET, cmd, "QMP execute");
+        self.reply(cmd, &id)?
+    }
+
+    /// Send several commands in one write and read their replies in order, so a run of
+    /// queries costs one round trip instead of one each (QMP answers commands in the order
+    /// they were sent). The replies are handed out by the following [`execute`](Self::execute)
+    /// calls of the same commands, in the same order, so the typed wrappers (`query_status`,
+    /// ...) work unchanged. Only a transport failure is returned here; a command's own error
+    /// is returned by its `execute`.
+    pub fn pipeline(&mut self, cmds: &[(&str, Option<Value>)]) -> Result<(), QmpError> {
+        self.pipelined.clear();
+        let mut ids = Vec::with_capacity(cmds.len());
+        let mut buf = Vec::new();
+        for (cmd, args) in cmds {
+            let (id, line) = self.request(cmd, args.as_ref())?;
+            buf.extend_from_slice(&line);
+            ids.push(id);
+        }
+        let names: Vec<&str> = cmds.iter().map(|c| c.0).collect();
+        self.sock
+            .write_all(&buf)
+            .map_err(|source| self.io_error(&names.join(", "), source))?;
+        tracing::debug!(target: TARGET, cmds = ?names, "QMP pipeline");
+        let mut got = VecDeque::with_capacity(cmds.len());
+        for ((cmd, args), id) in cmds.iter().zip(&ids) {
+            let reply = self.reply(cmd, id)?;
+            got.push_back(Pipelined {
+                cmd: cmd.to_string(),
+                args: args.clone(),
+                reply,
+            });
+        }
+        self.pipelined = got;
+        Ok(())
+    }
+
+    /// Forget replies read ahead by [`pipeline`](Self::pipeline) that were not asked for, so a
+    /// later command of the same name cannot be answered by an old reply.
+    pub fn discard_pipelined(&mut self) {
+        if !self.pipelined.is_empty() {
+            tracing::debug!(target: TARGET, unused = self.pipelined.len(), "dropping pipelined QMP replies");
+            self.pipelined.clear();
+        }
+    }
+
+    /// The next id and the request line for `cmd`.
+    fn request(&mut self, cmd: &str, args: Option<&Value>) -> Result<(String, Vec<u8>), QmpError> {
         let id = format!("strata-{}", self.next_id);
         self.next_id += 1;
         let mut msg = json!({ "execute": cmd, "id": id });
         if let Some(a) = args {
-            msg["arguments"] = a;
+            msg["arguments"] = a.clone();
         }
         let mut line = serde_json::to_vec(&msg).map_err(|source| QmpError::BadJson {
             op: cmd.into(),
             source,
         })?;
         line.push(b'\n');
-        self.sock
-            .write_all(&line)
-            .map_err(|source| self.io_error(cmd, source))?;
-        tracing::debug!(target: TARGET, cmd, "QMP execute");
+        Ok((id, line))
+    }
+
+    /// Read until the reply carrying `id`, queueing events. The outer error is the transport's
+    /// (or a reply that is not ours); the inner one is the command's own.
+    fn reply(&mut self, cmd: &str, id: &str) -> Result<Result<Value, QmpError>, QmpError> {
         let deadline = Instant::now() + self.timeout;
         loop {
             let m = self.read_message(cmd, deadline, self.timeout)?;
@@ -203,13 +279,14 @@ impl QmpClient {
                 continue;
             }
             let rid = m.get("id").and_then(Value::as_str);
-            if rid != Some(id.as_str()) {
+            if rid != Some(id) {
                 // A late reply to a command that timed out earlier: drop it.
                 if let Some(n) = rid
                     .and_then(|r| r.strip_prefix("strata-"))
                     .and_then(|n| n.parse::<u64>().ok())
                 {
-                    if n < self.next_id - 1 {
+                    let ours = id.strip_prefix("strata-").and_then(|n| n.parse::<u64>().ok());
+                    if ours.is_some_and(|o| n < o) {
                         tracing::debug!(target: TARGET, stale = n, "dropping a late QMP reply");
                         continue;
                     }
@@ -220,15 +297,15 @@ impl QmpClient {
                 });
             }
             if let Some(r) = m.get("return") {
-                return Ok(r.clone());
+                return Ok(Ok(r.clone()));
             }
             if let Some(e) = m.get("error") {
                 let s = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("?").to_owned();
-                return Err(QmpError::Command {
+                return Ok(Err(QmpError::Command {
                     cmd: cmd.into(),
                     class: s("class"),
                     desc: s("desc"),
-                });
+                }));
             }
             return Err(QmpError::BadReply {
                 cmd: cmd.into(),

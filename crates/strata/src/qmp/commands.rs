@@ -84,6 +84,36 @@ pub struct RamBlockInfo {
     pub total: u64,
 }
 
+/// A command and its arguments, as [`QmpClient::pipeline`] takes them. The `*_request`
+/// functions build exactly what the matching typed wrapper sends, so a pipelined reply is
+/// handed to that wrapper.
+pub type Request = (&'static str, Option<Value>);
+
+impl MigrateParameters {
+    /// The `migrate-set-parameters` request for these parameters.
+    pub fn request(&self) -> Result<Request, QmpError> {
+        let v = serde_json::to_value(self).map_err(|source| QmpError::BadJson {
+            op: "migrate-set-parameters".into(),
+            source,
+        })?;
+        Ok(("migrate-set-parameters", Some(v)))
+    }
+}
+
+/// The `migrate-set-capabilities` request for (name, state) pairs.
+pub fn set_capabilities_request(caps: &[(&str, bool)]) -> Request {
+    let list: Vec<Value> = caps
+        .iter()
+        .map(|(c, s)| json!({ "capability": c, "state": s }))
+        .collect();
+    ("migrate-set-capabilities", Some(json!({ "capabilities": list })))
+}
+
+/// The `qom-get` request behind [`QmpClient::machine_type`].
+pub fn machine_type_request() -> Request {
+    ("qom-get", Some(json!({ "path": "/machine", "property": "type" })))
+}
+
 fn u64_at(v: &Value, k: &str) -> Option<u64> {
     v.get(k).and_then(Value::as_u64)
 }
@@ -127,14 +157,8 @@ impl QmpClient {
 
     /// `migrate-set-capabilities` with (name, state) pairs.
     pub fn migrate_set_capabilities(&mut self, caps: &[(&str, bool)]) -> Result<(), QmpError> {
-        let list: Vec<Value> = caps
-            .iter()
-            .map(|(c, s)| json!({ "capability": c, "state": s }))
-            .collect();
-        self.execute(
-            "migrate-set-capabilities",
-            Some(json!({ "capabilities": list })),
-        )?;
+        let (cmd, args) = set_capabilities_request(caps);
+        self.execute(cmd, args)?;
         Ok(())
     }
 
@@ -150,11 +174,8 @@ impl QmpClient {
 
     /// `migrate-set-parameters`.
     pub fn migrate_set_parameters(&mut self, p: &MigrateParameters) -> Result<(), QmpError> {
-        let v = serde_json::to_value(p).map_err(|source| QmpError::BadJson {
-            op: "migrate-set-parameters".into(),
-            source,
-        })?;
-        self.execute("migrate-set-parameters", Some(v))?;
+        let (cmd, args) = p.request()?;
+        self.execute(cmd, args)?;
         Ok(())
     }
 
@@ -288,10 +309,8 @@ impl QmpClient {
     /// Machine type of the running VM (e.g. `pc-i440fx-7.2`), as written into CONFIGURATION:
     /// the QOM type of `/machine` without its `-machine` suffix.
     pub fn machine_type(&mut self) -> Result<String, QmpError> {
-        let r = self.execute(
-            "qom-get",
-            Some(json!({ "path": "/machine", "property": "type" })),
-        )?;
+        let (cmd, args) = machine_type_request();
+        let r = self.execute(cmd, args)?;
         let t = r.as_str().ok_or_else(|| QmpError::BadReply {
             cmd: "qom-get /machine type".into(),
             why: format!("not a string: {r}"),

@@ -19,7 +19,8 @@ pub use caps::{
 };
 pub use client::{QemuVersion, QmpClient, QmpEvent};
 pub use commands::{
-    parse_info_ramblock, MachineInfo, MemorySizeSummary, MigrateParameters, MigrationInfo,
-    MigrationRam, RamBlockInfo, RunStatus,
+    machine_type_request, parse_info_ramblock, set_capabilities_request, MachineInfo,
+    MemorySizeSummary, MigrateParameters, MigrationInfo, MigrationRam, RamBlockInfo, Request,
+    RunStatus,
 };
 pub use error::QmpError;

@@ -68,6 +68,8 @@ pub enum StoreError {
     PackMissing { id: ChunkId, pack: PackId },
     #[error("Ref '{name}' does not exist")]
     RefNotFound { name: String },
+    #[error("Ref '{name}' already exists")]
+    RefExists { name: String },
     #[error("Invalid ref name '{name}': use letters, digits, '._@=+-' and '/' separators, at most 255 bytes")]
     BadRefName { name: String },
     #[error("Root chunk {id} of ref '{name}' is not in the store (was its source deleted meanwhile?)")]
@@ -880,7 +882,18 @@ impl Session {
     }
 
     /// Durably point `name` at `r`: flush everything first, then write the ref.
-    pub fn commit_ref(&self, name: &str, mut r: Ref) -> Result<()> {
+    pub fn commit_ref(&self, name: &str, r: Ref) -> Result<()> {
+        self.commit_ref_inner(name, r, false)
+    }
+
+    /// [`commit_ref`](Self::commit_ref), refused with [`StoreError::RefExists`] (and nothing
+    /// written) when `name` already exists: the check runs under the name's lease, after the
+    /// flush, so it is the last word on a name a caller checked earlier.
+    pub fn commit_new_ref(&self, name: &str, r: Ref) -> Result<()> {
+        self.commit_ref_inner(name, r, true)
+    }
+
+    fn commit_ref_inner(&self, name: &str, mut r: Ref, must_be_new: bool) -> Result<()> {
         if !valid_ref_name(name) {
             return Err(StoreError::BadRefName { name: name.into() });
         }
@@ -895,9 +908,24 @@ impl Session {
         // One writer per name: commit under our lease, or take one for this commit alone.
         let _tmp = self.store.lease_for_commit(name)?;
         let t0 = std::time::Instant::now();
-        self.store.flush()?;
+        // The old ref (for the generation, and `must_be_new`) is read while the packs are
+        // flushed: under the lease nobody else writes it meanwhile.
+        let (flushed, old) = std::thread::scope(|s| {
+            let old = s.spawn(|| self.store.get_ref(name));
+            (self.store.flush(), old.join())
+        });
+        flushed?;
         tracing::debug!(target: "strata::store", name, flush_ms = t0.elapsed().as_secs_f64() * 1e3, "flushed for a ref");
-        let old = self.store.get_ref(name).ok().flatten();
+        let old = match old {
+            Ok(Ok(o)) => o,
+            // An unreadable old ref only costs its generation number, unless the name must be
+            // new: then not knowing is a refusal.
+            Ok(Err(e)) if must_be_new => return Err(e),
+            _ => None,
+        };
+        if must_be_new && old.is_some() {
+            return Err(StoreError::RefExists { name: name.into() });
+        }
         r.generation = old.map(|o| o.generation + 1).unwrap_or(1);
         let key = format!("refs/{name}");
         inner.sh.backend.put(&key, &r.encode()).map_err(|e| {

@@ -197,6 +197,19 @@ fn reap(sh: &Shared, inflight: &mut std::collections::VecDeque<Upload>, written:
         match h.join() {
             Ok(Ok(w)) => {
                 sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
+                if w.index.is_none() {
+                    // An acknowledged network put is durable now, not at the next flush: reads
+                    // go to the backend, and the buffer serves the next open pack at once
+                    // instead of fresh memory (~250 page faults per MiB).
+                    let mut idx = sh.index.write();
+                    if let Some(Some(slot)) = idx.packs.get_mut(w.no as usize) {
+                        slot.durable = true;
+                        if let Some(bytes) = slot.mem.take() {
+                            drop(idx);
+                            sh.recycle_pack(bytes);
+                        }
+                    }
+                }
                 written.push(w);
             }
             Ok(Err(e)) => sh.poison(&e),
@@ -244,7 +257,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                     sh2.uploads.start();
                     let t0 = std::time::Instant::now();
                     let size = bytes.len() as u64;
-                    let r = sh2.backend.put(&id.pack_key(), &bytes);
+                    let r = sh2.backend.put_shared(&id.pack_key(), &bytes);
                     sh2.uploads.end(r.as_ref().ok().map(|_| size));
                     r?;
                     // Acknowledged on a network backend: durable, whole, and its own index.
