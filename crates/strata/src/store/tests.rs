@@ -534,3 +534,55 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     assert_eq!(r.orphan_packs_deleted, 0);
     assert!(mem.get(&big.key).is_ok(), "gc deleted a pack it could not read");
 }
+
+/// On a network backend an acknowledged upload makes the pack durable at once: its buffer is
+/// back on the spare list for the next open pack before any flush, and reads (now from the
+/// backend) return the right bytes.
+#[test]
+fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let s = Store::init(Arc::new(SlowNetwork(mem.clone())), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
+    let ses = s.session();
+    let mut ids = Vec::new();
+    let t = std::time::Instant::now();
+    let mut i = 0u64;
+    // Write until an uploaded pack's buffer came back (no flush meanwhile).
+    while s.inner.sh.spare_packs.lock().is_empty() && t.elapsed() < std::time::Duration::from_secs(20) {
+        let c = data(5000 + i, 64 << 10);
+        ids.push((ses.put(&c, ChunkKind::Data).unwrap(), c));
+        i += 1;
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(!s.inner.sh.spare_packs.lock().is_empty(), "no pack buffer came back after {} chunks", ids.len());
+    let durable = s.inner.sh.index.read().packs.iter().flatten().filter(|p| p.durable && p.mem.is_none()).count();
+    assert!(durable >= 1, "an acknowledged network pack is durable before any flush");
+    // Reuse: the next packs fill recycled buffers and still hold only their own bytes.
+    for j in 0..64u64 {
+        let c = data(9000 + j, 64 << 10);
+        ids.push((ses.put(&c, ChunkKind::Data).unwrap(), c));
+    }
+    s.flush().unwrap();
+    for (id, c) in &ids {
+        assert_eq!(&s.get(id).unwrap(), c);
+    }
+    assert!(!s.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap().is_damaged());
+}
+
+/// `commit_new_ref` writes a new name, and refuses (writing nothing) one that exists.
+#[test]
+fn commit_new_ref_refuses_an_existing_name() {
+    let (_d, s, _) = mem_store(1 << 20);
+    let ses = s.session();
+    let a = ses.put(&data(1, 4096), ChunkKind::Data).unwrap();
+    let b = ses.put(&data(2, 4096), ChunkKind::Data).unwrap();
+    ses.commit_new_ref("vm/x", Ref { roots: vec![a], ..Default::default() }).unwrap();
+    let e = ses.commit_new_ref("vm/x", Ref { roots: vec![b], ..Default::default() }).unwrap_err();
+    assert!(matches!(e, StoreError::RefExists { .. }), "{e}");
+    let r = s.get_ref("vm/x").unwrap().unwrap();
+    assert_eq!((r.roots, r.generation), (vec![a], 1), "the first commit stands");
+    // commit_ref replaces, with the next generation.
+    ses.commit_ref("vm/x", Ref { roots: vec![b], ..Default::default() }).unwrap();
+    let r = s.get_ref("vm/x").unwrap().unwrap();
+    assert_eq!((r.roots, r.generation), (vec![b], 2));
+}

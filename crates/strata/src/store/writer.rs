@@ -248,7 +248,9 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                     sh.uploads.dropped();
                     continue;
                 }
-                while inflight.len() >= UPLOADS {
+                // Uploads already done are reaped first (in order), so their buffers are back
+                // for the next open packs; then wait for room.
+                while inflight.front().is_some_and(|h| h.is_finished()) || inflight.len() >= UPLOADS {
                     reap(&sh, &mut inflight, &mut written);
                 }
                 let sh2 = sh.clone();
