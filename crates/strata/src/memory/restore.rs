@@ -11,15 +11,19 @@
 //!   missing, if it is) by the worker that rebuilds it, so a lost base aborts the stream.
 //! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
 //!   them one `get` at a time would decompress each frame 16 times and open the pack once per
-//!   page. Instead the plan groups the unique page ids by pack and frame, coalesces nearby
-//!   frames into reads of 1–8 MiB (sequential within a pack; smaller for a small
-//!   checkpoint), [`FETCHERS`] threads keep that many reads in flight and hand the bytes to a
+//!   page. Instead the plan locates every page under a few holds of the index lock
+//!   ([`Store::locate_many`]), sorts the pages by their place in the packs (which also groups
+//!   the pages sharing a chunk: one chunk, one place), coalesces nearby frames into reads of
+//!   1–8 MiB (sequential within a pack; smaller for a small checkpoint) and orders the reads
+//!   largest first, so the last reads, whose decoding cannot overlap the transfer, are the
+//!   smallest. [`FETCHERS`] threads keep that many reads in flight and hand the bytes to a
 //!   pool of decoders, which check the frame CRC, decompress once, and verify every page
 //!   against its BLAKE3 id. (Reads sharing a link end together: with a dozen in flight a small
 //!   checkpoint's pages all arrived at the end, and their decoding came after the last byte.)
 //!   Planning reads the page maps' leaves in ranged GETs of neighbouring leaves
 //!   ([`get_chunks`]) and checks the packs [`MAP_READERS`] at a time: on a remote backend
-//!   those are round trips, not bytes.
+//!   those are round trips, not bytes. The first reads start as soon as they are planned,
+//!   while the packs are checked ([`prefetch`]).
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
@@ -190,6 +194,61 @@ struct FramePlan {
     chunks: Vec<(u32, u32)>,
 }
 
+/// What the index says about the frame holding a page.
+#[derive(Debug, Clone, Copy)]
+struct FrameMeta {
+    len: u32,
+    raw_len: u32,
+    codec: Codec,
+    crc: u32,
+    /// The chunk is a delta record, not a page.
+    delta: bool,
+}
+
+/// Add unique page `u` (at `in_frame` in the frame at `off` of `pack`) to the plan's reads,
+/// which arrive in pack and offset order: same frame as the last, or the last read extended
+/// over a gap of up to 256 KiB while it stays within `read_bytes`, or a new read.
+fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame: u32, u: u32, f: &FrameMeta, read_bytes: u64) {
+    if let Some(j) = jobs.last_mut() {
+        if j.pack == pack {
+            let last = j.frames.last_mut().expect("a job has a frame");
+            if last.off == off {
+                last.chunks.push((in_frame, u));
+                return;
+            }
+        }
+    }
+    let frame = FramePlan {
+        off,
+        len: f.len,
+        raw_len: f.raw_len,
+        codec: f.codec,
+        crc: f.crc,
+        chunks: vec![(in_frame, u)],
+    };
+    let end = off + f.len as u64;
+    match jobs.last_mut() {
+        Some(j) if j.pack == pack && off >= j.end && off - j.end <= 256 << 10 && end - j.start <= read_bytes => {
+            j.end = end;
+            j.frames.push(frame);
+        }
+        _ => jobs.push(Job {
+            pack,
+            start: off,
+            end,
+            frames: vec![frame],
+        }),
+    }
+}
+
+/// Put the largest reads first and the smallest last (stable, so pack order within a size).
+/// The pages of a read are decoded, verified and written only once all its bytes are in, so
+/// whatever the last reads hold is work left after the last byte arrives: with 1 MiB reads
+/// last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`, session 8).
+fn order_reads(jobs: &mut [Job]) {
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.end - j.start));
+}
+
 /// One read: a range of a pack covering several frames.
 #[derive(Debug, Clone)]
 struct Job {
@@ -232,19 +291,36 @@ struct Plan {
     /// Delta pages (unique-id indexes), a few dozen per job, ordered by their base's place.
     delta_jobs: Vec<Vec<u32>>,
     tail: Vec<u8>,
+    /// When planning began (read timings in the trace are relative to it).
+    t0: Instant,
 }
 
 /// A read started before the stream: its thread returns the bytes.
 type Early = std::thread::JoinHandle<Result<Vec<u8>, crate::backend::BackendError>>;
 
-/// Start the reads of the first [`FETCHERS`] jobs now, on threads of their own: the rest of
-/// the plan (one HEAD per pack), QEMU's `migrate-incoming` and the connection take ~8 ms of a
-/// 128 MiB restore over 1 Gbit/s, in which the link would otherwise idle (`bench
-/// save-restore --remote`, session 6). A plan that then fails drops the handles; the threads
-/// end with their reads.
+/// Bytes the early reads cover: past the first [`FETCHERS`] jobs, more start (up to twice as
+/// many) until they reach this, so the link stays busy until the fetchers take over.
+const PREFETCH_BYTES: u64 = 3 << 20;
+
+/// Start the reads of the first jobs now, on threads of their own: the rest of the plan (one
+/// HEAD per pack), QEMU's `migrate-incoming` and the connection take ~20 ms of a 128 MiB
+/// restore over 1 Gbit/s (`bench save-restore --remote`), in which the link would otherwise
+/// carry only the HEADs. A plan that then fails drops the handles; the threads end with their
+/// reads.
 fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Option<Early>>> {
+    let mut bytes = 0u64;
+    let n = jobs
+        .iter()
+        .take(2 * FETCHERS)
+        .take_while(|j| {
+            let take = bytes < PREFETCH_BYTES;
+            bytes += j.end - j.start;
+            take
+        })
+        .count()
+        .max(FETCHERS.min(jobs.len()));
     jobs.iter()
-        .take(FETCHERS)
+        .take(n)
         .map(|j| {
             let (store, key, start, len) = (store.clone(), j.pack.pack_key(), j.start, j.end - j.start);
             let h = std::thread::Builder::new()
@@ -490,7 +566,8 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         let (store, ckpt) = (store.clone(), ckpt.clone());
         std::thread::spawn(move || load_tail(&store, &ckpt))
     };
-    let mut all: Vec<(ChunkId, u32, u32)> = Vec::new();
+    let mut ids: Vec<ChunkId> = Vec::new();
+    let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
     let maps = read_maps(store, &ckpt.map_roots, MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
         name: name.clone(),
@@ -498,8 +575,8 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         source,
     })?;
     let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
-    for (bi, (b, (root, ids))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
-        if ids.len() as u64 != b.pages() {
+    for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
+        if map.len() as u64 != b.pages() {
             return Err(MemError::MetaDamaged {
                 name: name.clone(),
                 what: format!("page map of ramblock '{}'", b.name),
@@ -507,114 +584,111 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
                     id: *root,
                     pack: PackId::default(),
                     offset: 0,
-                    reason: format!("{} pages mapped, {} expected", ids.len(), b.pages()),
+                    reason: format!("{} pages mapped, {} expected", map.len(), b.pages()),
                 },
             });
         }
-        for (p, id) in ids.into_iter().enumerate() {
+        for (p, id) in map.into_iter().enumerate() {
             if id.is_zero() {
                 zeros.push((bi as u32, p as u32));
             } else {
-                all.push((id, bi as u32, p as u32));
+                ids.push(id);
+                pages.push((bi as u32, p as u32));
             }
         }
     }
-    all.sort_unstable_by_key(|a| a.0);
-    let mut uids = Vec::new();
-    let mut ref_ranges = Vec::new();
-    let mut refs = Vec::with_capacity(all.len());
-    for (i, (id, b, p)) in all.iter().enumerate() {
-        if i == 0 || all[i - 1].0 != *id {
-            uids.push(*id);
-            ref_ranges.push((refs.len() as u32, refs.len() as u32));
+    // Locate every page (one index lock per batch, not per page); a missing chunk is reported
+    // now, before QEMU is touched. Sorting the pages by their place in the packs groups the
+    // pages that share a chunk (one chunk, one place) and orders the reads, with no sort by id.
+    let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len()); // pack, frame off, off in frame, page
+    let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len()); // by page
+    let mut bad: Option<(usize, StoreError)> = None;
+    store.locate_many(&ids, |i, hit| {
+        let meta = match hit {
+            None => {
+                bad.get_or_insert((i, StoreError::ChunkMissing { id: ids[i] }));
+                FrameMeta {
+                    len: 0,
+                    raw_len: 0,
+                    codec: Codec::None,
+                    crc: 0,
+                    delta: false,
+                }
+            }
+            Some((pack, e)) => {
+                let delta = e.kind == ChunkKind::Tree;
+                if !delta && e.raw_len as usize != PAGE_SIZE {
+                    bad.get_or_insert((
+                        i,
+                        StoreError::Corrupt {
+                            id: ids[i],
+                            pack,
+                            offset: e.frame_off,
+                            reason: format!("chunk is {} bytes, not a page", e.raw_len),
+                        },
+                    ));
+                }
+                hits.push((pack, e.frame_off, e.off_in_frame, i as u32));
+                FrameMeta {
+                    len: e.frame_len,
+                    raw_len: e.frame_raw_len,
+                    codec: e.codec,
+                    crc: e.frame_crc,
+                    delta,
+                }
+            }
+        };
+        frames_of.push(meta);
+    });
+    if let Some((i, source)) = bad {
+        let (block, offset) = page_of(ckpt, pages[i]);
+        return Err(MemError::PageDamaged {
+            name: name.clone(),
+            block,
+            offset,
+            id: ids[i],
+            source,
+        });
+    }
+    hits.sort_unstable();
+    // Frames' stored bytes, for the read size.
+    let mut stored = 0u64;
+    let mut last: Option<(PackId, u64)> = None;
+    for &(pack, off, _, i) in &hits {
+        let f = &frames_of[i as usize];
+        if !f.delta && last != Some((pack, off)) {
+            stored += f.len as u64;
+            last = Some((pack, off));
         }
-        refs.push((*b, *p));
+    }
+    let read_bytes = read_size(stored, read_bytes);
+    // A delta record (manifest version 2) is read, its base read and both verified, and the
+    // rebuilt page verified, when streaming; the others are read by frame.
+    let mut uids: Vec<ChunkId> = Vec::new();
+    let mut ref_ranges: Vec<(u32, u32)> = Vec::new();
+    let mut refs: Vec<(u32, u32)> = Vec::with_capacity(hits.len());
+    let mut deltas: Vec<u32> = Vec::new();
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut place: Option<(PackId, u64, u32)> = None;
+    for (pack, off, in_frame, i) in hits {
+        let i = i as usize;
+        if place != Some((pack, off, in_frame)) || uids.last() != Some(&ids[i]) {
+            place = Some((pack, off, in_frame));
+            let u = uids.len() as u32;
+            uids.push(ids[i]);
+            ref_ranges.push((refs.len() as u32, refs.len() as u32));
+            let f = &frames_of[i];
+            if f.delta {
+                deltas.push(u);
+            } else {
+                add_to_jobs(&mut jobs, pack, off, in_frame, u, f, read_bytes);
+            }
+        }
+        refs.push(pages[i]);
         ref_ranges.last_mut().expect("pushed").1 += 1;
     }
-    drop(all);
-    // Locate every chunk; a missing one is reported now, before QEMU is touched.
-    let mut located: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(uids.len()); // pack, frame off, off in frame, uid
-    let mut frames_meta: std::collections::HashMap<(PackId, u64), (u32, u32, Codec, u32)> =
-        std::collections::HashMap::new();
-    let mut deltas: Vec<(PackId, u64, u32)> = Vec::new();
-    for (u, id) in uids.iter().enumerate() {
-        let Some((pack, e)) = store.locate(id) else {
-            let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
-            return Err(MemError::PageDamaged {
-                name: name.clone(),
-                block,
-                offset,
-                id: *id,
-                source: StoreError::ChunkMissing { id: *id },
-            });
-        };
-        if e.kind == ChunkKind::Tree {
-            // A delta record (manifest version 2): read, its base read and both verified, and
-            // the rebuilt page verified, when streaming.
-            deltas.push((pack, e.frame_off, u as u32));
-            continue;
-        }
-        if e.raw_len as usize != PAGE_SIZE {
-            let (block, offset) = page_of(ckpt, refs[ref_ranges[u].0 as usize]);
-            return Err(MemError::PageDamaged {
-                name: name.clone(),
-                block,
-                offset,
-                id: *id,
-                source: StoreError::Corrupt {
-                    id: *id,
-                    pack,
-                    offset: e.frame_off,
-                    reason: format!("chunk is {} bytes, not a page", e.raw_len),
-                },
-            });
-        }
-        frames_meta.insert(
-            (pack, e.frame_off),
-            (e.frame_len, e.frame_raw_len, e.codec, e.frame_crc),
-        );
-        located.push((pack, e.frame_off, e.off_in_frame, u as u32));
-    }
-    located.sort_unstable();
-    let stored: u64 = frames_meta.values().map(|m| m.0 as u64).sum();
-    let read_bytes = read_size(stored, read_bytes);
-    let mut jobs: Vec<Job> = Vec::new();
-    for (pack, off, in_frame, u) in located {
-        let (len, raw_len, codec, fcrc) = frames_meta[&(pack, off)];
-        let same_frame = jobs.last().and_then(|j| j.frames.last()).is_some_and(|f| f.off == off)
-            && jobs.last().is_some_and(|j| j.pack == pack);
-        if same_frame {
-            jobs.last_mut()
-                .expect("job")
-                .frames
-                .last_mut()
-                .expect("frame")
-                .chunks
-                .push((in_frame, u));
-            continue;
-        }
-        let frame = FramePlan {
-            off,
-            len,
-            raw_len,
-            codec,
-            crc: fcrc,
-            chunks: vec![(in_frame, u)],
-        };
-        let end = off + len as u64;
-        match jobs.last_mut() {
-            Some(j) if j.pack == pack && off >= j.end && off - j.end <= 256 << 10 && end - j.start <= read_bytes => {
-                j.end = end;
-                j.frames.push(frame);
-            }
-            _ => jobs.push(Job {
-                pack,
-                start: off,
-                end,
-                frames: vec![frame],
-            }),
-        }
-    }
+    drop((ids, pages, frames_of));
+    order_reads(&mut jobs);
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     let early = prefetch(store, &jobs);
     // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent).
@@ -650,8 +724,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         }
     }
     let heads_ms = t0.elapsed().as_secs_f64() * 1e3;
-    deltas.sort_unstable();
-    let delta_jobs = deltas.chunks(64).map(|c| c.iter().map(|d| d.2).collect()).collect();
+    let delta_jobs = deltas.chunks(64).map(|c| c.to_vec()).collect();
     let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
     tracing::debug!(
         target: TARGET,
@@ -674,6 +747,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         early,
         delta_jobs,
         tail,
+        t0,
     })
 }
 
@@ -694,10 +768,21 @@ enum Fetched {
 fn fetch_job(store: &Store, plan: &Plan, j: usize, job: &Job) -> Fetched {
     let first_uid = job.frames[0].chunks[0].1;
     let early = plan.early.get(j).and_then(|h| h.lock().take()).and_then(|h| h.join().ok());
+    let started = plan.t0.elapsed();
+    let prefetched = early.is_some();
     let read = match early {
         Some(r) => r,
         None => store.backend().get_range(&job.pack.pack_key(), job.start, job.end - job.start),
     };
+    tracing::trace!(
+        target: TARGET,
+        j,
+        bytes = job.end - job.start,
+        prefetched,
+        start_ms = started.as_secs_f64() * 1e3,
+        end_ms = plan.t0.elapsed().as_secs_f64() * 1e3,
+        "read"
+    );
     match read {
         Ok(b) => Fetched::Bytes(b),
         Err(e) if e.is_not_found() => Fetched::Done(fallback(store, plan, job)),
@@ -1166,6 +1251,48 @@ mod tests {
         let (i, e) = get_chunks(&store, &ids[48..], 1).unwrap_err();
         assert_eq!(i, 2, "{e}");
         assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    }
+
+    #[test]
+    fn reads_coalesce_per_pack_and_end_with_the_smallest() {
+        let meta = |len: u32| FrameMeta {
+            len,
+            raw_len: 65536,
+            codec: Codec::Zstd(1),
+            crc: 0,
+            delta: false,
+        };
+        let (a, b) = (PackId([1; 16]), PackId([2; 16]));
+        let mut jobs = Vec::new();
+        // Pack a: three frames, the second with two pages, a gap of 64 KiB before the third;
+        // then one small frame in pack b; then a far frame in pack a (a new read).
+        add_to_jobs(&mut jobs, a, 0, 0, 0, &meta(1000), 1 << 20);
+        add_to_jobs(&mut jobs, a, 1000, 0, 1, &meta(2000), 1 << 20);
+        add_to_jobs(&mut jobs, a, 1000, 4096, 2, &meta(2000), 1 << 20);
+        add_to_jobs(&mut jobs, a, 3000 + (64 << 10), 0, 3, &meta(500), 1 << 20);
+        add_to_jobs(&mut jobs, b, 0, 0, 4, &meta(300), 1 << 20);
+        add_to_jobs(&mut jobs, a, 8 << 20, 0, 5, &meta(900_000), 1 << 20);
+        let spans: Vec<(PackId, u64, u64, usize)> = jobs.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+        assert_eq!(
+            spans,
+            vec![(a, 0, 3500 + (64 << 10), 3), (b, 0, 300, 1), (a, 8 << 20, (8 << 20) + 900_000, 1)]
+        );
+        assert_eq!(jobs[0].frames[1].chunks, vec![(0, 1), (4096, 2)]);
+        // A read never grows past the read size: the same frames with 4 KiB reads split.
+        let mut small = Vec::new();
+        add_to_jobs(&mut small, a, 0, 0, 0, &meta(1000), 4096);
+        add_to_jobs(&mut small, a, 1000, 0, 1, &meta(2000), 4096);
+        add_to_jobs(&mut small, a, 3000, 0, 2, &meta(2000), 4096);
+        assert_eq!(small.iter().map(|j| j.frames.len()).collect::<Vec<_>>(), vec![2, 1]);
+        // Largest first, smallest last; equal sizes keep their order.
+        order_reads(&mut jobs);
+        let sizes: Vec<u64> = jobs.iter().map(|j| j.end - j.start).collect();
+        assert_eq!(sizes, vec![900_000, 3500 + (64 << 10), 300]);
+        let mut same = vec![small[1].clone(), small[1].clone()];
+        same[1].start = 1;
+        same[1].end = 2001;
+        order_reads(&mut same);
+        assert_eq!(same[0].start, 3000, "stable for equal sizes");
     }
 
     #[test]

@@ -87,6 +87,10 @@ pub enum StoreError {
 pub type Result<T> = std::result::Result<T, StoreError>;
 
 /// Where a chunk lives: the process-local pack number and its entry.
+/// Ids located per hold of the index lock by [`Store::locate_many`]: a writer (a save
+/// sealing a pack) waits at most this many lookups (~0.2 ms).
+pub const LOCATE_BATCH: usize = 4096;
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Loc {
     pub pack: u32,
@@ -421,6 +425,20 @@ impl Store {
         let idx = self.inner.sh.index.read();
         let loc = idx.chunks.get(id)?;
         Some((idx.slot(loc.pack)?.id, loc.entry))
+    }
+
+    /// Locate many chunks, taking the index lock once per [`LOCATE_BATCH`] ids instead of once
+    /// per id (a restore locates every page of a checkpoint: ~15,000 for 128 MiB). `f` gets
+    /// each id's position in `ids` and its pack and entry, or `None` if the index lacks it. It
+    /// runs under the lock, so it must not call back into the store.
+    pub fn locate_many(&self, ids: &[ChunkId], mut f: impl FnMut(usize, Option<(PackId, &PackEntry)>)) {
+        for (b, batch) in ids.chunks(LOCATE_BATCH).enumerate() {
+            let idx = self.inner.sh.index.read();
+            for (i, id) in batch.iter().enumerate() {
+                let hit = idx.chunks.get(id).and_then(|loc| Some((idx.slot(loc.pack)?.id, &loc.entry)));
+                f(b * LOCATE_BATCH + i, hit);
+            }
+        }
     }
 
     /// Raw length and kind of a chunk, without reading it.

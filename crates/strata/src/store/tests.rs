@@ -586,3 +586,37 @@ fn commit_new_ref_refuses_an_existing_name() {
     let r = s.get_ref("vm/x").unwrap().unwrap();
     assert_eq!((r.roots, r.generation), (vec![b], 2));
 }
+
+#[test]
+fn locate_many_matches_locate_across_lock_batches() {
+    let (_d, s, _) = mem_store(1 << 20);
+    let ses = s.session();
+    // More ids than one lock hold covers, with absent ids in between.
+    let mut ids = Vec::new();
+    for i in 0..(crate::store::LOCATE_BATCH as u64 + 100) {
+        if i % 97 == 0 {
+            ids.push(ChunkId::of(format!("absent {i}").as_bytes()));
+        } else {
+            ids.push(ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap());
+        }
+    }
+    s.flush().unwrap();
+    // Collected first: the callback runs under the index lock and must not call the store.
+    let mut got: Vec<Option<Option<(PackId, PackEntry)>>> = vec![None; ids.len()];
+    s.locate_many(&ids, |i, hit| {
+        assert!(got[i].is_none(), "id {i} reported twice");
+        got[i] = Some(hit.map(|(p, e)| (p, *e)));
+    });
+    for (i, g) in got.into_iter().enumerate() {
+        let g = g.unwrap_or_else(|| panic!("id {i} not reported"));
+        match (g, s.locate(&ids[i])) {
+            (None, None) => assert_eq!(i % 97, 0, "id {i} should be found"),
+            (Some((p, e)), Some((wp, we))) => {
+                assert_eq!(p, wp);
+                assert_eq!(e.id, ids[i]);
+                assert_eq!((e.frame_off, e.off_in_frame), (we.frame_off, we.off_in_frame));
+            }
+            (h, w) => panic!("id {i}: locate_many {:?}, locate {:?}", h.map(|h| h.0), w.map(|w| w.0)),
+        }
+    }
+}
