@@ -77,6 +77,10 @@ pub enum MemBenchCmd {
         /// Restore decoder threads for --remote (4 fetchers keep the ranged GETs in flight).
         #[arg(long, default_value_t = 12)]
         restore_workers: usize,
+        /// Codec of strata's saves for --remote: auto (measured per batch) or a fixed one
+        /// (none, lz4, zstd:N), to compare the chooser against a fixed codec.
+        #[arg(long, default_value = "auto")]
+        codec: strata::memory::codec_choice::CodecPolicy,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -134,10 +138,11 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             machine,
             remote: true,
             restore_workers,
+            codec,
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,

@@ -28,6 +28,7 @@ use strata::backend::retry::RetryPolicy;
 use strata::fixtures::{Fixtures, Machine};
 use strata::memory::manifest::Mode;
 use strata::memory::restore::RestoreOptions;
+use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::progress::NoProgress;
 use strata::store::Store;
@@ -68,7 +69,7 @@ fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> 
 /// Largest range GET of the strata restore over the link (the local default is 4 MiB).
 const RESTORE_READ_BYTES: u64 = 8 << 20;
 
-pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, out: &Path, scratch: Option<&Path>) -> Result<()> {
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
@@ -105,7 +106,11 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
         let l0 = host.link();
         let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
         let wb = StorageHost::sync_objects(host.bucket_dir().join(&prefix));
-        let r = save(&store, &mut q, "bench", &SaveOptions::new(Mode::Save), &NoProgress);
+        let opts = SaveOptions {
+            codec,
+            ..SaveOptions::new(Mode::Save)
+        };
+        let r = save(&store, &mut q, "bench", &opts, &NoProgress);
         let synced_live = wb.stop();
         let r: SaveReport = r?;
         let t = Instant::now();
@@ -238,12 +243,17 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, out:
     }
     let json = serde_json::json!({
         "benchmark": "save-restore-remote",
-        "command": format!("strata bench save-restore --remote --sizes {} --machine {mach}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
+        "command": format!(
+            "strata bench save-restore --remote --sizes {} --machine {mach}{}",
+            sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
+            if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") }
+        ),
         "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw (S3, posix backend) there",
         "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands, polling every 5 ms, and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
         "restore_workers": workers,
+        "codec_policy": codec.to_string(),
         "restore_read_bytes": RESTORE_READ_BYTES,
         "targets": targets,
         "workloads": workloads,

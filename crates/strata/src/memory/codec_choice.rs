@@ -28,7 +28,9 @@
 //!   speed is that per-core speed × the cores compression can really use: all cores minus one
 //!   when the source QEMU runs on this host, because its migration thread keeps one core busy
 //!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
-//!   usually gets raw pages and a 1 Gbps or object-store backend gets lz4 or zstd.
+//!   usually gets raw pages. A stop-and-copy save to a network backend counts every core (the
+//!   caller passes them): there QEMU's sender blocks whenever the pool falls behind, and the
+//!   link is the bottleneck, so it gets zstd:1 (the start-up codec there, [`Chooser::with_start`]).
 //!
 //! The decision is re-evaluated after every sample over a sliding window, so a save that
 //! moves from code pages to random data switches codec per batch. [`decide`] is a pure
@@ -436,6 +438,9 @@ pub struct Chooser {
     metered: std::sync::atomic::AtomicBool,
     parallel: f64,
     model: Model,
+    /// The start-up codec was chosen on purpose ([`Chooser::with_start`]): the first decision
+    /// keeps it unless another is clearly better, as later decisions keep the codec in use.
+    start_kept: bool,
     /// Index into `CANDIDATES`, or `usize::MAX` for raw.
     current: AtomicUsize,
     frames: AtomicU64,
@@ -465,6 +470,7 @@ impl Chooser {
             metered: std::sync::atomic::AtomicBool::new(false),
             parallel: parallel.max(1) as f64,
             model: Model::Serial,
+            start_kept: false,
             current: AtomicUsize::new(start),
             frames: AtomicU64::new(0),
             samples: AtomicU64::new(0),
@@ -488,6 +494,21 @@ impl Chooser {
     /// Decide with `model` (default [`Model::Serial`]).
     pub fn with_model(mut self, model: Model) -> Chooser {
         self.model = model;
+        self
+    }
+
+    /// Start with `codec` (one of [`CANDIDATES`]) instead of the cheapest, and let the first
+    /// decision keep it while its expected time per byte is within [`SWITCH_MARGIN`] of the
+    /// best, as every later decision keeps the codec in use. A network save starts with zstd:1:
+    /// single 64 KiB samples on a busy host are noise, and replacing the start-up codec
+    /// outright let the first decision pick zstd:3 (3% better by the model, more CPU, not
+    /// faster) or lz4 (28% more bytes, slower both ways) on a sample's dip. A fixed policy
+    /// ignores it.
+    pub fn with_start(mut self, codec: Codec) -> Chooser {
+        if self.policy == CodecPolicy::Auto && slot(codec) != usize::MAX {
+            self.current.store(slot(codec), Ordering::Relaxed);
+            self.start_kept = true;
+        }
         self
     }
 
@@ -537,7 +558,11 @@ impl Chooser {
     }
 
     fn sample(&self, fresh: &[u8]) {
-        let ms: Vec<Measure> = CANDIDATES.iter().map(|c| measure_once(*c, fresh)).collect();
+        self.record(CANDIDATES.iter().map(|c| measure_once(*c, fresh)).collect());
+    }
+
+    /// Add one sample's measurements (one per [`CANDIDATES`] entry) and decide again.
+    fn record(&self, ms: Vec<Measure>) {
         self.samples.fetch_add(1, Ordering::Relaxed);
         let mut w = self.window.lock();
         for (q, m) in w.samples.iter_mut().zip(ms) {
@@ -565,9 +590,13 @@ impl Chooser {
         if w.decision.is_none() && w.samples[0].len() < WARMUP_SAMPLES as usize {
             return;
         }
-        // The first decision replaces the placeholder codec outright; later ones keep the
-        // codec in use unless another is clearly better.
-        let keep = w.decision.as_ref().map(|d| d.codec);
+        // The first decision replaces the placeholder codec outright (unless it was chosen
+        // with `with_start`); later ones keep the codec in use unless another is clearly better.
+        let keep = match &w.decision {
+            Some(d) => Some(d.codec),
+            None if self.start_kept => Some(self.current_codec()),
+            None => None,
+        };
         let d = decide_keeping(self.model, self.backend_bps(), self.parallel, &sums, keep);
         let new = slot(d.codec);
         let old = self.current.swap(new, Ordering::Relaxed);
@@ -739,6 +768,35 @@ mod tests {
         assert!(d.why.contains("storing raw"), "{}", d.why);
         // Incompressible data never pays.
         assert_eq!(decide_with(Model::Overlapped, 10e6, 2.0, &[(Codec::Lz4, m(3000.0, 1.0))]).codec, Codec::None);
+    }
+
+    #[test]
+    fn a_chosen_start_codec_is_kept_unless_another_is_clearly_better() {
+        // Samples of the 128 MiB save to S3 (session 9), two cores: zstd:3 is 3% better by the
+        // model (max(1.2 / 282, 0.454 / 109) + 0.454 / 109 = 8.42 s/GB against zstd:1's 8.66),
+        // within the margin; lz4 (11.0 s/GB) is not close.
+        let sample = vec![m(437.0, 0.600), m(258.0, 0.472), m(141.0, 0.454)];
+        let run = |c: Chooser, sample: &[Measure]| {
+            let c = c.with_model(Model::Overlapped);
+            for _ in 0..WARMUP_SAMPLES {
+                c.record(sample.to_vec());
+            }
+            c.current_codec()
+        };
+        let fresh = || Chooser::new(CodecPolicy::Auto, 109e6, 2);
+        assert_eq!(run(fresh(), &sample), Codec::Zstd(3));
+        assert_eq!(run(fresh().with_start(Codec::Zstd(1)), &sample), Codec::Zstd(1));
+        // Before the first decision the start codec is used.
+        let c = fresh().with_start(Codec::Zstd(1));
+        assert!(c.wants_sample());
+        assert_eq!(c.codec_for(&[]), Codec::Zstd(1));
+        // A clearly better codec still wins the first decision: zstd:1 at 60 MB/s a core
+        // (max(1.2 / 120, 4.33) + 4.33 = 14.3 s/GB) against lz4 (11.0 s/GB).
+        let slow = vec![m(437.0, 0.600), m(60.0, 0.472), m(30.0, 0.454)];
+        assert_eq!(run(fresh().with_start(Codec::Zstd(1)), &slow), Codec::Lz4);
+        // A fixed policy ignores the start codec.
+        let f = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 109e6, 2).with_start(Codec::Zstd(1));
+        assert_eq!(f.codec_for(&[]), Codec::Lz4);
     }
 
     #[test]

@@ -454,9 +454,17 @@ fn save_inner(
     });
     // Uploads to a network backend overlap compression (docs/memory.md, "Adaptive compression").
     let model = if network { Model::Overlapped } else { Model::Serial };
-    let chooser = Chooser::new(opts.codec, backend_bps, usable_cores(local).min(workers))
+    // A stop-and-copy save to a network backend compresses on every core: the guest is
+    // stopped, and QEMU's migration thread blocks on the bounded queue whenever the pool
+    // falls behind, so it holds no core of its own; the uploads wait on the link. Counting one
+    // core there made zstd:1 look CPU-bound on a dip of its samples and handed 128 MiB saves
+    // to lz4, which was slower both ways in every forced run (docs/memory.md). A live
+    // checkpoint's guest keeps running, so it keeps `usable_cores`.
+    let cores = if network && opts.mode == Mode::Save { workers } else { usable_cores(local).min(workers) };
+    let chooser = Chooser::new(opts.codec, backend_bps, cores)
         .with_meter(meter, &prior_from)
         .with_model(model);
+    let chooser = if network { chooser.with_start(Codec::Zstd(1)) } else { chooser };
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: caps
