@@ -81,6 +81,10 @@ pub enum MemBenchCmd {
         /// (none, lz4, zstd:N), to compare the chooser against a fixed codec.
         #[arg(long, default_value = "auto")]
         codec: strata::memory::codec_choice::CodecPolicy,
+        /// Rounds for --remote: every method saves and restores once per round, the methods
+        /// taking turns at going first; medians are reported (the link and 2 cores are noisy).
+        #[arg(long, default_value_t = 4)]
+        rounds: u32,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -139,10 +143,11 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             remote: true,
             restore_workers,
             codec,
+            rounds,
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,
