@@ -124,6 +124,13 @@ pub(crate) struct Dest {
     pub console: PathBuf,
 }
 
+impl Dest {
+    /// The QEMU process's (user s, system s, minor faults, major faults) so far.
+    pub fn cpu_split(&self) -> (f64, f64, u64, u64) {
+        crate::bench_remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
+    }
+}
+
 impl Drop for Dest {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -264,9 +271,15 @@ pub(crate) fn desktop_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> 
 /// with the workload's.
 pub(crate) fn restore_verified(store: &Store, name: &str, d: &mut Dest, w: &Workload, opts: RestoreOptions) -> Result<RestoreReport> {
     let rr = restore(store, name, &mut d.qmp, &RestoreOptions { resume: true, ..opts }, &NoProgress)?;
+    check_sum(d, w)?;
+    Ok(rr)
+}
+
+/// The restored (and resumed) guest's memwork sum compared with the workload's.
+pub(crate) fn check_sum(d: &Dest, w: &Workload) -> Result<()> {
     let sum = console_command(&d.console, "sum")?;
     anyhow::ensure!(sum == w.sum, "restored guest's memwork sum differs: {sum} vs {}", w.sum);
-    Ok(rr)
+    Ok(())
 }
 
 /// The guest pause of a checkpoint: the whole stopped time for stop-and-copy, STOP to RESUME

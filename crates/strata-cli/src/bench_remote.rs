@@ -538,6 +538,18 @@ impl Drop for Relay {
 }
 
 /// utime + stime of a `/proc/PID/stat` (or `/proc/self/stat`) in seconds; 0 if unreadable.
+/// A process's (user s, system s, minor faults, major faults) from its `/proc/PID/stat`.
+pub fn proc_cpu_split(stat: &str) -> (f64, f64, u64, u64) {
+    let text = std::fs::read_to_string(stat).unwrap_or_default();
+    let rest = text.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let n = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    // minflt is field 10, majflt 12, utime 14, stime 15 (state is field 3, index 0 here).
+    (n(11) / hz, n(12) / hz, n(7) as u64, n(9) as u64)
+}
+
 pub fn proc_cpu_s(stat: &str) -> f64 {
     let text = std::fs::read_to_string(stat).unwrap_or_default();
     // Fields after the ")" that closes the command name: state is field 3, utime 14, stime 15.
@@ -547,6 +559,19 @@ pub fn proc_cpu_s(stat: &str) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     (ticks(11) + ticks(12)) / hz
+}
+
+/// CPU seconds the whole host was busy so far, and the wall seconds of all its cores
+/// (`/proc/stat`: everything but idle and iowait), to tell a CPU-bound phase from a
+/// link-bound one on this 2-core host.
+pub fn host_cpu_s() -> (f64, f64) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<f64> = text.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let total: f64 = f.iter().take(8).sum();
+    let idle = f.get(3).copied().unwrap_or(0.0) + f.get(4).copied().unwrap_or(0.0);
+    ((total - idle) / hz, total / hz)
 }
 
 pub fn mb(b: u64) -> f64 {

@@ -34,8 +34,8 @@ use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{desktop_guest, Workload, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
-use crate::bench_remote::{mb, proc_cpu_s, Link, Relay, StorageHost};
+use crate::bench_guest::{check_sum, desktop_guest, Workload, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
+use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -53,6 +53,49 @@ struct Row {
     restore_vs_cat: f64,
     codec: String,
     verified: bool,
+    restore_cpu: RestoreCpu,
+}
+
+/// CPU seconds during one restore (until QEMU reported the load completed): the target QEMU's,
+/// and the whole host's busy time against what its cores had (wall time x cores). On this
+/// 2-core host a restore whose `host_busy_s` nears `host_avail_s` is bound by CPU, not the link.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+struct RestoreCpu {
+    target_qemu_s: f64,
+    /// Of that, system time, and the page faults (minor, major) the target QEMU took.
+    target_qemu_sys_s: f64,
+    target_qemu_faults: (u64, u64),
+    host_busy_s: f64,
+    host_avail_s: f64,
+}
+
+type CpuSample = ((f64, f64, u64, u64), (f64, f64));
+
+impl RestoreCpu {
+    fn sample(d: &crate::bench_guest::Dest) -> CpuSample {
+        (d.cpu_split(), host_cpu_s())
+    }
+
+    fn since(d: &crate::bench_guest::Dest, (q0, h0): CpuSample) -> RestoreCpu {
+        let (q1, h1) = RestoreCpu::sample(d);
+        RestoreCpu {
+            target_qemu_s: (q1.0 + q1.1) - (q0.0 + q0.1),
+            target_qemu_sys_s: q1.1 - q0.1,
+            target_qemu_faults: (q1.2 - q0.2, q1.3 - q0.3),
+            host_busy_s: h1.0 - h0.0,
+            host_avail_s: h1.1 - h0.1,
+        }
+    }
+}
+
+impl std::fmt::Display for RestoreCpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "target QEMU {:.2} ({:.2} sys, {}+{} faults), host busy {:.2} of {:.2}",
+            self.target_qemu_s, self.target_qemu_sys_s, self.target_qemu_faults.0, self.target_qemu_faults.1, self.host_busy_s, self.host_avail_s
+        )
+    }
 }
 
 /// Save the running guest with QEMU through `relay` (`stop`, then `migrate`); seconds from the
@@ -100,18 +143,20 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
 
 /// A stream's restore into a fresh `-incoming defer` QEMU: seconds and link bytes. The file
 /// is removed afterwards.
-fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, port: &mut u16) -> Result<(f64, Link)> {
+fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, port: &mut u16) -> Result<(f64, Link, RestoreCpu)> {
     let mut d = start_dest(g, dir, &format!("dst-{}", s.name.trim_start_matches("exec:").replace(' ', "")))?;
     *port += 1;
     let relay = Relay::send(host, *port, s.remote.clone())?;
     let uri = relay.exec_restore(s.decoder);
     let l0 = host.link();
+    let c0 = RestoreCpu::sample(&d);
     let t = qemu_restore(&mut d, &uri)?;
+    let cpu = RestoreCpu::since(&d, c0);
     let rl = host.link().since(l0);
     relay.wait()?;
-    eprintln!("  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link", s.name, mb(rl.total()));
+    eprintln!("  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (CPU s: {cpu})", s.name, mb(rl.total()));
     std::fs::remove_file(&s.remote).ok();
-    Ok((t, rl))
+    Ok((t, rl, cpu))
 }
 
 /// strata's save into a fresh store under `prefix` on the storage host's S3.
@@ -159,23 +204,27 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
 /// strata's restore: the index is local (this host saved it), the pages come over the link.
 /// Seconds until QEMU reported the load completed, as for the streams (resuming the guest
 /// after it, in `total_ms`, is not in their times either).
-fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize) -> Result<(f64, Link, RestoreReport, (f64, f64))> {
+fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
     let mut d = start_dest(g, dir, "dst-strata")?;
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
-    let rr = restore_verified(&s.store, "bench", &mut d, w, RestoreOptions { workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() })?;
+    let c0 = RestoreCpu::sample(&d);
+    let opts = RestoreOptions { workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() };
+    let rr = strata::memory::restore::restore(&s.store, "bench", &mut d.qmp, &opts, &NoProgress)?;
     let link = host.link().since(l0);
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
+    let host_cpu = RestoreCpu::since(&d, c0);
+    check_sum(&d, w)?;
     let t = rr.load_ms / 1e3;
     eprintln!(
-        "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {:.1}, strata {:.1}; memwork sum verified)",
+        "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {:.2}, strata {:.2}, {host_cpu}; memwork sum verified)",
         "strata",
         mb(link.total()),
         rr.plan_ms / 1e3,
         cpu.0,
         cpu.1
     );
-    Ok((t, link, rr, cpu))
+    Ok((t, link, rr, cpu, host_cpu))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -207,6 +256,7 @@ fn median_row(rs: &[&Row]) -> Row {
         stored_bytes: median(rs.iter().map(|r| r.stored_bytes as f64).collect()) as u64,
         save_link: sr.save_link,
         restore_link: rr.restore_link,
+        restore_cpu: rr.restore_cpu,
         codec: codecs.join("+"),
         verified: rs.iter().all(|r| r.verified),
         ..rs[0].clone()
@@ -269,7 +319,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             }
             let streams: Vec<StreamSaved> = stream_saved.into_iter().map(|s| s.expect("saved")).collect();
             let st = st.expect("saved");
-            let mut stream_restored: Vec<Option<(f64, Link)>> = vec![None; 3];
+            let mut stream_restored: Vec<Option<(f64, Link, RestoreCpu)>> = vec![None; 3];
             let mut sr = None;
             for &k in &order {
                 if k == 3 {
@@ -278,10 +328,10 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                     stream_restored[k] = Some(restore_stream(&host, &g, &dir, &streams[k], &mut port)?);
                 }
             }
-            let restored: Vec<(f64, Link)> = stream_restored.into_iter().map(|r| r.expect("restored")).collect();
-            let (t, restore_link, rr, restore_cpu) = sr.expect("restored");
+            let restored: Vec<(f64, Link, RestoreCpu)> = stream_restored.into_iter().map(|r| r.expect("restored")).collect();
+            let (t, restore_link, rr, restore_cpu, host_cpu) = sr.expect("restored");
             let (cat_save, cat_restore) = (streams[0].save_s, restored[0].0);
-            for (s, (rt, rl)) in streams.iter().zip(&restored) {
+            for (s, (rt, rl, rc)) in streams.iter().zip(&restored) {
                 round_rows.push(Row {
                     mem_mib: mem,
                     round: Some(round),
@@ -295,6 +345,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                     restore_vs_cat: rt / cat_restore,
                     codec: s.name.trim_start_matches("exec:").to_string(),
                     verified: false,
+                    restore_cpu: *rc,
                 });
             }
             round_rows.push(Row {
@@ -310,6 +361,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                 restore_vs_cat: t / cat_restore,
                 codec: st.report.codec.chosen.to_string(),
                 verified: true,
+                restore_cpu: host_cpu,
             });
             reports.push(serde_json::json!({
                 "mem_mib": mem, "round": round, "save": st.report, "save_fsync_s": st.fsync_s, "save_objects_synced_live": st.synced_live, "restore": rr,

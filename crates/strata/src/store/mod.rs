@@ -192,15 +192,20 @@ impl Shared {
 }
 
 /// Smallest pack sealed early while one pack is waiting or uploading, on a network backend:
-/// a second upload starts as soon as a MiB is ready, so the link always has two in flight
-/// and one request's latency is hidden behind the other (with 4 MiB here, a 128 MiB save
-/// ran one upload at a time for its first 100 ms and the link was ~85% busy; `bench
-/// save-restore --remote`, session 5). While both are in flight packs grow, so a large save
-/// does not pay a request per MiB.
-pub const EARLY_SEAL_BYTES: u64 = 1 << 20;
+/// a second upload starts once this much is ready, so the link has two in flight and one
+/// request's latency is hidden behind the other. While both are in flight packs grow, so a
+/// large save does not pay a request per pack-let. History: 1 MiB from session 5 (4 MiB then
+/// left a 128 MiB save one upload at a time for its first 100 ms); 8 MiB since session 11,
+/// when a 128 MiB save made ~45 objects of ~0.5 MB and the server's per-object work (request,
+/// file, fsync) was what the 2-core host ran short of: over 12 alternating rounds each
+/// (`bench save-restore --remote --sizes 128`), 2 MiB / 8 MiB made 11–17 objects instead of 33–50, cut
+/// versitygw's CPU per restore from 0.12–0.18 to 0.07–0.13 s, and the median save from 0.40
+/// to 0.355 s; restores were within the noise (docs/results/README.md, session 11).
+pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// Smallest pack sealed early while nothing is uploading: the link would otherwise idle until
-/// more is ready. 256 KiB: the first pack of a 128 MiB save left ~5 ms sooner than at 1 MiB.
-pub const EARLY_SEAL_IDLE_BYTES: u64 = 256 << 10;
+/// more is ready. 2 MiB (was 256 KiB): the first upload leaves ~20 ms into a 128 MiB save
+/// instead of ~3 ms, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
+pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
