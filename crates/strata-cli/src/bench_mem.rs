@@ -85,6 +85,12 @@ pub enum MemBenchCmd {
         /// taking turns at going first; medians are reported (the link and 2 cores are noisy).
         #[arg(long, default_value_t = 4)]
         rounds: u32,
+        /// For --remote: do not warm host memory before each timed step. These hosts are VMs
+        /// that hand free memory back to their hypervisor; by default every method's save and
+        /// restore is preceded by touching and freeing memory, outside its clock, so it gets
+        /// backed pages as on bare metal (see docs/results/README.md).
+        #[arg(long)]
+        no_warm: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -144,10 +150,11 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             restore_workers,
             codec,
             rounds,
+            no_warm,
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, !*no_warm, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,

@@ -35,7 +35,8 @@ use strata::store::Store;
 use strata::Codec;
 
 use crate::bench_guest::{check_sum, desktop_guest, Workload, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
-use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, Link, Relay, StorageHost};
+use crate::bench_hostmem::{touch, warm_mib};
+use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -128,12 +129,13 @@ struct StreamSaved {
     remote: std::path::PathBuf,
 }
 
-fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: usize, port: &mut u16) -> Result<StreamSaved> {
+fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: usize, port: &mut u16, warm: u32) -> Result<StreamSaved> {
     let (name, enc, dec, file) = STREAMS[i];
     let remote = host.dir().join(format!("m{mem}-{file}"));
     *port += 1;
     let relay = Relay::receive(host, *port, remote.clone())?;
     let uri = relay.exec_save(enc);
+    touch(warm);
     let l0 = host.link();
     let (s, n) = qemu_save_remote(q, &uri, relay)?;
     let link = host.link().since(l0);
@@ -143,11 +145,12 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
 
 /// A stream's restore into a fresh `-incoming defer` QEMU: seconds and link bytes. The file
 /// is removed afterwards.
-fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, port: &mut u16) -> Result<(f64, Link, RestoreCpu)> {
+fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, port: &mut u16, warm: u32) -> Result<(f64, Link, RestoreCpu)> {
     let mut d = start_dest(g, dir, &format!("dst-{}", s.name.trim_start_matches("exec:").replace(' ', "")))?;
     *port += 1;
     let relay = Relay::send(host, *port, s.remote.clone())?;
     let uri = relay.exec_restore(s.decoder);
+    touch(warm);
     let l0 = host.link();
     let c0 = RestoreCpu::sample(&d);
     let t = qemu_restore(&mut d, &uri)?;
@@ -170,10 +173,11 @@ struct StrataSaved {
     cpu: (f64, f64),
 }
 
-fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, prefix: &str, codec: CodecPolicy) -> Result<StrataSaved> {
+fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, prefix: &str, codec: CodecPolicy, warm: u32) -> Result<StrataSaved> {
     let (backend, _) = host.s3(prefix, None)?;
     let meta = dir.join(format!("{prefix}-meta"));
     let store = StorageHost::init_store(backend, &meta, Codec::Lz4)?;
+    touch(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
     let wb = StorageHost::sync_objects(host.bucket_dir().join(prefix));
@@ -204,25 +208,30 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
 /// strata's restore: the index is local (this host saved it), the pages come over the link.
 /// Seconds until QEMU reported the load completed, as for the streams (resuming the guest
 /// after it, in `total_ms`, is not in their times either).
-fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
+fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize, warm: u32) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
     let mut d = start_dest(g, dir, "dst-strata")?;
+    touch(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
+    let self0 = proc_cpu_split("/proc/self/stat");
     let c0 = RestoreCpu::sample(&d);
     let opts = RestoreOptions { workers, read_bytes: RESTORE_READ_BYTES, ..Default::default() };
     let rr = strata::memory::restore::restore(&s.store, "bench", &mut d.qmp, &opts, &NoProgress)?;
     let link = host.link().since(l0);
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
     let host_cpu = RestoreCpu::since(&d, c0);
+    let self1 = proc_cpu_split("/proc/self/stat");
     check_sum(&d, w)?;
     let t = rr.load_ms / 1e3;
     eprintln!(
-        "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {:.2}, strata {:.2}, {host_cpu}; memwork sum verified)",
+        "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (plan {:.2} s; CPU s: versitygw {:.2}, strata {:.2} ({:.2} sys, {} faults), {host_cpu}; memwork sum verified)",
         "strata",
         mb(link.total()),
         rr.plan_ms / 1e3,
         cpu.0,
-        cpu.1
+        cpu.1,
+        self1.1 - self0.1,
+        self1.2 - self0.2
     );
     Ok((t, link, rr, cpu, host_cpu))
 }
@@ -281,7 +290,8 @@ fn slower_cells(rows: &[Row]) -> Vec<(u32, Option<u32>, &'static str, f64)> {
     out
 }
 
-pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, out: &Path, scratch: Option<&Path>) -> Result<()> {
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
@@ -290,6 +300,13 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         crate::bench_disk::ensure_tool(t)?;
     }
     let host = StorageHost::up(tmp.path())?;
+    let probe = crate::bench_hostmem::probe();
+    eprintln!(
+        "host memory: touching fresh memory costs {:.2} ms/MiB after a pause, {:.2} ms/MiB right after a free; {}",
+        probe.after_pause_ms_per_mib,
+        probe.right_after_free_ms_per_mib,
+        if warm_memory { "every timed step is preceded by a warm (--no-warm to measure without)" } else { "no warm (--no-warm)" }
+    );
     let mut round_rows: Vec<Row> = Vec::new();
     let mut reports: Vec<serde_json::Value> = Vec::new();
     let mut workloads = Vec::new();
@@ -299,6 +316,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         std::fs::create_dir_all(&dir)?;
         eprintln!("bench save-restore --remote: {mem} MiB guest ({mach})");
         let (g, w, mut q) = desktop_guest(&fx, mem, m, &format!("sr{mem}"))?;
+        let warm = warm_mib(mem, warm_memory);
         for round in 0..rounds {
             // The four methods take turns at going first, in the saves and in the restores:
             // whatever state one leaves the host in (page cache, a guest just resumed) falls
@@ -312,9 +330,9 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             let mut st = None;
             for &k in &order {
                 if k == 3 {
-                    st = Some(strata_save(&host, &mut q, &dir, &prefix, codec)?);
+                    st = Some(strata_save(&host, &mut q, &dir, &prefix, codec, warm)?);
                 } else {
-                    stream_saved[k] = Some(save_stream(&host, &mut q, mem, k, &mut port)?);
+                    stream_saved[k] = Some(save_stream(&host, &mut q, mem, k, &mut port, warm)?);
                 }
             }
             let streams: Vec<StreamSaved> = stream_saved.into_iter().map(|s| s.expect("saved")).collect();
@@ -323,9 +341,9 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             let mut sr = None;
             for &k in &order {
                 if k == 3 {
-                    sr = Some(strata_restore(&host, &st, &g, &dir, &w, workers)?);
+                    sr = Some(strata_restore(&host, &st, &g, &dir, &w, workers, warm)?);
                 } else {
-                    stream_restored[k] = Some(restore_stream(&host, &g, &dir, &streams[k], &mut port)?);
+                    stream_restored[k] = Some(restore_stream(&host, &g, &dir, &streams[k], &mut port, warm)?);
                 }
             }
             let restored: Vec<(f64, Link, RestoreCpu)> = stream_restored.into_iter().map(|r| r.expect("restored")).collect();
@@ -463,15 +481,21 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     let json = serde_json::json!({
         "benchmark": "save-restore-remote",
         "command": format!(
-            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}",
+            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}",
             sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
-            if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") }
+            if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") },
+            if warm_memory { "" } else { " --no-warm" }
         ),
         "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw (S3, posix backend) there",
-        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands (inotify), and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); `rows` are the medians over the rounds, `round_rows` every round",
+        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands (inotify), and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
         "rounds": rounds,
+        "host_memory": {
+            "probe": probe,
+            "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
+            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It covers about a second of allocation (capped at 512 MiB + 64). --no-warm turns it off",
+        },
         "restore_workers": workers,
         "codec_policy": codec.to_string(),
         "restore_read_bytes": RESTORE_READ_BYTES,

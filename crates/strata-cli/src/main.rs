@@ -8,6 +8,7 @@
 mod bench;
 mod bench_disk;
 mod bench_guest;
+mod bench_hostmem;
 mod bench_io;
 mod bench_mem;
 mod bench_multifd;

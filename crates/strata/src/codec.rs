@@ -81,31 +81,51 @@ impl Codec {
 
     /// Decompress a frame that must expand to exactly `raw_len` bytes.
     pub fn decompress(self, stored: &[u8], raw_len: usize) -> Result<Vec<u8>, CodecError> {
+        let mut out = Vec::new();
+        self.decompress_into(stored, raw_len, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`decompress`](Self::decompress), into `out`, whose allocation is reused: a restore
+    /// decodes every frame into recycled buffers instead of touching fresh memory for each.
+    /// On error `out` holds no meaningful bytes.
+    pub fn decompress_into(self, stored: &[u8], raw_len: usize, out: &mut Vec<u8>) -> Result<(), CodecError> {
         if raw_len > MAX_FRAME_RAW {
             return Err(CodecError::TooLarge(raw_len));
         }
-        let out = match self {
-            Codec::None => stored.to_vec(),
-            Codec::Lz4 => lz4_flex::block::decompress(stored, raw_len).map_err(|e| {
-                CodecError::Corrupt { codec: self, reason: e.to_string() }
-            })?,
-            Codec::Zstd(_) => ZSTD_D
-                .with(|d| {
-                    let mut d = d.borrow_mut();
-                    if d.is_none() {
-                        *d = zstd::bulk::Decompressor::new().ok();
-                    }
-                    match d.as_mut() {
-                        Some(d) => d.decompress(stored, raw_len),
-                        None => zstd::bulk::decompress(stored, raw_len),
-                    }
-                })
-                .map_err(|e| CodecError::Corrupt { codec: self, reason: e.to_string() })?,
-        };
+        let corrupt = |reason: String| CodecError::Corrupt { codec: self, reason };
+        match self {
+            Codec::None => {
+                out.clear();
+                out.extend_from_slice(stored);
+            }
+            Codec::Lz4 => {
+                // A recycled buffer usually has the length already: no zero-fill then.
+                out.resize(raw_len, 0);
+                let n = lz4_flex::block::decompress_into(stored, out).map_err(|e| corrupt(e.to_string()))?;
+                out.truncate(n);
+            }
+            Codec::Zstd(_) => {
+                out.clear();
+                out.reserve_exact(raw_len);
+                ZSTD_D
+                    .with(|d| {
+                        let mut d = d.borrow_mut();
+                        if d.is_none() {
+                            *d = zstd::bulk::Decompressor::new().ok();
+                        }
+                        match d.as_mut() {
+                            Some(d) => d.decompress_to_buffer(stored, out),
+                            None => zstd::bulk::Decompressor::new().and_then(|mut d| d.decompress_to_buffer(stored, out)),
+                        }
+                    })
+                    .map_err(|e| corrupt(e.to_string()))?;
+            }
+        }
         if out.len() != raw_len {
             return Err(CodecError::WrongLength { got: out.len(), expected: raw_len });
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -155,6 +175,29 @@ mod tests {
             assert_eq!(Codec::from_bytes(b, l).unwrap(), c);
         }
         assert!(Codec::None.compress(&data).is_none());
+    }
+
+    #[test]
+    fn decompress_into_reuses_a_buffer_and_still_checks_the_length() {
+        let data: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+        let half = &data[..32768];
+        for c in [Codec::Lz4, Codec::Zstd(1)] {
+            let z = c.compress(&data).unwrap();
+            let zh = c.compress(half).unwrap();
+            // A recycled buffer, larger than the frame and holding old bytes.
+            let mut buf = vec![0xeeu8; 2 * data.len()];
+            c.decompress_into(&zh, half.len(), &mut buf).unwrap();
+            assert_eq!(buf, half);
+            c.decompress_into(&z, data.len(), &mut buf).unwrap();
+            assert_eq!(buf, data);
+            // A frame that expands beyond its recorded length is corrupt, even with room.
+            let mut big = Vec::with_capacity(4 * data.len());
+            assert!(c.decompress_into(&z, half.len(), &mut big).is_err());
+            assert!(c.decompress_into(&zh, data.len(), &mut big).is_err());
+        }
+        let mut buf = vec![1u8; 10];
+        Codec::None.decompress_into(b"abcd", 4, &mut buf).unwrap();
+        assert_eq!(buf, b"abcd");
     }
 
     #[test]

@@ -452,8 +452,10 @@ impl Backend for S3Backend {
     fn get(&self, key: &str) -> BResult<Vec<u8>> {
         let path = self.path(key)?;
         let store = self.store.clone();
+        // `Vec::from` takes over the body's buffer when nothing else holds it: no copy into
+        // fresh memory.
         self.call("get", key, async move { store.get(&path).await?.bytes().await })
-            .map(|b| b.to_vec())
+            .map(Vec::from)
     }
 
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
@@ -472,7 +474,7 @@ impl Backend for S3Backend {
             Ok((size, r.bytes().await?))
         });
         match res {
-            Ok((size, bytes)) if end <= size && bytes.len() as u64 == len => Ok(bytes.to_vec()),
+            Ok((size, bytes)) if end <= size && bytes.len() as u64 == len => Ok(Vec::from(bytes)),
             Ok(_) => Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
             Err(e) => Err(past_end(e)),
         }

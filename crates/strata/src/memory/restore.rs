@@ -228,7 +228,7 @@ fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame: u32, u: u3
     };
     let end = off + f.len as u64;
     match jobs.last_mut() {
-        Some(j) if j.pack == pack && off >= j.end && off - j.end <= 256 << 10 && end - j.start <= read_bytes => {
+        Some(j) if j.pack == pack && off >= j.end && off - j.end <= READ_GAP && end - j.start <= read_bytes => {
             j.end = end;
             j.frames.push(frame);
         }
@@ -247,6 +247,38 @@ fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame: u32, u: u3
 /// last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`, session 8).
 fn order_reads(jobs: &mut [Job]) {
     jobs.sort_by_key(|j| std::cmp::Reverse(j.end - j.start));
+}
+
+/// Largest gap between two frames of one read (see [`add_to_jobs`]).
+const READ_GAP: u64 = 256 << 10;
+
+/// A pack's last read holds whatever is left after the full ones, often a few dozen KiB; with
+/// one per pack (11-17 packs in a 128 MiB checkpoint) and the smallest reads last, a traced
+/// 128 MiB restore spent its last ~27 ms on eleven such reads of 12-270 KB, four at a time,
+/// each waiting a request's round trip: ~0.7 MB that the link moves in 6 ms. A last read
+/// smaller than a quarter of the read size is folded into the read before it (same pack, gap
+/// within [`READ_GAP`]), so reads grow to at most 1.25x the read size and the restore ends on
+/// reads big enough to keep the link busy. Expects the reads in pack and offset order.
+fn fold_small_tails(jobs: Vec<Job>, read_bytes: u64) -> Vec<Job> {
+    let mut out: Vec<Job> = Vec::with_capacity(jobs.len());
+    let mut it = jobs.into_iter().peekable();
+    while let Some(j) = it.next() {
+        let last_of_pack = it.peek().is_none_or(|next| next.pack != j.pack);
+        match out.last_mut() {
+            Some(prev)
+                if last_of_pack
+                    && prev.pack == j.pack
+                    && j.end - j.start < read_bytes / 4
+                    && j.start >= prev.end
+                    && j.start - prev.end <= READ_GAP =>
+            {
+                prev.end = j.end;
+                prev.frames.extend(j.frames);
+            }
+            _ => out.push(j),
+        }
+    }
+    out
 }
 
 /// One read: a range of a pack covering several frames.
@@ -688,6 +720,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         ref_ranges.last_mut().expect("pushed").1 += 1;
     }
     drop((ids, pages, frames_of));
+    let mut jobs = fold_small_tails(jobs, read_bytes);
     order_reads(&mut jobs);
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     let early = prefetch(store, &jobs);
@@ -751,6 +784,37 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     })
 }
 
+/// Decoded frames' buffers, handed back by the writer once their pages are in the stream and
+/// taken again by the decoders: a restore touches its working set once instead of fresh memory
+/// for every frame. Fresh memory is a page fault per 4 KiB, and on a host whose free memory
+/// is handed back to a hypervisor an expensive one (`bench save-restore --remote` logs the
+/// faults of every restore).
+struct Buffers {
+    free: parking_lot::Mutex<Vec<Vec<u8>>>,
+}
+
+/// Buffers kept for reuse (of up to a frame each: 64 KiB for memory frames).
+const KEPT_BUFFERS: usize = 512;
+
+impl Buffers {
+    fn new() -> Buffers {
+        Buffers {
+            free: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn take(&self) -> Vec<u8> {
+        self.free.lock().pop().unwrap_or_default()
+    }
+
+    fn give(&self, b: Vec<u8>) {
+        let mut free = self.free.lock();
+        if free.len() < KEPT_BUFFERS {
+            free.push(b);
+        }
+    }
+}
+
 /// A verified frame: its raw bytes and the pages (unique ids) to write from it.
 struct Decoded {
     raw: Vec<u8>,
@@ -791,7 +855,7 @@ fn fetch_job(store: &Store, plan: &Plan, j: usize, job: &Job) -> Fetched {
 }
 
 /// Check, decompress and verify the frames of one read.
-fn decode_job(plan: &Plan, job: &Job, bytes: &[u8]) -> Result<Vec<Decoded>, (u32, StoreError)> {
+fn decode_job(plan: &Plan, job: &Job, bytes: &[u8], bufs: &Buffers) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let mut out = Vec::with_capacity(job.frames.len());
     for f in &job.frames {
         let a = (f.off - job.start) as usize;
@@ -813,9 +877,9 @@ fn decode_job(plan: &Plan, job: &Job, bytes: &[u8]) -> Result<Vec<Decoded>, (u32
         if crc(stored) != f.crc {
             return Err(corrupt(u0, "frame checksum mismatch".into()));
         }
-        let raw = f
-            .codec
-            .decompress(stored, f.raw_len as usize)
+        let mut raw = bufs.take();
+        f.codec
+            .decompress_into(stored, f.raw_len as usize, &mut raw)
             .map_err(|e| corrupt(u0, e.to_string()))?;
         // Every page is verified against its id, a frame's pages hashed together.
         let mut pages: Vec<&[u8; PAGE_SIZE]> = Vec::with_capacity(f.chunks.len());
@@ -954,6 +1018,7 @@ pub fn stream<W: Write>(
     // Shared by the decoders and dropped with the last of them, so a fetcher blocked on a full
     // queue wakes up (with an error) when the decoders stop.
     let frx = std::sync::Arc::new(parking_lot::Mutex::new(frx));
+    let bufs = Buffers::new();
     let mut bytes_read = 0u64;
     let result: Result<(), MemError> = std::thread::scope(|s| {
         for i in 0..fetchers {
@@ -986,7 +1051,7 @@ pub fn stream<W: Write>(
         }
         drop(ftx);
         for i in 0..workers {
-            let (tx, frx, plan, stop) = (tx.clone(), frx.clone(), &plan, &stop);
+            let (tx, frx, plan, stop, bufs) = (tx.clone(), frx.clone(), &plan, &stop, &bufs);
             std::thread::Builder::new()
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
@@ -995,7 +1060,7 @@ pub fn stream<W: Write>(
                     if stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    let r = decode_job(plan, &plan.jobs[j], &bytes);
+                    let r = decode_job(plan, &plan.jobs[j], &bytes, bufs);
                     drop(bytes);
                     let failed = r.is_err();
                     if tx.send(r).is_err() || failed {
@@ -1030,6 +1095,7 @@ pub fn stream<W: Write>(
                             }
                         }
                         progress.advance(n * PAGE_SIZE as u64);
+                        bufs.give(d.raw);
                     }
                 }
                 Err((u, source)) => {
@@ -1081,9 +1147,20 @@ pub fn restore(
     let t0 = Instant::now();
     let ckpt = load_checkpoint(store, name)?;
     let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
-    check_target(&ckpt, qmp)?;
-    let checked_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let prepared = prepare(store, &ckpt, opts)?;
+    // The target check (a few QMP queries) runs while the plan reads the page maps: neither
+    // changes the target, so a restore that fails here still leaves QEMU untouched. A wrong
+    // target is reported before a damaged checkpoint, as when they ran one after the other.
+    let (checked, prepared) = std::thread::scope(|s| {
+        let plan = std::thread::Builder::new()
+            .name("strata-plan".into())
+            .spawn_scoped(s, || prepare(store, &ckpt, opts))
+            .expect("spawn restore planner");
+        let checked = check_target(&ckpt, qmp);
+        (checked, plan.join())
+    });
+    checked?;
+    let checked_and_planned_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let prepared = prepared.map_err(|_| MemError::Panic { what: "restore planner" })??;
     let path = qmp.path().to_path_buf();
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
     let sock = dir.join(format!(
@@ -1115,7 +1192,7 @@ pub fn restore(
             source: last.expect("an error"),
         });
     };
-    tracing::debug!(target: TARGET, name, loaded_ms, checked_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
+    tracing::debug!(target: TARGET, name, loaded_ms, checked_and_planned_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
     let (conn, mut report) = stream(prepared, conn, opts, progress)?;
     let _ = conn.shutdown(std::net::Shutdown::Write);
     drop(conn);
@@ -1293,6 +1370,42 @@ mod tests {
         same[1].end = 2001;
         order_reads(&mut same);
         assert_eq!(same[0].start, 3000, "stable for equal sizes");
+    }
+
+    #[test]
+    fn a_packs_small_last_read_is_folded_into_the_one_before() {
+        let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false };
+        let (a, b, c) = (PackId([1; 16]), PackId([2; 16]), PackId([3; 16]));
+        let mut jobs = Vec::new();
+        // Pack a: two full 1 MiB reads and a 100 KB remainder; pack b: a full read and a
+        // 300 KB remainder (over a quarter: kept); pack c: a single small read (kept).
+        let mut u = 0;
+        let mut add = |jobs: &mut Vec<Job>, p: PackId, off: u64, len: u32| {
+            add_to_jobs(jobs, p, off, 0, u, &meta(len), 1 << 20);
+            u += 1;
+        };
+        for k in 0..32u64 {
+            add(&mut jobs, a, k * 65536, 65536);
+        }
+        add(&mut jobs, a, 32 * 65536, 100_000);
+        for k in 0..16u64 {
+            add(&mut jobs, b, k * 65536, 65536);
+        }
+        add(&mut jobs, b, 16 * 65536, 300_000);
+        add(&mut jobs, c, 0, 5_000);
+        assert_eq!(jobs.len(), 6);
+        let folded = fold_small_tails(jobs, 1 << 20);
+        let spans: Vec<(PackId, u64, u64, usize)> = folded.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+        assert_eq!(
+            spans,
+            vec![
+                (a, 0, 1 << 20, 16),
+                (a, 1 << 20, (2 << 20) + 100_000, 17),
+                (b, 0, 1 << 20, 16),
+                (b, 1 << 20, (1 << 20) + 300_000, 1),
+                (c, 0, 5_000, 1),
+            ]
+        );
     }
 
     #[test]

@@ -1,0 +1,100 @@
+//! Host memory on a benchmark host that hands its free memory back to its own hypervisor.
+//!
+//! The machines these benchmarks run on are VMs with free page reporting: memory that has
+//! been free for about a second is reported to the outer hypervisor, which drops it, and the
+//! next process to touch it pays an outer fault per page. Touching 128 MiB of such memory
+//! costs ~0.45 s of system time, against ~0.02 s for memory freed a moment before
+//! (`probe` measures both in every run). A restore's target QEMU touches its guest's RAM as
+//! the pages arrive, so a restore that happens to land on reported memory runs 0.3-0.4 s
+//! slower at 128 MiB, whichever method it is: more than the margins being measured. It is
+//! luck which one does (most often the first after a pause). A bare-metal KVM host, which is
+//! what strata is for, has no such cost.
+//!
+//! `warm` touches and frees memory just before a timed save or restore, outside its clock and
+//! for every method alike, so the kernel's free lists hold backed pages for whichever process
+//! allocates next. It only covers what is allocated within about a second of it: the first
+//! few hundred MiB of a large restore, all of a small one. `bench save-restore --remote
+//! --no-warm` measures without it.
+
+use std::time::{Duration, Instant};
+
+/// Largest warm: memory is reported again about a second after it is freed, so more than a
+/// second's worth of allocation would not stay backed until it is used.
+pub const WARM_CAP_MIB: u32 = 512;
+
+/// Extra memory warmed beyond the guest's RAM (buffers, page cache of what the step writes).
+const WARM_EXTRA_MIB: u32 = 64;
+
+/// MiB to warm before a timed step of a guest of `mem_mib`; 0 when warming is off.
+pub fn warm_mib(mem_mib: u32, on: bool) -> u32 {
+    if on {
+        mem_mib.min(WARM_CAP_MIB) + WARM_EXTRA_MIB
+    } else {
+        0
+    }
+}
+
+/// Touch `mib` MiB of fresh anonymous memory (one byte per 4 KiB page, huge pages allowed) and
+/// free it; seconds taken. Nothing happens (0 s) for 0 or if the mapping fails.
+pub fn touch(mib: u32) -> f64 {
+    if mib == 0 {
+        return 0.0;
+    }
+    let len = (mib as usize) << 20;
+    let t = Instant::now();
+    // SAFETY: a private anonymous mapping of `len` bytes, written only inside its bounds and
+    // unmapped before returning; no reference to it escapes.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            return 0.0;
+        }
+        libc::madvise(p, len, libc::MADV_HUGEPAGE);
+        let b = p as *mut u8;
+        for off in (0..len).step_by(4096) {
+            std::ptr::write_volatile(b.add(off), 1);
+        }
+        libc::munmap(p, len);
+    }
+    t.elapsed().as_secs_f64()
+}
+
+/// What touching fresh memory costs on this host, in ms per MiB: after a pause (memory the
+/// host may have handed back) and right after a warm.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Probe {
+    pub after_pause_ms_per_mib: f64,
+    pub right_after_free_ms_per_mib: f64,
+}
+
+pub fn probe() -> Probe {
+    const MIB: u32 = 64;
+    std::thread::sleep(Duration::from_millis(2500));
+    let cold = touch(MIB);
+    let warm = touch(MIB);
+    Probe {
+        after_pause_ms_per_mib: cold * 1e3 / MIB as f64,
+        right_after_free_ms_per_mib: warm * 1e3 / MIB as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warm_is_capped_and_off_means_zero() {
+        assert_eq!(warm_mib(128, true), 128 + WARM_EXTRA_MIB);
+        assert_eq!(warm_mib(2048, true), WARM_CAP_MIB + WARM_EXTRA_MIB);
+        assert_eq!(warm_mib(2048, false), 0);
+        assert_eq!(touch(0), 0.0);
+        assert!(touch(4) > 0.0);
+    }
+}
