@@ -91,6 +91,11 @@ pub enum MemBenchCmd {
         /// backed pages as on bare metal (see docs/results/README.md).
         #[arg(long)]
         no_warm: bool,
+        /// For --remote: restore as a host that did not save the checkpoint. strata keeps the
+        /// page maps it writes in the saving host's local tree cache; this deletes them before
+        /// every strata restore, so they cross the link as on any other host.
+        #[arg(long)]
+        cold_maps: bool,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -151,10 +156,11 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             codec,
             rounds,
             no_warm,
+            cold_maps,
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, !*no_warm, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, !*no_warm, *cold_maps, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,

@@ -205,11 +205,19 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu })
 }
 
-/// strata's restore: the index is local (this host saved it), the pages come over the link.
+/// strata's restore: the index and (unless `cold_maps`) the page maps are local (this host saved
+/// them), the pages come over the link.
 /// Seconds until QEMU reported the load completed, as for the streams (resuming the guest
 /// after it, in `total_ms`, is not in their times either).
-fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize, warm: u32) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
+fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize, warm: u32, cold_maps: bool) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
     let mut d = start_dest(g, dir, "dst-strata")?;
+    if cold_maps {
+        // As on a host that did not save it: the page maps come over the link.
+        let trees = s.store.tree_cache().context("an S3 store has a tree cache")?.dir().to_path_buf();
+        if trees.exists() {
+            std::fs::remove_dir_all(&trees).with_context(|| format!("removing {}", trees.display()))?;
+        }
+    }
     touch(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
@@ -291,7 +299,7 @@ fn slower_cells(rows: &[Row]) -> Vec<(u32, Option<u32>, &'static str, f64)> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, cold_maps: bool, out: &Path, scratch: Option<&Path>) -> Result<()> {
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
@@ -341,7 +349,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             let mut sr = None;
             for &k in &order {
                 if k == 3 {
-                    sr = Some(strata_restore(&host, &st, &g, &dir, &w, workers, warm)?);
+                    sr = Some(strata_restore(&host, &st, &g, &dir, &w, workers, warm, cold_maps)?);
                 } else {
                     stream_restored[k] = Some(restore_stream(&host, &g, &dir, &streams[k], &mut port, warm)?);
                 }
@@ -481,14 +489,20 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     let json = serde_json::json!({
         "benchmark": "save-restore-remote",
         "command": format!(
-            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}",
+            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}{}",
             sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
             if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") },
-            if warm_memory { "" } else { " --no-warm" }
+            if warm_memory { "" } else { " --no-warm" },
+            if cold_maps { " --cold-maps" } else { "" }
         ),
+        "page_maps": if cold_maps {
+            "cold: this host's copies of the page maps were deleted before every strata restore, so the maps crossed the link as on a host that did not save the checkpoint"
+        } else {
+            "local: the restoring host is the one that saved, and reads the page maps from its tree cache (the pages still all cross the link); --cold-maps measures a host without them"
+        },
         "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw (S3, posix backend) there",
-        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands (inotify), and the end fsyncs every object file and directory again); restore reads every page through the link (no cache), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
+        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache, plus an fsync of every object file it wrote (versitygw does not fsync; as a durable server would, a watcher fsyncs each object as it lands (inotify), and the end fsyncs every object file and directory again); restore reads every page through the link (no SSD cache; the page maps from this host's tree cache unless --cold-maps, see page_maps), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
         "rounds": rounds,
         "host_memory": {

@@ -8,21 +8,34 @@
 
 use crate::id::ChunkId;
 use crate::store::objects::Tree;
+use crate::store::pack::ChunkKind;
 use crate::store::{Result, Session, Store, StoreError};
 
 pub const LEAF_IDS: usize = 2048;
 
 /// Write a block map; returns the root tree id.
 pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {
+    write_map_with(ses, blocks, &mut |_, _| {})
+}
+
+/// [`write_map`], handing every tree chunk written (id, raw bytes) to `each` (a memory save
+/// keeps its page maps in the store's tree cache).
+pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(ChunkId, &[u8])) -> Result<ChunkId> {
+    let mut put = |t: Tree| -> Result<ChunkId> {
+        let raw = t.encode();
+        let id = ses.put(&raw, ChunkKind::Tree)?;
+        each(id, &raw);
+        Ok(id)
+    };
     let mut leaves = Vec::with_capacity(blocks.len().div_ceil(LEAF_IDS));
     for part in blocks.chunks(LEAF_IDS) {
         if part.iter().all(|c| c.is_zero()) {
             leaves.push(ChunkId::ZERO);
         } else {
-            leaves.push(ses.put_tree(&Tree { children: part.to_vec(), payload: vec![] })?);
+            leaves.push(put(Tree { children: part.to_vec(), payload: vec![] })?);
         }
     }
-    ses.put_tree(&Tree { children: leaves, payload: (blocks.len() as u64).to_le_bytes().to_vec() })
+    put(Tree { children: leaves, payload: (blocks.len() as u64).to_le_bytes().to_vec() })
 }
 
 /// Read a whole block map back.

@@ -540,9 +540,27 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
             source,
         })
     };
+    // Trees this host has a copy of (it saved or restored the checkpoint before) are not
+    // fetched; fetched ones are kept for next time.
+    let cache = store.tree_cache();
     let decode_all = |ids: &[ChunkId]| -> Result<Vec<Tree>, (usize, StoreError)> {
-        let raw = get_chunks(store, ids, threads)?;
-        ids.iter().zip(&raw).enumerate().map(|(i, (id, r))| decode(id, r).map_err(|e| (i, e))).collect()
+        let mut raw: Vec<Option<Vec<u8>>> = ids.iter().map(|id| cache.and_then(|c| c.get(id))).collect();
+        let missing: Vec<usize> = (0..ids.len()).filter(|&i| raw[i].is_none()).collect();
+        if !missing.is_empty() {
+            let want: Vec<ChunkId> = missing.iter().map(|&i| ids[i]).collect();
+            let got = get_chunks(store, &want, threads).map_err(|(k, e)| (missing[k], e))?;
+            for (&i, r) in missing.iter().zip(got) {
+                if let Some(c) = cache {
+                    c.put(&ids[i], &r);
+                }
+                raw[i] = Some(r);
+            }
+        }
+        ids.iter()
+            .zip(raw)
+            .enumerate()
+            .map(|(i, (id, r))| decode(id, &r.expect("every tree read")).map_err(|e| (i, e)))
+            .collect()
     };
     let tops = decode_all(roots)?;
     let mut counts = Vec::with_capacity(tops.len());
@@ -601,12 +619,14 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
+    let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
     let maps = read_maps(store, &ckpt.map_roots, MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
         name: name.clone(),
         what: format!("page map of ramblock '{}'", m.blocks[bi].name),
         source,
     })?;
     let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let map_trees_local = store.tree_cache().map_or(0, |c| c.counters().0) - hits0;
     for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
         if map.len() as u64 != b.pages() {
             return Err(MemError::MetaDamaged {
@@ -632,6 +652,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
     // Locate every page (one index lock per batch, not per page); a missing chunk is reported
     // now, before QEMU is touched. Sorting the pages by their place in the packs groups the
     // pages that share a chunk (one chunk, one place) and orders the reads, with no sort by id.
+    let listed_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len()); // pack, frame off, off in frame, page
     let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len()); // by page
     let mut bad: Option<(usize, StoreError)> = None;
@@ -682,6 +703,7 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
             source,
         });
     }
+    let looked_up_ms = t0.elapsed().as_secs_f64() * 1e3;
     hits.sort_unstable();
     // Frames' stored bytes, for the read size.
     let mut stored = 0u64;
@@ -763,6 +785,9 @@ fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, 
         target: TARGET,
         name,
         maps_ms,
+        map_trees_local,
+        listed_ms,
+        looked_up_ms,
         located_ms,
         heads_ms,
         tail_ms = t0.elapsed().as_secs_f64() * 1e3,

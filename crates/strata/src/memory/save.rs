@@ -44,7 +44,7 @@ use super::manifest::{
     StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
 };
 use crate::codec::Codec;
-use crate::disk::map::write_map;
+use crate::disk::map::write_map_with;
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
 use crate::qmp::{machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent, Request};
@@ -537,7 +537,15 @@ fn save_inner(
         let maps = &ingested.maps;
         let writer = s.spawn(move || -> Result<Vec<ChunkId>, MemError> {
             maps.iter()
-                .map(|ids| write_map(ses, ids).map_err(MemError::store("page map write", name)))
+                .map(|ids| {
+                    // This host keeps a copy, so restoring here needs no map from the link.
+                    let mut keep = |id: ChunkId, raw: &[u8]| {
+                        if let Some(c) = ses.store().tree_cache() {
+                            c.put(&id, raw)
+                        }
+                    };
+                    write_map_with(ses, ids, &mut keep).map_err(MemError::store("page map write", name))
+                })
                 .collect()
         });
         let mut blocks = Vec::with_capacity(maps.len());

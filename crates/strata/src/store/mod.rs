@@ -29,6 +29,7 @@ pub mod meta;
 pub mod objects;
 pub mod pack;
 pub mod slice;
+pub mod tree_cache;
 mod writer;
 
 use crate::backend::{local::LocalBackend, BackendError, DynBackend, ErrorKind};
@@ -245,6 +246,8 @@ pub(crate) struct Inner {
     pub local_dir: PathBuf,
     /// Verified piece CVs and decompressed chunks, shared by every reader (`slice.rs`).
     pub slices: slice::SliceCache,
+    /// Local copies of page-map trees (network backends only; `tree_cache.rs`).
+    pub trees: Option<tree_cache::TreeCache>,
 }
 
 /// A handle to an open store; cheap to clone and share between threads.
@@ -349,6 +352,7 @@ impl Store {
                 pack_size,
                 early_seal: caps_network,
                 location,
+                trees: caps_network.then(|| tree_cache::TreeCache::new(local_dir.join("trees"))),
                 local_dir,
                 leases,
                 slices: slice::SliceCache::default(),
@@ -393,6 +397,11 @@ impl Store {
     /// Host-local state directory (disk write logs, caches): next to the metadata cache.
     pub fn local_dir(&self) -> &Path {
         &self.inner.local_dir
+    }
+
+    /// Local copies of page-map trees, on a network backend (`tree_cache.rs`).
+    pub fn tree_cache(&self) -> Option<&tree_cache::TreeCache> {
+        self.inner.trees.as_ref()
     }
 
     pub fn default_codec(&self) -> Codec {
