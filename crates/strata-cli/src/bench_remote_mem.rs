@@ -112,8 +112,9 @@ fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> 
     Ok((end.duration_since(t).as_secs_f64(), n))
 }
 
-/// Largest range GET of the strata restore over the link (the local default is 4 MiB).
-const RESTORE_READ_BYTES: u64 = 8 << 20;
+/// Largest range GET of the strata restore over the link: the library's default, what
+/// `strata vm restore` uses (8 MiB until session 13).
+const RESTORE_READ_BYTES: u64 = strata::memory::restore::DEFAULT_READ_BYTES;
 
 /// The three QEMU streams: decoder, encoder and file name on the storage host.
 const STREAMS: [(&str, &str, &str, &str); 3] =
