@@ -129,6 +129,17 @@ impl Dest {
     pub fn cpu_split(&self) -> (f64, f64, u64, u64) {
         crate::bench_remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
     }
+
+    /// Seconds the QEMU process's threads have waited, runnable, for a CPU so far (the
+    /// second field of every `/proc/PID/task/*/schedstat`; 0 without schedstats).
+    pub fn run_wait_s(&self) -> f64 {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else { return 0.0 };
+        dir.flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>() as f64
+            / 1e9
+    }
 }
 
 impl Drop for Dest {

@@ -66,23 +66,26 @@ struct RestoreCpu {
     /// Of that, system time, and the page faults (minor, major) the target QEMU took.
     target_qemu_sys_s: f64,
     target_qemu_faults: (u64, u64),
+    /// Seconds the target QEMU's threads were runnable but waiting for a CPU.
+    target_qemu_wait_s: f64,
     host_busy_s: f64,
     host_avail_s: f64,
 }
 
-type CpuSample = ((f64, f64, u64, u64), (f64, f64));
+type CpuSample = ((f64, f64, u64, u64), f64, (f64, f64));
 
 impl RestoreCpu {
     fn sample(d: &crate::bench_guest::Dest) -> CpuSample {
-        (d.cpu_split(), host_cpu_s())
+        (d.cpu_split(), d.run_wait_s(), host_cpu_s())
     }
 
-    fn since(d: &crate::bench_guest::Dest, (q0, h0): CpuSample) -> RestoreCpu {
-        let (q1, h1) = RestoreCpu::sample(d);
+    fn since(d: &crate::bench_guest::Dest, (q0, w0, h0): CpuSample) -> RestoreCpu {
+        let (q1, w1, h1) = RestoreCpu::sample(d);
         RestoreCpu {
             target_qemu_s: (q1.0 + q1.1) - (q0.0 + q0.1),
             target_qemu_sys_s: q1.1 - q0.1,
             target_qemu_faults: (q1.2 - q0.2, q1.3 - q0.3),
+            target_qemu_wait_s: w1 - w0,
             host_busy_s: h1.0 - h0.0,
             host_avail_s: h1.1 - h0.1,
         }
@@ -93,8 +96,8 @@ impl std::fmt::Display for RestoreCpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "target QEMU {:.2} ({:.2} sys, {}+{} faults), host busy {:.2} of {:.2}",
-            self.target_qemu_s, self.target_qemu_sys_s, self.target_qemu_faults.0, self.target_qemu_faults.1, self.host_busy_s, self.host_avail_s
+            "target QEMU {:.2} ({:.2} sys, {}+{} faults, {:.3} waiting for a CPU), host busy {:.2} of {:.2}",
+            self.target_qemu_s, self.target_qemu_sys_s, self.target_qemu_faults.0, self.target_qemu_faults.1, self.target_qemu_wait_s, self.host_busy_s, self.host_avail_s
         )
     }
 }

@@ -17,6 +17,7 @@ pub fn run_all(b: &dyn Backend) {
     missing_is_not_found(b);
     overwrite_replaces_whole_object(b);
     range_reads(b);
+    streamed_range_reads(b);
     put_if_absent_semantics(b);
     list_by_prefix(b);
     delete_is_idempotent(b);
@@ -62,6 +63,26 @@ fn range_reads(b: &dyn Backend) {
     }
     let e = b.get_range("conf/r", 9_999, 2).unwrap_err();
     assert_eq!(e.kind, ErrorKind::Invalid, "{}", ctx(b, "range past the end is Invalid"));
+}
+
+fn streamed_range_reads(b: &dyn Backend) {
+    let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
+    b.put("conf/s", &data).unwrap();
+    for (off, len) in [(0u64, 1u64), (5, 100_000), (1 << 20, 2 << 20), (0, 3 << 20)] {
+        let mut got = Vec::new();
+        let mut pieces = 0;
+        b.get_range_to("conf/s", off, len, &mut |p| {
+            pieces += 1;
+            got.extend_from_slice(p)
+        })
+        .unwrap();
+        assert!(pieces >= 1 && got[..] == data[off as usize..(off + len) as usize], "{}", ctx(b, "streamed range read"));
+    }
+    let e = b.get_range_to("conf/s", (3 << 20) - 1, 2, &mut |_| {}).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Invalid, "{}", ctx(b, "a streamed range past the end is Invalid"));
+    let e = b.get_range_to("conf/missing", 0, 1, &mut |_| {}).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NotFound, "{}", ctx(b, "a streamed range of a missing key is NotFound"));
+    b.delete("conf/s").unwrap();
 }
 
 fn put_if_absent_semantics(b: &dyn Backend) {

@@ -159,6 +159,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(all[offset as usize..end as usize].to_vec())
     }
 
+    /// [`get_range`](Self::get_range) handed over as it arrives: `sink` gets consecutive pieces
+    /// of the range, in order, `len` bytes in all, so a caller can work on the first bytes
+    /// while the rest are on the link. On an error, the pieces already given stay valid and
+    /// the rest can be read at `offset` plus what was given (the retry decorator resumes
+    /// there). The default gives the whole range as one piece; decorators that keep it
+    /// streaming forward it.
+    fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+        let data = self.get_range(key, offset, len)?;
+        sink(&data);
+        Ok(())
+    }
+
     /// [`get_range`](Self::get_range) of metadata read once per host (a network pack's tail,
     /// its index): caches pass it through instead of keeping it beside chunk data. Other
     /// decorators need not forward it: the default is their own `get_range`.

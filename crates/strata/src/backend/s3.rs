@@ -480,6 +480,71 @@ impl Backend for S3Backend {
         }
     }
 
+    /// The body's pieces are handed over as hyper receives them (no buffer of the whole range).
+    fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+        if len == 0 {
+            return self.get_range(key, offset, len).map(|_| ());
+        }
+        let path = self.path(key)?;
+        let end = offset.checked_add(len).ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
+        let abandoned = || BackendError::with_source(ErrorKind::Unavailable, "get_range", key, S3Error::Abandoned { key: key.to_string() });
+        let Some(rt) = self.rt.as_ref() else { return Err(abandoned()) };
+        enum Msg {
+            Piece(Bytes),
+            Failed(object_store::Error),
+            PastEnd,
+            End,
+        }
+        // Unbounded: a send never blocks the runtime, and the range bounds what can queue.
+        let (tx, rx) = std::sync::mpsc::channel::<Msg>();
+        let store = self.store.clone();
+        rt.spawn(async move {
+            use futures::StreamExt;
+            let opts = GetOptions { range: Some(GetRange::Bounded(offset..end)), ..GetOptions::default() };
+            let r = match store.get_opts(&path, opts).await {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = tx.send(Msg::Failed(e));
+                    return;
+                }
+            };
+            if r.meta.size < end {
+                let _ = tx.send(Msg::PastEnd);
+                return;
+            }
+            let mut body = r.into_stream();
+            while let Some(piece) = body.next().await {
+                let msg = match piece {
+                    Ok(b) => Msg::Piece(b),
+                    Err(e) => Msg::Failed(e),
+                };
+                let failed = matches!(msg, Msg::Failed(_));
+                if tx.send(msg).is_err() || failed {
+                    return;
+                }
+            }
+            let _ = tx.send(Msg::End);
+        });
+        let mut got = 0u64;
+        loop {
+            match rx.recv() {
+                Ok(Msg::Piece(b)) => {
+                    got += b.len() as u64;
+                    if got > len {
+                        return Err(BackendError::new(ErrorKind::Invalid, "get_range", key));
+                    }
+                    sink(&b);
+                }
+                Ok(Msg::Failed(e)) => return Err(past_end(self.error("get_range", key, e))),
+                Ok(Msg::PastEnd) => return Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
+                Ok(Msg::End) if got == len => return Ok(()),
+                Ok(Msg::End) => return Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
+                // The runtime went away with the request (the backend is being dropped).
+                Err(_) => return Err(abandoned()),
+            }
+        }
+    }
+
     /// Nearby ranges are merged into one ranged GET (gaps up to [`MERGE_GAP`], at most
     /// [`MERGE_MAX`] per GET) and the GETs run concurrently: a sequential disk read of 16
     /// adjacent 64 KiB frames is one request instead of 16 in a row.

@@ -855,21 +855,124 @@ struct Decoded {
     read: u64,
 }
 
-/// What a fetcher got for one job: the read's bytes to decode, or (pack gone, or an error)
-/// the job's outcome already.
-enum Fetched {
-    Bytes(Vec<u8>),
-    Done(Result<Vec<Decoded>, (u32, StoreError)>),
+/// Compressed bytes handed to the decoders at a time. Frames are decoded as their bytes
+/// arrive, not once their whole read is in: reads in flight share the link and end together,
+/// and decoding each read whole left the last ones' decoding (~10 MiB of pages at 128 MiB)
+/// for after the last byte, with the pages reaching QEMU in bursts.
+const BATCH_BYTES: u64 = 256 << 10;
+
+/// Batches queued per fetcher for the decoders (a few MiB in all).
+const BATCHES_PER_FETCHER: usize = 8;
+
+/// Frames `f0..f1` of job `j`, whose bytes start at pack offset `base`.
+struct Batch {
+    j: usize,
+    f0: usize,
+    f1: usize,
+    base: u64,
+    bytes: Vec<u8>,
 }
 
-fn fetch_job(store: &Store, plan: &Plan, j: usize, job: &Job) -> Fetched {
-    let first_uid = job.frames[0].chunks[0].1;
+/// Cuts one read's bytes, as they arrive, into batches of whole frames.
+struct Splitter<'a> {
+    j: usize,
+    job: &'a Job,
+    bufs: &'a Buffers,
+    buf: Vec<u8>,
+    base: u64,
+    f0: usize,
+    f1: usize,
+}
+
+impl<'a> Splitter<'a> {
+    fn new(j: usize, job: &'a Job, bufs: &'a Buffers) -> Self {
+        let mut buf = bufs.take();
+        buf.clear();
+        Splitter {
+            j,
+            job,
+            bufs,
+            buf,
+            base: job.start,
+            f0: 0,
+            f1: 0,
+        }
+    }
+
+    /// Take arrived bytes; `emit` gets every batch they complete.
+    fn push(&mut self, mut piece: &[u8], emit: &mut dyn FnMut(Batch)) {
+        let frames = &self.job.frames;
+        while !piece.is_empty() {
+            // Copy up to the end of the batch that can be cut next, so a buffer never holds
+            // more than a batch (plus a frame).
+            let want = self.next_cut().saturating_sub(self.base + self.buf.len() as u64).max(1);
+            let n = (want as usize).min(piece.len());
+            self.buf.extend_from_slice(&piece[..n]);
+            piece = &piece[n..];
+            let have = self.base + self.buf.len() as u64;
+            while self.f1 < frames.len() && frames[self.f1].off + frames[self.f1].len as u64 <= have {
+                self.f1 += 1;
+            }
+            if self.f1 > self.f0 && have >= self.next_cut() {
+                let end = frames[self.f1 - 1].off + frames[self.f1 - 1].len as u64;
+                let cut = (end - self.base) as usize;
+                let mut rest = self.bufs.take();
+                rest.clear();
+                rest.extend_from_slice(&self.buf[cut..]);
+                let mut bytes = std::mem::replace(&mut self.buf, rest);
+                bytes.truncate(cut);
+                emit(Batch {
+                    j: self.j,
+                    f0: self.f0,
+                    f1: self.f1,
+                    base: self.base,
+                    bytes,
+                });
+                self.base = end;
+                self.f0 = self.f1;
+            }
+        }
+    }
+
+    /// Pack offset at which the next batch is cut: the end of the first frame reaching
+    /// [`BATCH_BYTES`] past the batch's start, or of the read's last frame.
+    fn next_cut(&self) -> u64 {
+        let frames = &self.job.frames[self.f0..];
+        frames
+            .iter()
+            .map(|f| f.off + f.len as u64)
+            .find(|&e| e - self.base >= BATCH_BYTES)
+            .unwrap_or(self.job.end)
+    }
+
+    /// Every frame handed over.
+    fn done(&self) -> bool {
+        self.f0 == self.job.frames.len()
+    }
+}
+
+/// Read job `j` and hand its frames to the decoders as they arrive (`send` false: the
+/// decoders stopped). Returns the job's outcome when there is nothing (more) to decode: the
+/// pack is gone (read through the index), or the read failed.
+fn fetch_job(
+    store: &Store,
+    plan: &Plan,
+    j: usize,
+    job: &Job,
+    bufs: &Buffers,
+    send: &mut dyn FnMut(Batch) -> bool,
+) -> Option<Result<Vec<Decoded>, (u32, StoreError)>> {
     let early = plan.early.get(j).and_then(|h| h.lock().take()).and_then(|h| h.join().ok());
     let started = plan.t0.elapsed();
     let prefetched = early.is_some();
+    let mut split = Splitter::new(j, job, bufs);
+    let mut open = true;
+    let mut emit = |b: Batch| open = open && send(b);
     let read = match early {
-        Some(r) => r,
-        None => store.backend().get_range(&job.pack.pack_key(), job.start, job.end - job.start),
+        Some(r) => r.map(|b| split.push(&b, &mut emit)),
+        None => store
+            .backend()
+            .get_range_to(&job.pack.pack_key(), job.start, job.end - job.start, &mut |piece| split.push(piece, &mut emit)),
     };
     tracing::trace!(
         target: TARGET,
@@ -880,20 +983,28 @@ fn fetch_job(store: &Store, plan: &Plan, j: usize, job: &Job) -> Fetched {
         end_ms = plan.t0.elapsed().as_secs_f64() * 1e3,
         "read"
     );
+    let uid = |f: usize| job.frames[f.min(job.frames.len() - 1)].chunks[0].1;
     match read {
-        Ok(b) => Fetched::Bytes(b),
-        Err(e) if e.is_not_found() => Fetched::Done(fallback(store, plan, job)),
-        Err(e) => Fetched::Done(Err((first_uid, StoreError::Backend(e)))),
+        Ok(()) if split.done() => None,
+        Ok(()) => Some(Err((
+            uid(split.f0),
+            StoreError::Backend(crate::backend::BackendError::new(crate::backend::ErrorKind::Invalid, "get_range", job.pack.pack_key())),
+        ))),
+        Err(e) if e.is_not_found() => Some(fallback(store, plan, &job.frames[split.f0..])),
+        Err(e) => Some(Err((uid(split.f0), StoreError::Backend(e)))),
     }
 }
 
-/// Check, decompress and verify the frames of one read.
-fn decode_job(plan: &Plan, job: &Job, bytes: &[u8], bufs: &Buffers) -> Result<Vec<Decoded>, (u32, StoreError)> {
-    let mut out = Vec::with_capacity(job.frames.len());
-    for f in &job.frames {
-        let a = (f.off - job.start) as usize;
+/// Check, decompress and verify the frames of one batch.
+fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result<Vec<Decoded>, (u32, StoreError)> {
+    let job = &plan.jobs[batch.j];
+    let frames = &job.frames[batch.f0..batch.f1];
+    let mut out = Vec::with_capacity(frames.len());
+    for f in frames {
+        let a = (f.off - batch.base) as usize;
         let u0 = f.chunks[0].1;
-        let stored = bytes
+        let stored = batch
+            .bytes
             .get(a..a + f.len as usize)
             .ok_or_else(|| (u0, StoreError::Backend(crate::backend::BackendError::new(crate::backend::ErrorKind::Invalid, "get_range", job.pack.pack_key()))))?;
         let corrupt = |u: u32, reason: String| {
@@ -937,7 +1048,7 @@ fn decode_job(plan: &Plan, job: &Job, bytes: &[u8], bufs: &Buffers) -> Result<Ve
         });
     }
     if let Some(d) = out.first_mut() {
-        d.read = job.end - job.start;
+        d.read = batch.bytes.len() as u64;
     }
     Ok(out)
 }
@@ -959,9 +1070,9 @@ fn decode_deltas(store: &Store, plan: &Plan, uids: &[u32]) -> Result<Vec<Decoded
 
 /// The pack went away (GC repacked it after the plan was made): read chunk by chunk through
 /// the index, which follows the move.
-fn fallback(store: &Store, plan: &Plan, job: &Job) -> Result<Vec<Decoded>, (u32, StoreError)> {
+fn fallback(store: &Store, plan: &Plan, frames: &[FramePlan]) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let mut out = Vec::new();
-    for f in &job.frames {
+    for f in frames {
         for &(_, u) in &f.chunks {
             let data = store.get(&plan.uids[u as usize]).map_err(|e| (u, e))?;
             out.push(Decoded {
@@ -1034,7 +1145,7 @@ pub fn stream<W: Write>(
         name: name.clone(),
         source,
     };
-    let mut w = StreamWriter::new(out, &layout).map_err(gen)?;
+    let mut w = StreamWriter::new(Timed::new(out), &layout).map_err(gen)?;
     progress.phase("restoring", Some(layout.total_ram()), Unit::Bytes);
     for &(b, p) in &plan.zeros {
         w.zero(BlockIdx(b), p as u64 * PAGE_SIZE as u64, 0).map_err(gen)?;
@@ -1047,15 +1158,18 @@ pub fn stream<W: Write>(
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let (tx, rx) = mpsc::sync_channel::<Result<Vec<Decoded>, (u32, StoreError)>>(workers * 2);
-    let (ftx, frx) = mpsc::sync_channel::<(usize, Vec<u8>)>(fetchers * 2);
+    let (ftx, frx) = mpsc::sync_channel::<Batch>(fetchers * BATCHES_PER_FETCHER);
     // Shared by the decoders and dropped with the last of them, so a fetcher blocked on a full
     // queue wakes up (with an error) when the decoders stop.
     let frx = std::sync::Arc::new(parking_lot::Mutex::new(frx));
     let bufs = Buffers::new();
+    let batch_bufs = Buffers::new();
     let mut bytes_read = 0u64;
+    // Time the writer waited for decoded pages (the link or the decoders were behind).
+    let mut starved = std::time::Duration::ZERO;
     let result: Result<(), MemError> = std::thread::scope(|s| {
         for i in 0..fetchers {
-            let (tx, ftx, plan, next, stop) = (tx.clone(), ftx.clone(), &plan, &next, &stop);
+            let (tx, ftx, plan, next, stop, batch_bufs) = (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs);
             std::thread::Builder::new()
                 .name(format!("strata-fetch-{i}"))
                 .spawn_scoped(s, move || loop {
@@ -1064,14 +1178,9 @@ pub fn stream<W: Write>(
                         return;
                     }
                     let done = match plan.jobs.get(j) {
-                        Some(job) => match fetch_job(store, plan, j, job) {
-                            Fetched::Bytes(b) => {
-                                if ftx.send((j, b)).is_err() {
-                                    return;
-                                }
-                                continue;
-                            }
-                            Fetched::Done(r) => r,
+                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| ftx.send(b).is_ok()) {
+                            None => continue,
+                            Some(r) => r,
                         },
                         None => decode_deltas(store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
                     };
@@ -1084,17 +1193,17 @@ pub fn stream<W: Write>(
         }
         drop(ftx);
         for i in 0..workers {
-            let (tx, frx, plan, stop, bufs) = (tx.clone(), frx.clone(), &plan, &stop, &bufs);
+            let (tx, frx, plan, stop, bufs, batch_bufs) = (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs);
             std::thread::Builder::new()
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
                     let got = frx.lock().recv();
-                    let Ok((j, bytes)) = got else { return };
+                    let Ok(batch) = got else { return };
                     if stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    let r = decode_job(plan, &plan.jobs[j], &bytes, bufs);
-                    drop(bytes);
+                    let r = decode_batch(plan, &batch, bufs);
+                    batch_bufs.give(batch.bytes);
                     let failed = r.is_err();
                     if tx.send(r).is_err() || failed {
                         return;
@@ -1108,7 +1217,10 @@ pub fn stream<W: Write>(
         let rx = rx;
         drop(tx);
         let mut outcome = Ok(());
-        for r in rx.iter() {
+        loop {
+            let t = Instant::now();
+            let Ok(r) = rx.recv() else { break };
+            starved += t.elapsed();
             match r {
                 Ok(frames) => {
                     for d in frames {
@@ -1149,8 +1261,20 @@ pub fn stream<W: Write>(
         outcome
     });
     result?;
+    let pages_ms = t1.elapsed().as_secs_f64() * 1e3;
     w.tail(&plan.tail).map_err(gen)?;
-    let (out, st): (W, GenerateStats) = w.finish().map_err(gen)?;
+    let (out, st): (Timed<W>, GenerateStats) = w.finish().map_err(gen)?;
+    // Time in write calls is time QEMU's loader was behind (the socket buffer was full).
+    tracing::debug!(
+        target: TARGET,
+        pages_ms,
+        starved_ms = starved.as_secs_f64() * 1e3,
+        end_ms = t1.elapsed().as_secs_f64() * 1e3,
+        write_ms = out.busy.as_secs_f64() * 1e3,
+        writes = out.calls,
+        "stream written"
+    );
+    let out = out.inner;
     progress.finish();
     let report = RestoreReport {
         name: name.clone(),
@@ -1167,6 +1291,40 @@ pub fn stream<W: Write>(
     };
     tracing::debug!(target: TARGET, name, ?report, "stream generated");
     Ok((out, report))
+}
+
+/// A writer that counts the time spent in its inner writer's calls.
+struct Timed<W> {
+    inner: W,
+    busy: std::time::Duration,
+    calls: u64,
+}
+
+impl<W> Timed<W> {
+    fn new(inner: W) -> Self {
+        Timed {
+            inner,
+            busy: std::time::Duration::ZERO,
+            calls: 0,
+        }
+    }
+}
+
+impl<W: Write> Write for Timed<W> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        let t = Instant::now();
+        let r = self.inner.write(b);
+        self.busy += t.elapsed();
+        self.calls += 1;
+        r
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let t = Instant::now();
+        let r = self.inner.flush();
+        self.busy += t.elapsed();
+        r
+    }
 }
 
 /// Restore checkpoint `name` into the QEMU behind `qmp` (started with `-incoming defer`).
@@ -1361,6 +1519,63 @@ mod tests {
         let (i, e) = get_chunks(&store, &ids[48..], 1).unwrap_err();
         assert_eq!(i, 2, "{e}");
         assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+    }
+
+    /// However the bytes arrive, a read is cut into batches of whole frames, in order, each
+    /// holding exactly its bytes, none but the last under the batch size and none holding more
+    /// than a batch and a frame.
+    #[test]
+    fn arriving_bytes_are_cut_into_batches_of_whole_frames() {
+        use rand::{Rng, SeedableRng};
+        let meta = |len: u32| FrameMeta {
+            len,
+            raw_len: 65536,
+            codec: Codec::Zstd(1),
+            crc: 0,
+            delta: false,
+        };
+        let pack = PackId([3; 16]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut jobs = Vec::new();
+        let mut off = 4096u64;
+        for u in 0..60u32 {
+            let len = rng.gen_range(1_000..70_000);
+            add_to_jobs(&mut jobs, pack, off, 0, u, &meta(len), 4 << 20);
+            // Now and then a gap between frames (pages of other checkpoints).
+            off += len as u64 + if u % 7 == 3 { rng.gen_range(1..100_000) } else { 0 };
+        }
+        assert_eq!(jobs.len(), 1);
+        let job = &jobs[0];
+        let data: Vec<u8> = (0..job.end).map(|i| (i % 253) as u8).collect();
+        let bufs = Buffers::new();
+        for piece_max in [1usize, 777, 16 << 10, 1 << 20, 8 << 20] {
+            let mut split = Splitter::new(0, job, &bufs);
+            let mut batches = Vec::new();
+            let mut at = job.start as usize;
+            while at < job.end as usize {
+                let n = rng.gen_range(1..=piece_max).min(job.end as usize - at);
+                split.push(&data[at..at + n], &mut |b| batches.push(b));
+                at += n;
+            }
+            assert!(split.done(), "every frame handed over (pieces up to {piece_max})");
+            let mut next = (0usize, job.start);
+            for (i, b) in batches.iter().enumerate() {
+                assert_eq!((b.f0, b.base), next, "batches follow each other");
+                assert!(b.f1 > b.f0);
+                let end = job.frames[b.f1 - 1].off + job.frames[b.f1 - 1].len as u64;
+                assert_eq!(b.bytes[..], data[b.base as usize..end as usize]);
+                let len = end - b.base;
+                if i + 1 < batches.len() {
+                    assert!(len >= BATCH_BYTES, "a batch before the last is at least the batch size");
+                }
+                if b.f1 - b.f0 > 1 {
+                    let f = &job.frames[b.f1 - 2];
+                    assert!(f.off + f.len as u64 - b.base < BATCH_BYTES, "a batch is cut at the first frame reaching the batch size");
+                }
+                next = (b.f1, end);
+            }
+            assert_eq!(next, (job.frames.len(), job.end));
+        }
     }
 
     #[test]
