@@ -4,7 +4,7 @@
 //! ```text
 //!  socket ─read 1 MiB─► parse thread (stream::Parser) ──batches of 256 pages──► pool × N
 //!                         │ ZERO records                                        │ BLAKE3, 16 pages/pass
-//!                         ▼                                                     │ frames of ≤16 pages
+//!                         ▼                                                     │ frames of ≤32 pages
 //!                      page map (per page: id + record number) ◄────────────────┘ Session::put_frame
 //! ```
 //!
@@ -12,7 +12,7 @@
 //! * One parser, because the stream is a sequence; it only copies each page once into a
 //!   batch buffer (recycled) and never hashes or compresses, so it keeps up with QEMU.
 //! * A pool of `workers` threads (all cores by default) does the CPU work. Pages are grouped
-//!   into frames of up to 16 consecutive pages (64 KiB of codec context) for `put_frame`,
+//!   into frames of up to 32 consecutive pages (128 KiB of codec context) for `put_frame`,
 //!   which still deduplicates per 4 KiB page, so a page seen before in this stream, in an
 //!   earlier checkpoint or in another VM costs nothing but its id.
 //! * Precopy sends pages several times and workers finish batches out of order, so every
@@ -52,6 +52,16 @@ pub const QUEUE_BYTES: usize = 32 << 20;
 /// The queue of a stop-and-copy save ([`IngestOptions::queue_bytes`]).
 pub const SAVE_QUEUE_BYTES: usize = 8 << 20;
 
+/// Pages per compressed frame by default (128 KiB). zstd -1 compresses and decompresses
+/// 64 KiB blocks ~20% slower than 128 KiB ones on these hosts (`zstd -b1 -B64K` against
+/// `-B128K`), and a 128 MiB save to S3, bound by its compressing CPU, took a median 0.314 s
+/// against 0.35 s with 16-page frames, its restore 0.224 s against 0.229 s (10 rounds each,
+/// `bench save-restore --remote`, session 14). Bigger frames make a single page's read (a
+/// delta's base) decode more, so the gain stops here.
+pub const FRAME_PAGES: usize = 32;
+/// Largest frame a save writes (256 KiB).
+pub const MAX_FRAME_PAGES: usize = 64;
+
 /// Tuning of the pipeline.
 #[derive(Debug, Clone)]
 pub struct IngestOptions {
@@ -59,7 +69,7 @@ pub struct IngestOptions {
     pub workers: usize,
     /// Pages per batch handed to a worker.
     pub batch_pages: usize,
-    /// Pages per compressed frame (at most 16 keeps frames at 64 KiB).
+    /// Pages per compressed frame (at most [`MAX_FRAME_PAGES`]).
     pub frame_pages: usize,
     /// Bytes of re-sent (hot) pages held back until the stream ends, so precopy's
     /// intermediate versions of a page are not stored (0 disables).
@@ -84,7 +94,7 @@ impl Default for IngestOptions {
         IngestOptions {
             workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
             batch_pages: 256,
-            frame_pages: 16,
+            frame_pages: FRAME_PAGES,
             hot_bytes: 256 << 20,
             flush_every: 128 << 20,
             queue_bytes: QUEUE_BYTES,
@@ -571,7 +581,7 @@ pub fn ingest<R: Read>(
     progress: &dyn Progress,
 ) -> Result<Ingested, IngestError> {
     let workers = opts.workers.max(1);
-    let frame_pages = opts.frame_pages.clamp(1, 16);
+    let frame_pages = opts.frame_pages.clamp(1, MAX_FRAME_PAGES);
     let batch_pages = opts.batch_pages.max(frame_pages);
     let sh = Shared {
         session,

@@ -826,7 +826,7 @@ struct Buffers {
     free: parking_lot::Mutex<Vec<Vec<u8>>>,
 }
 
-/// Buffers kept for reuse (of up to a frame each: 64 KiB for memory frames).
+/// Buffers kept for reuse (of up to a frame each: 128 KiB for memory frames).
 const KEPT_BUFFERS: usize = 512;
 
 impl Buffers {

@@ -2,8 +2,8 @@
 //!
 //! A pack is an append-only object: a 32-byte header, then *frames* back to back, then a trailer
 //! (the table of 64-byte entries, one per chunk) and a 32-byte footer. A frame is a run of one or more
-//! chunks compressed together: disk blocks use one chunk per frame, memory pages pack 16 pages
-//! per frame so the codec sees 64 KiB of context while dedup still works per 4 KiB page. Each
+//! chunks compressed together: disk blocks use one chunk per frame, memory pages pack 32 pages
+//! per frame so the codec sees 128 KiB of context while dedup still works per 4 KiB page. Each
 //! entry locates its chunk (frame offset/length, offset inside the decompressed frame) and
 //! carries the frame's CRC-32C, so `check` can tell a flipped byte from a bad codec.
 //!
