@@ -74,9 +74,10 @@ pub enum MemBenchCmd {
         /// there for the QEMU streams); --vms is ignored (needs root).
         #[arg(long)]
         remote: bool,
-        /// Restore decoder threads for --remote (4 fetchers keep the ranged GETs in flight).
-        #[arg(long, default_value_t = 12)]
-        restore_workers: usize,
+        /// Restore decoder threads for --remote (4 fetchers keep the ranged GETs in flight);
+        /// default: what `strata vm restore` uses, the host's cores (12 until session 14).
+        #[arg(long)]
+        restore_workers: Option<usize>,
         /// Codec of strata's saves for --remote: auto (measured per batch) or a fixed one
         /// (none, lz4, zstd:N), to compare the chooser against a fixed codec.
         #[arg(long, default_value = "auto")]
@@ -160,7 +161,7 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, *restore_workers, *codec, *rounds, !*no_warm, *cold_maps, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, restore_workers.unwrap_or_else(|| strata::memory::restore::RestoreOptions::default().workers), *codec, *rounds, !*no_warm, *cold_maps, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,

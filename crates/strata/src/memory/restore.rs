@@ -61,7 +61,8 @@ const TARGET: &str = "strata::memory";
 /// How to restore.
 #[derive(Debug, Clone)]
 pub struct RestoreOptions {
-    /// Decompressing/verifying threads; up to [`FETCHERS`] of this many more read.
+    /// Decompressing/verifying threads (default: the host's cores). [`FETCHERS`] more threads
+    /// read, whatever this is: reads wait on the link, not the CPU.
     pub workers: usize,
     /// `cont` the VM once loaded (like `virsh restore`; `--paused` turns it off).
     pub resume: bool,
@@ -1154,7 +1155,7 @@ pub fn stream<W: Write>(
     // Fetchers keep FETCHERS reads in flight and hand the bytes to the decoders, so the link
     // never waits for a decode; delta jobs (small reads of their own) run on the fetchers.
     let workers = opts.workers.max(1);
-    let fetchers = workers.min(FETCHERS);
+    let fetchers = FETCHERS;
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let (tx, rx) = mpsc::sync_channel::<Result<Vec<Decoded>, (u32, StoreError)>>(workers * 2);
