@@ -51,8 +51,12 @@ use crate::codec::Codec;
 pub const CANDIDATES: [Codec; 3] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)];
 /// Frames sampled unconditionally at the start of a save.
 pub const WARMUP_SAMPLES: u64 = 6;
-/// After the warm-up, one frame in this many is sampled.
-pub const SAMPLE_EVERY: u64 = 64;
+/// After the warm-up, one frame in this many is sampled (16 MiB of 128 KiB frames). A sample
+/// compresses its frame with every candidate, ~3.4x the work of zstd:1 alone (zstd:3 is
+/// ~2.2x); at one in 64 that was ~8% of a 128 MiB save's compressing CPU (`perf`), which on
+/// a 2-core host is the save's bottleneck. The sample's output for the chosen codec is now
+/// also what the store keeps ([`Chooser::codec_for_frame`]), not compressed again.
+pub const SAMPLE_EVERY: u64 = 128;
 /// Samples per codec kept in the sliding window.
 pub const WINDOW: usize = 24;
 /// Bytes written by the backend probe (non-network backends without a remembered speed).
@@ -390,7 +394,15 @@ pub fn usable_cores(source_is_local: bool) -> usize {
 /// the clock starts. Timing the first use made zstd:1 look up to 2x slower in a save's first
 /// samples, which handed the first 130-260 frames of a 128 MiB save to lz4.
 pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
-    let (stored, nanos) = match codec {
+    measure_keep(codec, raw).0
+}
+
+/// [`measure_once`], also handing back what the store would keep for `raw` under `codec`:
+/// the compressed bytes, or None when they do not pay (the store keeps such frames raw, as
+/// [`Codec::compress`] decides). A sampled frame is then stored from its sample instead of
+/// being compressed a second time.
+pub fn measure_keep(codec: Codec, raw: &[u8]) -> (Measure, Option<Vec<u8>>) {
+    let (out, nanos): (Option<Vec<u8>>, u64) = match codec {
         Codec::Zstd(level) => SAMPLERS.with(|s| {
             let mut s = s.borrow_mut();
             let pos = match s.iter().position(|(l, _)| *l == level) {
@@ -401,25 +413,31 @@ pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
                         s.push((level, c));
                         s.len() - 1
                     }
-                    Err(_) => return (raw.len(), 1),
+                    Err(_) => return (None, 1),
                 },
             };
             let t = thread_cpu_ns();
-            let z = s[pos].1.compress(raw).map(|z| z.len().min(raw.len())).unwrap_or(raw.len());
+            let z = s[pos].1.compress(raw).ok();
             (z, thread_cpu_ns().saturating_sub(t))
         }),
         other => {
             let t = thread_cpu_ns();
-            let z = other.compress(raw).map(|z| z.len()).unwrap_or(raw.len());
+            let z = other.compress(raw);
             (z, thread_cpu_ns().saturating_sub(t))
         }
     };
-    Measure {
+    // The store's rule (`Codec::compress`): compressed only when it saves 1/32 of the bytes.
+    let out = out.filter(|z| z.len() + raw.len() / 32 < raw.len());
+    let m = Measure {
         raw: raw.len() as u64,
-        stored: stored as u64,
+        stored: out.as_ref().map_or(raw.len(), Vec::len) as u64,
         nanos: nanos.max(1),
-    }
+    };
+    (m, out)
 }
+
+/// A codec and what it made of a sampled frame (None: it did not pay).
+type Kept = (Codec, Option<Vec<u8>>);
 
 struct Window {
     samples: Vec<VecDeque<Measure>>,
@@ -545,8 +563,16 @@ impl Chooser {
     /// The codec for the next frame. When `sample` holds the frame's new (not yet stored)
     /// bytes, they are first compressed with every candidate to measure them.
     pub fn codec_for(&self, sample: &[u8]) -> Codec {
+        self.codec_for_frame(sample).0
+    }
+
+    /// [`codec_for`](Self::codec_for), and for a sampled frame what the sample made of it
+    /// under the chosen codec (`Some(None)`: store it raw), so the frame is not compressed
+    /// again. `None` when nothing was sampled or raw was chosen.
+    pub fn codec_for_frame(&self, sample: &[u8]) -> (Codec, Option<Option<Vec<u8>>>) {
+        let mut outs = Vec::new();
         if self.policy == CodecPolicy::Auto && !sample.is_empty() {
-            self.sample(sample);
+            outs = self.sample(sample);
         }
         let codec = self.current_codec();
         let mut used = self.used.lock();
@@ -554,11 +580,20 @@ impl Chooser {
             Some((_, n)) => *n += 1,
             None => used.push((codec, 1)),
         }
-        codec
+        let kept = outs.into_iter().find(|(c, _)| *c == codec).map(|(_, o)| o);
+        (codec, kept)
     }
 
-    fn sample(&self, fresh: &[u8]) {
-        self.record(CANDIDATES.iter().map(|c| measure_once(*c, fresh)).collect());
+    fn sample(&self, fresh: &[u8]) -> Vec<Kept> {
+        let (ms, outs): (Vec<Measure>, Vec<Kept>) = CANDIDATES
+            .iter()
+            .map(|c| {
+                let (m, o) = measure_keep(*c, fresh);
+                (m, (*c, o))
+            })
+            .unzip();
+        self.record(ms);
+        outs
     }
 
     /// Add one sample's measurements (one per [`CANDIDATES`] entry) and decide again.

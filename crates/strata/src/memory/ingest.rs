@@ -39,7 +39,7 @@ use crate::id::ChunkId;
 use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
 use crate::store::pack::ChunkKind;
-use crate::store::{Session, StoreError};
+use crate::store::{Precompressed, Session, StoreError};
 
 const TARGET: &str = "strata::memory";
 const READ_BYTES: usize = 1 << 20;
@@ -306,20 +306,24 @@ fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSender<Vec<u8
                 return true;
             }
             // The codec chooser measures (on sampled frames only) bytes the store does not
-            // hold yet.
+            // hold yet, as the store will pick them (absent, each once), and the store then
+            // keeps the sample's output for the chosen codec instead of compressing again.
             fresh.clear();
+            let mut fresh_ids: Vec<ChunkId> = Vec::new();
             if sh.chooser.wants_sample() {
                 let store = sh.session.store();
                 for (id, d) in items.iter() {
-                    if !store.contains(id) {
+                    if !store.contains(id) && !fresh_ids.contains(id) {
                         fresh.extend_from_slice(d);
+                        fresh_ids.push(*id);
                     }
                 }
             }
-            let codec = sh.chooser.codec_for(&fresh);
+            let (codec, sampled) = sh.chooser.codec_for_frame(&fresh);
+            let pre = sampled.map(|stored| Precompressed { ids: fresh_ids, stored });
             sh.frames.fetch_add(1, Ordering::Relaxed);
             let t_put = std::time::Instant::now();
-            let r = sh.session.put_frame(items, ChunkKind::Data, codec);
+            let r = sh.session.put_frame_pre(items, ChunkKind::Data, codec, pre);
             sh.put_ns.fetch_add(t_put.elapsed().as_nanos() as u64, Ordering::Relaxed);
             items.clear();
             match r {

@@ -212,6 +212,15 @@ pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
 pub const EARLY_SEAL_UPLOADS: usize = 2;
 
+/// A frame its caller compressed already (a memory save's codec sample): the ids of the
+/// chunks joined into it, in order, and the stored bytes under the frame's codec (None: the
+/// codec did not pay, store the chunks raw).
+#[derive(Debug)]
+pub struct Precompressed {
+    pub ids: Vec<ChunkId>,
+    pub stored: Option<Vec<u8>>,
+}
+
 struct OpenPack {
     builder: Option<PackBuilder>,
     no: u32,
@@ -615,7 +624,7 @@ impl Store {
 
     /// Append one frame holding `items` (ids must be BLAKE3 of the data). Returns the number of
     /// chunks that were new. Used by sessions.
-    fn put_frame_inner(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
+    fn put_frame_inner(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
         let sh = &self.inner.sh;
         let fresh: Vec<(ChunkId, &[u8])> = {
             let idx = sh.index.read();
@@ -639,8 +648,11 @@ impl Store {
         }
         // Compressed frames need their chunks joined; raw ones are copied part by part
         // straight into the pack.
+        let pre = pre.filter(|p| p.ids.len() == fresh.len() && p.ids.iter().zip(&fresh).all(|(a, (b, _))| a == b));
         let compressed: Option<Vec<u8>> = if codec == Codec::None {
             None
+        } else if let Some(p) = pre {
+            p.stored
         } else if fresh.len() == 1 {
             codec.compress(fresh[0].1)
         } else {
@@ -891,11 +903,18 @@ impl Session {
     /// Store several chunks compressed together as one frame (ids must be BLAKE3 of the
     /// data; chunks already present are skipped). Returns how many were new.
     pub fn put_frame(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
+        self.put_frame_pre(items, kind, codec, None)
+    }
+
+    /// [`put_frame`](Self::put_frame) with the frame possibly compressed already: `pre` is
+    /// used when its ids are exactly the chunks the frame stores (those not in the store, in
+    /// order, repeats once), and ignored otherwise (another thread stored one meanwhile).
+    pub fn put_frame_pre(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
         debug_assert!(items.iter().all(|(id, d)| ChunkId::of(d) == *id));
         let _g = self.store.inner.gc_lock.read();
         self.store.inner.sh.check_poison()?;
         self.pins.lock().extend(items.iter().map(|(id, _)| *id));
-        self.store.put_frame_inner(items, kind, codec)
+        self.store.put_frame_inner(items, kind, codec, pre)
     }
 
     /// Store a tree chunk.

@@ -69,6 +69,39 @@ fn multi_chunk_frames_dedup_per_chunk() {
 }
 
 #[test]
+fn precompressed_frames_are_kept_only_when_their_ids_match() {
+    let (_d, s, _) = mem_store(1 << 20);
+    let ses = s.session();
+    let pages: Vec<Vec<u8>> = (0..8).map(|i| data(100 + i, 4096)).collect();
+    let items: Vec<(ChunkId, &[u8])> = pages.iter().map(|p| (ChunkId::of(p), &p[..])).collect();
+    let join = |ps: &[Vec<u8>]| ps.concat();
+    // Matching ids: the given bytes are stored as they are (a marker size proves it was not
+    // recompressed: level 19 output differs in size from level 1's).
+    let z19 = zstd::bulk::compress(&join(&pages[..4]), 19).unwrap();
+    let z1 = Codec::Zstd(1).compress(&join(&pages[..4])).unwrap();
+    assert_ne!(z19.len(), z1.len());
+    let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
+    let pre = Precompressed { ids: items[..4].iter().map(|(id, _)| *id).collect(), stored: Some(z19.clone()) };
+    assert_eq!(ses.put_frame_pre(&items[..4], ChunkKind::Data, Codec::Zstd(1), Some(pre)).unwrap(), 4);
+    assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, z19.len() as u64);
+    // Ids that no longer match (two of them are stored now): ignored, the frame is compressed.
+    let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
+    let stale = Precompressed { ids: items[2..6].iter().map(|(id, _)| *id).collect(), stored: Some(vec![0xee; 100]) };
+    assert_eq!(ses.put_frame_pre(&items[2..6], ChunkKind::Data, Codec::Zstd(1), Some(stale)).unwrap(), 2);
+    let z = Codec::Zstd(1).compress(&join(&pages[4..6])).unwrap();
+    assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, z.len() as u64);
+    // A sample that did not pay: stored raw.
+    let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
+    let raw = Precompressed { ids: items[6..].iter().map(|(id, _)| *id).collect(), stored: None };
+    assert_eq!(ses.put_frame_pre(&items[6..], ChunkKind::Data, Codec::Zstd(1), Some(raw)).unwrap(), 2);
+    assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, 8192);
+    s.flush().unwrap();
+    for (id, p) in &items {
+        assert_eq!(&s.get(id).unwrap()[..], *p);
+    }
+}
+
+#[test]
 fn refs_reopen_and_sealing_across_packs() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path().join("store");
