@@ -15,6 +15,23 @@ thread_local! {
     static ZSTD_D: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { std::cell::RefCell::new(None) };
 }
 
+/// Shortest match zstd level 1 looks for (zstd's own default at this frame size is 6). On a
+/// 128 MiB guest's captured migration stream in 128 KiB frames, 7 compressed 16% faster for
+/// 1.9% more bytes; a 128 MiB save to S3, bound by its compressing CPU on a 2-core host, took
+/// a median 0.315 s against 0.360 s and its restore 0.228 s against 0.239 s (10 alternating
+/// rounds each, session 15). Readers are unaffected: zstd frames decode whatever the
+/// parameters that made them.
+pub const ZSTD1_MIN_MATCH: i32 = 7;
+
+/// A zstd compression context for `level`, with strata's parameters.
+pub fn zstd_compressor(level: i32) -> Option<zstd::bulk::Compressor<'static>> {
+    let mut c = zstd::bulk::Compressor::new(level).ok()?;
+    if level == 1 {
+        c.set_parameter(zstd::zstd_safe::CParameter::MinMatch(ZSTD1_MIN_MATCH as u32)).ok()?;
+    }
+    Some(c)
+}
+
 /// Largest decompressed frame the store accepts (16 MiB).
 pub const MAX_FRAME_RAW: usize = 16 << 20;
 
@@ -67,7 +84,7 @@ impl Codec {
             Codec::Zstd(level) => ZSTD_C.with(|c| {
                 let mut c = c.borrow_mut();
                 if c.as_ref().map(|(l, _)| *l) != Some(level) {
-                    *c = Some((level, zstd::bulk::Compressor::new(level).ok()?));
+                    *c = Some((level, zstd_compressor(level)?));
                 }
                 c.as_mut()?.1.compress(raw).ok()
             })?,

@@ -407,13 +407,13 @@ pub fn measure_keep(codec: Codec, raw: &[u8]) -> (Measure, Option<Vec<u8>>) {
             let mut s = s.borrow_mut();
             let pos = match s.iter().position(|(l, _)| *l == level) {
                 Some(p) => p,
-                None => match zstd::bulk::Compressor::new(level) {
-                    Ok(mut c) => {
+                None => match crate::codec::zstd_compressor(level) {
+                    Some(mut c) => {
                         let _ = c.compress(raw);
                         s.push((level, c));
                         s.len() - 1
                     }
-                    Err(_) => return (None, 1),
+                    None => return (None, 1),
                 },
             };
             let t = thread_cpu_ns();
