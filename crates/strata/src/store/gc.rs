@@ -72,11 +72,14 @@ impl Store {
         let mut report = GcReport::default();
         let mut marked = HashSet::new();
         progress.phase("marking", None, Unit::Items);
-        let mut seen_refs: HashMap<String, u64> = HashMap::new();
+        // The roots each ref had when marked. The final phase compares roots, not generations:
+        // a commit that could not read the old ref restarts its generation at 1, so a number
+        // seen here may come back with other roots.
+        let mut seen_refs: HashMap<String, Vec<ChunkId>> = HashMap::new();
         for name in self.list_refs("")? {
             if let Some(r) = self.get_ref(&name)? {
                 self.mark_from(r.roots.iter().copied(), &mut marked)?;
-                seen_refs.insert(name, r.generation);
+                seen_refs.insert(name, r.roots);
                 progress.advance(1);
             }
         }
@@ -85,10 +88,10 @@ impl Store {
             let _w = self.inner.gc_lock.write();
             for name in self.list_refs("")? {
                 if let Some(r) = self.get_ref(&name)? {
-                    if seen_refs.get(&name) != Some(&r.generation) {
+                    if seen_refs.get(&name) != Some(&r.roots) {
                         self.mark_from(r.roots.iter().copied(), &mut marked)?;
                     }
-                    seen_refs.insert(name, r.generation);
+                    seen_refs.insert(name, r.roots);
                 }
             }
             let pins: Vec<ChunkId> =
@@ -191,13 +194,17 @@ impl Store {
             sh.meta.remove_packs(&rows, true)?;
         }
         // Orphan packs: written but never indexed (a write interrupted by a crash or a full
-        // disk; only on backends where packs need index objects, `discover.rs`). Packs this
-        // process is still writing are known to its index, and the metadata lock keeps other
-        // processes out of a local store, so nothing in flight is touched.
-        let known: HashSet<PackId> = self.inner.sh.index.read().by_id.keys().copied().collect();
+        // disk; only on backends where packs need index objects, `discover.rs`). The GC lease
+        // keeps other instances out, and a pack this process writes joins its index when it
+        // is opened, before its data is put. So the index is read *after* the listings: a
+        // pack listed then is known by then, unless it is a true orphan. (Read before, it
+        // missed packs opened and put meanwhile, whose index objects wait for the next
+        // flush, and deleted them under live chunks.)
         let visible = super::discover::list_packs(&**self.backend())?;
+        let unindexed = super::discover::orphan_packs(&**self.backend(), &visible)?;
+        let known: HashSet<PackId> = self.inner.sh.index.read().by_id.keys().copied().collect();
         let mut orphans = 0;
-        for (pid, key, size) in super::discover::orphan_packs(&**self.backend(), &visible)? {
+        for (pid, key, size) in unindexed {
             if !known.contains(&pid) {
                 self.backend().delete(&key)?;
                 report.bytes_freed += size;

@@ -1000,4 +1000,6 @@ impl Drop for Session {
 }
 
 #[cfg(test)]
+mod gc_tests;
+#[cfg(test)]
 mod tests;

@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use check::CheckOptions;
 use crate::progress::NoProgress;
 
-fn data(seed: u64, len: usize) -> Vec<u8> {
+pub(super) fn data(seed: u64, len: usize) -> Vec<u8> {
     // Distinct per seed, and only partly compressible (6 random bits per byte).
     let mut x = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
     (0..len)
@@ -22,7 +22,7 @@ fn data(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn mem_store(pack_size: u64) -> (tempfile::TempDir, Store, MemoryBackend) {
+pub(super) fn mem_store(pack_size: u64) -> (tempfile::TempDir, Store, MemoryBackend) {
     let d = tempfile::tempdir().unwrap();
     let b = MemoryBackend::new();
     let s = Store::init(Arc::new(b.clone()), &d.path().join("m.redb"), InitOptions { pack_size, default_codec: Codec::Lz4 }).unwrap();
@@ -203,90 +203,6 @@ fn check_names_flipped_chunk_missing_and_truncated_packs() {
 }
 
 #[test]
-fn gc_reclaims_deleted_refs_and_keeps_shared_chunks() {
-    let (_d, s, b) = mem_store(64 << 10);
-    let ses = s.session();
-    let shared: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-    let only_a: Vec<ChunkId> = (100..140).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-    let ra = ses.put_tree(&Tree { children: [shared.clone(), only_a.clone()].concat(), payload: vec![] }).unwrap();
-    let rb = ses.put_tree(&Tree { children: shared.clone(), payload: vec![] }).unwrap();
-    ses.commit_ref("disk/a", Ref::new(vec![ra], vec![])).unwrap();
-    ses.commit_ref("disk/b", Ref::new(vec![rb], vec![])).unwrap();
-    drop(ses);
-    let r0 = s.gc(&NoProgress).unwrap();
-    assert_eq!(r0.dead_chunks, 0);
-    let stored_before: u64 = b.list("packs/").unwrap().iter().map(|o| o.size).sum();
-    s.delete_ref("disk/a").unwrap();
-    let r = s.gc(&NoProgress).unwrap();
-    assert_eq!(r.dead_chunks, 41, "40 data chunks + the tree");
-    assert!(r.bytes_freed > 0);
-    let stored_after: u64 = b.list("packs/").unwrap().iter().map(|o| o.size).sum();
-    assert!(stored_after < stored_before);
-    for id in &shared {
-        s.get(id).unwrap();
-    }
-    for id in &only_a {
-        assert!(matches!(s.get(id), Err(StoreError::ChunkMissing { .. })));
-    }
-    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
-    assert!(!rep.is_damaged(), "{:?}", rep.problems);
-    assert_eq!(b.list("index/").unwrap().len(), b.list("packs/").unwrap().len());
-}
-
-#[test]
-fn gc_never_collects_what_live_sessions_hold() {
-    let (_d, s, _) = mem_store(64 << 10);
-    let w = s.session();
-    let kept = w.put(&data(1, 4096), ChunkKind::Data).unwrap();
-    s.flush().unwrap();
-    s.gc(&NoProgress).unwrap();
-    assert!(s.contains(&kept), "pinned chunk collected");
-    // Dedup hit after GC still has its data; committing works.
-    let again = w.put(&data(1, 4096), ChunkKind::Data).unwrap();
-    w.commit_ref("r", Ref::new(vec![again], vec![])).unwrap();
-    drop(w);
-    s.gc(&NoProgress).unwrap();
-    assert_eq!(s.get(&kept).unwrap(), data(1, 4096));
-}
-
-#[test]
-fn gc_concurrent_with_writers_loses_nothing() {
-    let (_d, s, _) = mem_store(32 << 10);
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    std::thread::scope(|sc| {
-        let writers: Vec<_> = (0..2u64)
-            .map(|t| {
-                let s = s.clone();
-                let stop = &stop;
-                sc.spawn(move || {
-                    let mut n = 0u64;
-                    while !stop.load(Ordering::Relaxed) || n < 30 {
-                        let ses = s.session();
-                        // Half the chunks repeat earlier content (dedup hits on possibly-dead chunks).
-                        let ids: Vec<ChunkId> =
-                            (0..8).map(|i| ses.put(&data((n + i) % 20 + t * 1000, 4096), ChunkKind::Data).unwrap()).collect();
-                        let root = ses.put_tree(&Tree { children: ids, payload: vec![] }).unwrap();
-                        ses.commit_ref(&format!("w{t}/{}", n % 5), Ref::new(vec![root], vec![])).unwrap();
-                        n += 1;
-                    }
-                })
-            })
-            .collect();
-        for _ in 0..15 {
-            s.gc(&NoProgress).unwrap();
-        }
-        stop.store(true, Ordering::Relaxed);
-        for w in writers {
-            w.join().unwrap();
-        }
-    });
-    s.gc(&NoProgress).unwrap();
-    let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
-    assert!(!rep.is_damaged(), "{:?}", rep.problems);
-    assert_eq!(rep.refs, 10);
-}
-
-#[test]
 fn failed_sync_poisons_until_reopen() {
     let d = tempfile::tempdir().unwrap();
     let base = MemoryBackend::new();
@@ -326,43 +242,6 @@ fn full_backend_is_reported_and_poisons() {
     }
     let e = err.expect("a full backend must fail");
     assert!(e.to_string().contains("out of space"), "{e}");
-}
-
-/// A long-open instance (a serving daemon) runs GC after another instance wrote a ref whose
-/// tree it has never seen, deduplicated against chunks it knows: GC must learn the other's
-/// packs first, or it would treat those chunks as dead and break the other's ref.
-#[test]
-fn gc_learns_packs_written_by_other_instances_first() {
-    let d = tempfile::tempdir().unwrap();
-    let b = MemoryBackend::new();
-    let opts = InitOptions { pack_size: 64 << 10, default_codec: Codec::Lz4 };
-    let a = Store::init(Arc::new(b.clone()), &d.path().join("a.redb"), opts).unwrap();
-    let ses = a.session();
-    let ids: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-    let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
-    ses.commit_ref("disk/x", Ref::new(vec![root], vec![])).unwrap();
-    drop(ses);
-    a.flush().unwrap();
-    {
-        let other = Store::open(Arc::new(b.clone()), &d.path().join("b.redb")).unwrap();
-        let ses = other.session();
-        let same: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-        assert_eq!(same, ids);
-        let root = ses.put_tree(&Tree { children: same, payload: b"y".to_vec() }).unwrap();
-        ses.commit_ref("disk/y", Ref::new(vec![root], vec![])).unwrap();
-        drop(ses);
-        other.close().unwrap();
-    }
-    a.delete_ref("disk/x").unwrap();
-    let r = a.gc(&NoProgress).unwrap();
-    assert!(r.dead_chunks <= 1, "at most x's tree is dead (its pack may be kept): {r:?}");
-    let fresh = Store::open(Arc::new(b.clone()), &d.path().join("c.redb")).unwrap();
-    let y = fresh.get_ref("disk/y").unwrap().unwrap();
-    let t = Tree::decode(&fresh.get(&y.roots[0]).unwrap()).unwrap();
-    for (i, id) in t.children.iter().enumerate() {
-        assert_eq!(fresh.get(id).unwrap(), data(i as u64, 8192));
-    }
-    assert!(!fresh.check(CheckOptions::default(), &NoProgress).unwrap().is_damaged());
 }
 
 /// A memory backend that says it is a network backend, with slow puts (a link).
