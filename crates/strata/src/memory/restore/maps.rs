@@ -1,0 +1,197 @@
+//! Reading page maps and other small chunks while planning: concurrent ranged reads of
+//! neighbouring chunks, verified chunk by chunk.
+
+use super::*;
+
+
+/// Concurrent reads while planning: page-map leaves and pack checks are small objects, so on
+/// a remote backend their cost is round trips, not bytes (a 2 GiB guest's maps are 256 leaves).
+pub const MAP_READERS: usize = 16;
+
+/// Apply `f` to every item on up to `threads` threads; results in input order, or the first
+/// error (with the index of the item that failed).
+pub(crate) fn par_map<T: Sync, R: Send, E: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> Result<R, E> + Sync,
+) -> Result<Vec<R>, (usize, E)> {
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let out: parking_lot::Mutex<Vec<Option<R>>> = parking_lot::Mutex::new((0..items.len()).map(|_| None).collect());
+    let failed: parking_lot::Mutex<Option<(usize, E)>> = parking_lot::Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, items.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= items.len() || stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                match f(&items[i]) {
+                    Ok(r) => out.lock()[i] = Some(r),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        let mut g = failed.lock();
+                        if g.as_ref().is_none_or(|(j, _)| i < *j) {
+                            *g = Some((i, e));
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner() {
+        return Err(e);
+    }
+    Ok(out.into_inner().into_iter().map(|r| r.expect("every item mapped")).collect())
+}
+
+/// Largest ranged GET [`get_chunks`] makes: larger groups are split so their reads run side by
+/// side (a 2 GiB guest's 256 map leaves are 16 MiB).
+pub(super) const CHUNKS_SPAN: u64 = 2 << 20;
+
+/// Read small chunks (page-map trees) with one ranged GET per run of neighbouring frames in a
+/// pack instead of one per chunk: the commit writes a checkpoint's map leaves side by side, so
+/// a 128 MiB guest's 16 leaves are one request, not 16 (on a remote backend each request costs
+/// the server a request's work, and the plan waits for the slowest). Every chunk is verified
+/// as [`Store::get`] does; a chunk not in the index, or a pack that is gone (GC moved it), is
+/// read through `Store::get`. Errors carry the index of the failing chunk.
+pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Result<Vec<Vec<u8>>, (usize, StoreError)> {
+    use crate::store::pack::PackEntry;
+    let mut located: Vec<(PackId, u64, usize, PackEntry)> = Vec::with_capacity(ids.len());
+    let mut loose: Vec<usize> = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        match store.locate(id) {
+            Some((pack, e)) => located.push((pack, e.frame_off, i, e)),
+            None => loose.push(i),
+        }
+    }
+    located.sort_unstable_by_key(|l| (l.0, l.1));
+    // Runs of frames of one pack, each at most CHUNKS_SPAN long.
+    let mut spans: Vec<(PackId, Vec<(usize, PackEntry)>)> = Vec::new();
+    for (pack, off, i, e) in located {
+        let fits = spans.last().is_some_and(|(p, run)| {
+            *p == pack && run.first().is_some_and(|f| off + e.frame_len as u64 - f.1.frame_off <= CHUNKS_SPAN)
+        });
+        if !fits {
+            spans.push((pack, Vec::new()));
+        }
+        spans.last_mut().expect("pushed").1.push((i, e));
+    }
+    let get = |i: usize| store.get(&ids[i]).map(|d| (i, d)).map_err(|e| (i, e));
+    let items: Vec<usize> = (0..spans.len() + loose.len()).collect();
+    type Got = Result<Vec<(usize, Vec<u8>)>, (usize, StoreError)>;
+    let got = par_map(&items, threads, |&k| -> Got {
+        let Some((pack, run)) = spans.get(k) else {
+            return get(loose[k - spans.len()]).map(|r| vec![r]);
+        };
+        let start = run[0].1.frame_off;
+        let end = run.iter().map(|(_, e)| e.frame_off + e.frame_len as u64).max().expect("non-empty run");
+        match store.backend().get_range(&pack.pack_key(), start, end - start) {
+            Ok(bytes) => run
+                .iter()
+                .map(|(i, e)| {
+                    let a = (e.frame_off - start) as usize;
+                    let frame = bytes.get(a..a + e.frame_len as usize).ok_or_else(|| {
+                        (
+                            *i,
+                            StoreError::Corrupt {
+                                id: e.id,
+                                pack: *pack,
+                                offset: e.frame_off,
+                                reason: "short read".into(),
+                            },
+                        )
+                    })?;
+                    crate::store::decode_chunk(frame, e, *pack).map(|d| (*i, d)).map_err(|err| (*i, err))
+                })
+                .collect(),
+            // GC moved the pack since the index was read: Store::get follows the move.
+            Err(err) if err.is_not_found() => run.iter().map(|(i, _)| get(*i)).collect(),
+            Err(err) => Err((run[0].0, StoreError::Backend(err))),
+        }
+    })
+    .map_err(|(_, e)| e)?;
+    let mut out: Vec<Vec<u8>> = vec![Vec::new(); ids.len()];
+    for (i, d) in got.into_iter().flatten() {
+        out[i] = d;
+    }
+    Ok(out)
+}
+
+/// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
+/// roots, then the leaves of all maps, a few ranged GETs at a time ([`get_chunks`]). Errors
+/// carry the ramblock's index.
+pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
+    let decode = |id: &ChunkId, raw: &[u8]| -> Result<Tree, StoreError> {
+        Tree::decode(raw).map_err(|source| StoreError::Format {
+            key: format!("chunk {id}"),
+            source,
+        })
+    };
+    // Trees this host has a copy of (it saved or restored the checkpoint before) are not
+    // fetched; fetched ones are kept for next time.
+    let cache = store.tree_cache();
+    let decode_all = |ids: &[ChunkId]| -> Result<Vec<Tree>, (usize, StoreError)> {
+        let mut raw: Vec<Option<Vec<u8>>> = ids.iter().map(|id| cache.and_then(|c| c.get(id))).collect();
+        let missing: Vec<usize> = (0..ids.len()).filter(|&i| raw[i].is_none()).collect();
+        if !missing.is_empty() {
+            let want: Vec<ChunkId> = missing.iter().map(|&i| ids[i]).collect();
+            let got = get_chunks(store, &want, threads).map_err(|(k, e)| (missing[k], e))?;
+            for (&i, r) in missing.iter().zip(got) {
+                if let Some(c) = cache {
+                    c.put(&ids[i], &r);
+                }
+                raw[i] = Some(r);
+            }
+        }
+        ids.iter()
+            .zip(raw)
+            .enumerate()
+            .map(|(i, (id, r))| decode(id, &r.expect("every tree read")).map_err(|e| (i, e)))
+            .collect()
+    };
+    let tops = decode_all(roots)?;
+    let mut counts = Vec::with_capacity(tops.len());
+    let mut leaves: Vec<(usize, ChunkId)> = Vec::new();
+    for (bi, t) in tops.iter().enumerate() {
+        let n = t
+            .payload
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(|b| u64::from_le_bytes(b) as usize)
+            .ok_or_else(|| {
+                (
+                    bi,
+                    StoreError::Format {
+                        key: format!("chunk {}", roots[bi]),
+                        source: crate::store::format::FormatError::Malformed {
+                            what: "block map root",
+                            detail: "no block count".into(),
+                        },
+                    },
+                )
+            })?;
+        counts.push(n);
+        leaves.extend(t.children.iter().filter(|l| !l.is_zero()).map(|l| (bi, *l)));
+    }
+    let leaf_ids: Vec<ChunkId> = leaves.iter().map(|l| l.1).collect();
+    let fetched = decode_all(&leaf_ids).map_err(|(i, e)| (leaves[i].0, e))?;
+    let mut fetched = fetched.into_iter();
+    let mut maps = Vec::with_capacity(tops.len());
+    for (t, n) in tops.iter().zip(counts) {
+        let mut out = Vec::with_capacity(n);
+        for leaf in &t.children {
+            let want = n.saturating_sub(out.len()).min(LEAF_IDS);
+            if leaf.is_zero() {
+                out.extend(std::iter::repeat_n(ChunkId::ZERO, want));
+            } else {
+                let lt = fetched.next().expect("one fetched tree per non-zero leaf");
+                out.extend(lt.children.into_iter().take(want));
+            }
+        }
+        out.resize(n, ChunkId::ZERO);
+        maps.push(out);
+    }
+    Ok(maps)
+}

@@ -1,0 +1,394 @@
+//! The read plan: every page located, sorted by its place in the packs, and cut into reads
+//! (see the parent module for why), and the first reads started before the stream.
+
+use super::*;
+
+
+/// One compressed frame to read, with the pages (unique ids) it holds.
+#[derive(Debug, Clone)]
+pub(super) struct FramePlan {
+    pub(super) off: u64,
+    pub(super) len: u32,
+    pub(super) raw_len: u32,
+    pub(super) codec: Codec,
+    pub(super) crc: u32,
+    /// (offset in frame, unique-id index)
+    pub(super) chunks: Vec<(u32, u32)>,
+}
+
+/// What the index says about the frame holding a page.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FrameMeta {
+    pub(super) len: u32,
+    pub(super) raw_len: u32,
+    pub(super) codec: Codec,
+    pub(super) crc: u32,
+    /// The chunk is a delta record, not a page.
+    pub(super) delta: bool,
+}
+
+/// Add unique page `u` (at `in_frame` in the frame at `off` of `pack`) to the plan's reads,
+/// which arrive in pack and offset order: same frame as the last, or the last read extended
+/// over a gap of up to 256 KiB while it stays within `read_bytes`, or a new read.
+pub(super) fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame: u32, u: u32, f: &FrameMeta, read_bytes: u64) {
+    if let Some(j) = jobs.last_mut() {
+        if j.pack == pack {
+            let last = j.frames.last_mut().expect("a job has a frame");
+            if last.off == off {
+                last.chunks.push((in_frame, u));
+                return;
+            }
+        }
+    }
+    let frame = FramePlan {
+        off,
+        len: f.len,
+        raw_len: f.raw_len,
+        codec: f.codec,
+        crc: f.crc,
+        chunks: vec![(in_frame, u)],
+    };
+    let end = off + f.len as u64;
+    match jobs.last_mut() {
+        Some(j) if j.pack == pack && off >= j.end && off - j.end <= READ_GAP && end - j.start <= read_bytes => {
+            j.end = end;
+            j.frames.push(frame);
+        }
+        _ => jobs.push(Job {
+            pack,
+            start: off,
+            end,
+            frames: vec![frame],
+        }),
+    }
+}
+
+/// Put the largest reads first and the smallest last (stable, so pack order within a size).
+/// The pages of a read are decoded, verified and written only once all its bytes are in, so
+/// whatever the last reads hold is work left after the last byte arrives: with 1 MiB reads
+/// last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`, session 8).
+pub(super) fn order_reads(jobs: &mut [Job]) {
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.end - j.start));
+}
+
+/// Largest gap between two frames of one read (see [`add_to_jobs`]).
+pub(super) const READ_GAP: u64 = 256 << 10;
+
+/// A pack's last read holds whatever is left after the full ones, often a few dozen KiB; with
+/// one per pack (11-17 packs in a 128 MiB checkpoint) and the smallest reads last, a traced
+/// 128 MiB restore spent its last ~27 ms on eleven such reads of 12-270 KB, four at a time,
+/// each waiting a request's round trip: ~0.7 MB that the link moves in 6 ms. A last read
+/// smaller than a quarter of the read size is folded into the read before it (same pack, gap
+/// within [`READ_GAP`]), so reads grow to at most 1.25x the read size and the restore ends on
+/// reads big enough to keep the link busy. Expects the reads in pack and offset order.
+pub(super) fn fold_small_tails(jobs: Vec<Job>, read_bytes: u64) -> Vec<Job> {
+    let mut out: Vec<Job> = Vec::with_capacity(jobs.len());
+    let mut it = jobs.into_iter().peekable();
+    while let Some(j) = it.next() {
+        let last_of_pack = it.peek().is_none_or(|next| next.pack != j.pack);
+        match out.last_mut() {
+            Some(prev)
+                if last_of_pack
+                    && prev.pack == j.pack
+                    && j.end - j.start < read_bytes / 4
+                    && j.start >= prev.end
+                    && j.start - prev.end <= READ_GAP =>
+            {
+                prev.end = j.end;
+                prev.frames.extend(j.frames);
+            }
+            _ => out.push(j),
+        }
+    }
+    out
+}
+
+/// One read: a range of a pack covering several frames.
+#[derive(Debug, Clone)]
+pub(super) struct Job {
+    pub(super) pack: PackId,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) frames: Vec<FramePlan>,
+}
+
+/// Default largest read (see [`RestoreOptions::read_bytes`]).
+pub const DEFAULT_READ_BYTES: u64 = 2 << 20;
+
+/// Reads in flight while restoring. Reads share the link, so reads started together also end
+/// together: with many in flight the link delivers nothing decodable until a whole wave ends,
+/// and the last wave's decoding is left for after the last byte. A few keep the link busy across
+/// one read's end and the next one's first byte.
+pub const FETCHERS: usize = 4;
+/// Smallest planned read (a request's fixed cost stays small against its transfer).
+pub const MIN_READ: u64 = 1 << 20;
+/// A checkpoint is cut into at least this many reads per fetcher (up to `read_bytes` each), so
+/// that the last reads, whose decoding cannot overlap the transfer, are a small part of it.
+pub(super) const READS_PER_FETCHER: u64 = 8;
+
+/// Size of the planned reads for `stored` bytes of frames: small checkpoints get smaller reads
+/// so decoding starts early and little is left after the last byte arrives; large ones the
+/// full `max`.
+pub fn read_size(stored: u64, max: u64) -> u64 {
+    (stored / (FETCHERS as u64 * READS_PER_FETCHER)).clamp(MIN_READ.min(max), max.max(1))
+}
+
+/// What a restore needs in memory: maps, tail, and the read plan.
+pub(super) struct Plan {
+    /// Unique page ids.
+    pub(super) uids: Vec<ChunkId>,
+    /// For each unique id, the pages using it: range into `refs`.
+    pub(super) ref_ranges: Vec<(u32, u32)>,
+    /// (block, page) sorted by unique id.
+    pub(super) refs: Vec<(u32, u32)>,
+    pub(super) zeros: Vec<(u32, u32)>,
+    pub(super) jobs: Vec<Job>,
+    /// The first jobs' reads, started as soon as the jobs were planned (see [`prefetch`]).
+    pub(super) early: Vec<parking_lot::Mutex<Option<Early>>>,
+    /// Delta pages (unique-id indexes), a few dozen per job, ordered by their base's place.
+    pub(super) delta_jobs: Vec<Vec<u32>>,
+    pub(super) tail: Vec<u8>,
+    /// When planning began (read timings in the trace are relative to it).
+    pub(super) t0: Instant,
+}
+
+/// A read started before the stream: its thread returns the bytes.
+pub(super) type Early = std::thread::JoinHandle<Result<Vec<u8>, crate::backend::BackendError>>;
+
+/// Bytes the early reads cover: past the first [`FETCHERS`] jobs, more start (up to twice as
+/// many) until they reach this, so the link stays busy until the fetchers take over.
+pub(super) const PREFETCH_BYTES: u64 = 3 << 20;
+
+/// Start the reads of the first jobs now, on threads of their own: the rest of the plan (one
+/// HEAD per pack), QEMU's `migrate-incoming` and the connection take ~20 ms of a 128 MiB
+/// restore over 1 Gbit/s (`bench save-restore --remote`), in which the link would otherwise
+/// carry only the HEADs. A plan that then fails drops the handles; the threads end with their
+/// reads.
+pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Option<Early>>> {
+    let mut bytes = 0u64;
+    let n = jobs
+        .iter()
+        .take(2 * FETCHERS)
+        .take_while(|j| {
+            let take = bytes < PREFETCH_BYTES;
+            bytes += j.end - j.start;
+            take
+        })
+        .count()
+        .max(FETCHERS.min(jobs.len()));
+    jobs.iter()
+        .take(n)
+        .map(|j| {
+            let (store, key, start, len) = (store.clone(), j.pack.pack_key(), j.start, j.end - j.start);
+            let h = std::thread::Builder::new()
+                .name("strata-prefetch".into())
+                .spawn(move || store.backend().get_range(&key, start, len))
+                .ok();
+            parking_lot::Mutex::new(h)
+        })
+        .collect()
+}
+
+
+
+pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
+    let t0 = Instant::now();
+    let m = &ckpt.manifest;
+    let name = &m.name;
+    // The device-state tail is a few round trips of its own: fetched while the maps are.
+    let tail = {
+        let (store, ckpt) = (store.clone(), ckpt.clone());
+        std::thread::spawn(move || load_tail(&store, &ckpt))
+    };
+    let mut ids: Vec<ChunkId> = Vec::new();
+    let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
+    let mut zeros = Vec::new();
+    let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
+    let maps = read_maps(store, &ckpt.map_roots, MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
+        name: name.clone(),
+        what: format!("page map of ramblock '{}'", m.blocks[bi].name),
+        source,
+    })?;
+    let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let map_trees_local = store.tree_cache().map_or(0, |c| c.counters().0) - hits0;
+    for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
+        if map.len() as u64 != b.pages() {
+            return Err(MemError::MetaDamaged {
+                name: name.clone(),
+                what: format!("page map of ramblock '{}'", b.name),
+                source: StoreError::Corrupt {
+                    id: *root,
+                    pack: PackId::default(),
+                    offset: 0,
+                    reason: format!("{} pages mapped, {} expected", map.len(), b.pages()),
+                },
+            });
+        }
+        for (p, id) in map.into_iter().enumerate() {
+            if id.is_zero() {
+                zeros.push((bi as u32, p as u32));
+            } else {
+                ids.push(id);
+                pages.push((bi as u32, p as u32));
+            }
+        }
+    }
+    // Locate every page (one index lock per batch, not per page); a missing chunk is reported
+    // now, before QEMU is touched. Sorting the pages by their place in the packs groups the
+    // pages that share a chunk (one chunk, one place) and orders the reads, with no sort by id.
+    let listed_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len()); // pack, frame off, off in frame, page
+    let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len()); // by page
+    let mut bad: Option<(usize, StoreError)> = None;
+    store.locate_many(&ids, |i, hit| {
+        let meta = match hit {
+            None => {
+                bad.get_or_insert((i, StoreError::ChunkMissing { id: ids[i] }));
+                FrameMeta {
+                    len: 0,
+                    raw_len: 0,
+                    codec: Codec::None,
+                    crc: 0,
+                    delta: false,
+                }
+            }
+            Some((pack, e)) => {
+                let delta = e.kind == ChunkKind::Tree;
+                if !delta && e.raw_len as usize != PAGE_SIZE {
+                    bad.get_or_insert((
+                        i,
+                        StoreError::Corrupt {
+                            id: ids[i],
+                            pack,
+                            offset: e.frame_off,
+                            reason: format!("chunk is {} bytes, not a page", e.raw_len),
+                        },
+                    ));
+                }
+                hits.push((pack, e.frame_off, e.off_in_frame, i as u32));
+                FrameMeta {
+                    len: e.frame_len,
+                    raw_len: e.frame_raw_len,
+                    codec: e.codec,
+                    crc: e.frame_crc,
+                    delta,
+                }
+            }
+        };
+        frames_of.push(meta);
+    });
+    if let Some((i, source)) = bad {
+        let (block, offset) = page_of(ckpt, pages[i]);
+        return Err(MemError::PageDamaged {
+            name: name.clone(),
+            block,
+            offset,
+            id: ids[i],
+            source,
+        });
+    }
+    let looked_up_ms = t0.elapsed().as_secs_f64() * 1e3;
+    hits.sort_unstable();
+    // Frames' stored bytes, for the read size.
+    let mut stored = 0u64;
+    let mut last: Option<(PackId, u64)> = None;
+    for &(pack, off, _, i) in &hits {
+        let f = &frames_of[i as usize];
+        if !f.delta && last != Some((pack, off)) {
+            stored += f.len as u64;
+            last = Some((pack, off));
+        }
+    }
+    let read_bytes = read_size(stored, read_bytes);
+    // A delta record (manifest version 2) is read, its base read and both verified, and the
+    // rebuilt page verified, when streaming; the others are read by frame.
+    let mut uids: Vec<ChunkId> = Vec::new();
+    let mut ref_ranges: Vec<(u32, u32)> = Vec::new();
+    let mut refs: Vec<(u32, u32)> = Vec::with_capacity(hits.len());
+    let mut deltas: Vec<u32> = Vec::new();
+    let mut jobs: Vec<Job> = Vec::new();
+    let mut place: Option<(PackId, u64, u32)> = None;
+    for (pack, off, in_frame, i) in hits {
+        let i = i as usize;
+        if place != Some((pack, off, in_frame)) || uids.last() != Some(&ids[i]) {
+            place = Some((pack, off, in_frame));
+            let u = uids.len() as u32;
+            uids.push(ids[i]);
+            ref_ranges.push((refs.len() as u32, refs.len() as u32));
+            let f = &frames_of[i];
+            if f.delta {
+                deltas.push(u);
+            } else {
+                add_to_jobs(&mut jobs, pack, off, in_frame, u, f, read_bytes);
+            }
+        }
+        refs.push(pages[i]);
+        ref_ranges.last_mut().expect("pushed").1 += 1;
+    }
+    drop((ids, pages, frames_of));
+    let mut jobs = fold_small_tails(jobs, read_bytes);
+    order_reads(&mut jobs);
+    let located_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let early = prefetch(store, &jobs);
+    // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent).
+    let mut packs: Vec<(PackId, u32)> = Vec::new();
+    let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
+    for j in &jobs {
+        if checked.insert(j.pack) {
+            packs.push((j.pack, j.frames[0].chunks[0].1));
+        }
+    }
+    let present = par_map(&packs, MAP_READERS, |(pack, _)| store.backend().head(&pack.pack_key())).map_err(|(_, e)| {
+        MemError::Store {
+            op: "pack lookup",
+            name: name.clone(),
+            source: e.into(),
+        }
+    })?;
+    for ((_, u), present) in packs.iter().zip(present) {
+        if present.is_none() {
+            let id = uids[*u as usize];
+            // GC may have just moved the chunks (then the index follows and reads fall back
+            // to it); otherwise the pack is lost.
+            if let Err(source) = store.get(&id) {
+                let (block, offset) = page_of(ckpt, refs[ref_ranges[*u as usize].0 as usize]);
+                return Err(MemError::PageDamaged {
+                    name: name.clone(),
+                    block,
+                    offset,
+                    id,
+                    source,
+                });
+            }
+        }
+    }
+    let heads_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let delta_jobs = deltas.chunks(64).map(|c| c.to_vec()).collect();
+    let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
+    tracing::debug!(
+        target: TARGET,
+        name,
+        maps_ms,
+        map_trees_local,
+        listed_ms,
+        looked_up_ms,
+        located_ms,
+        heads_ms,
+        tail_ms = t0.elapsed().as_secs_f64() * 1e3,
+        packs = packs.len(),
+        reads = jobs.len(),
+        read_bytes,
+        "restore planned"
+    );
+    Ok(Plan {
+        uids,
+        ref_ranges,
+        refs,
+        zeros,
+        jobs,
+        early,
+        delta_jobs,
+        tail,
+        t0,
+    })
+}

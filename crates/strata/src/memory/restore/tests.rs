@@ -1,0 +1,232 @@
+//! Tests of the restore plan, map reads and the fetch pipeline.
+
+use super::maps::*;
+use super::pipeline::*;
+use super::*;
+use crate::backend::memory::MemoryBackend;
+use crate::disk::map::{read_map, write_map};
+use crate::backend::Backend;
+use crate::store::pack::ChunkKind;
+use crate::store::InitOptions;
+use std::sync::Arc;
+
+#[test]
+fn concurrent_map_reads_match_read_map() {
+    let d = tempfile::tempdir().unwrap();
+    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let ses = store.session();
+    let ids: Vec<ChunkId> = (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
+    // Map 0: a full leaf, an all-zero leaf, a partial leaf. Map 1: one short leaf. Map 2: empty.
+    let mut m0: Vec<ChunkId> = (0..LEAF_IDS).map(|i| ids[i % 40]).collect();
+    m0.extend(std::iter::repeat_n(ChunkId::ZERO, LEAF_IDS));
+    m0.extend((0..123).map(|i| ids[(i * 7) % 40]));
+    let m1: Vec<ChunkId> = ids[..5].to_vec();
+    let maps = [m0, m1, Vec::new()];
+    let roots: Vec<ChunkId> = maps.iter().map(|m| write_map(&ses, m).unwrap()).collect();
+    store.flush().unwrap();
+    for threads in [1, 3, MAP_READERS] {
+        let got = read_maps(&store, &roots, threads).unwrap();
+        for (i, (g, want)) in got.iter().zip(&maps).enumerate() {
+            assert_eq!(g, want, "map {i} with {threads} threads");
+            assert_eq!(g, &read_map(&store, &roots[i]).unwrap());
+        }
+    }
+    // A root that is not stored: the error names the map (ramblock) it belongs to.
+    let bad = [roots[0], ids[0], ChunkId::of(b"not stored")];
+    let (i, _) = read_maps(&store, &bad, 4).unwrap_err();
+    assert!(i == 1 || i == 2, "failing map index {i}");
+}
+
+#[test]
+fn get_chunks_reads_runs_per_pack_and_verifies_each_chunk() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let store = Store::init(Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { default_codec: Codec::None, ..InitOptions::default() }).unwrap();
+    let ses = store.session();
+    let data = |i: u32| -> Vec<u8> { (0..64u32 << 10).map(|j| (j.wrapping_mul(2654435761) >> 13 ^ i) as u8).collect() };
+    // Two packs, the first holding more than one CHUNKS_SPAN of chunks (several reads).
+    let mut ids: Vec<ChunkId> = (0..48).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()).collect();
+    store.flush().unwrap();
+    ids.extend((48..52).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()));
+    store.flush().unwrap();
+    assert_eq!(mem.list("packs/").unwrap().len(), 2);
+    // Asked out of order, with a repeat: answers in the order asked.
+    let mut ask: Vec<ChunkId> = ids.iter().rev().copied().collect();
+    ask.push(ids[3]);
+    for threads in [1, 4] {
+        let got = get_chunks(&store, &ask, threads).unwrap();
+        for (a, g) in ask.iter().zip(&got) {
+            assert_eq!(ChunkId::of(g), *a);
+        }
+    }
+    // A chunk nobody stored: the error names its index.
+    let mut bad = ids[..3].to_vec();
+    bad.push(ChunkId::of(b"never stored"));
+    let (i, e) = get_chunks(&store, &bad, 2).unwrap_err();
+    assert_eq!(i, 3, "{e}");
+    // A flipped byte in the small pack: caught by the frame checksum, naming that chunk.
+    let small = mem.list("packs/").unwrap().into_iter().min_by_key(|o| o.size).unwrap();
+    let (_, e) = store.locate(&ids[50]).unwrap();
+    let mut bytes = mem.get(&small.key).unwrap();
+    bytes[e.frame_off as usize + 10] ^= 1;
+    mem.put(&small.key, &bytes).unwrap();
+    let (i, e) = get_chunks(&store, &ids[48..], 1).unwrap_err();
+    assert_eq!(i, 2, "{e}");
+    assert!(matches!(e, StoreError::Corrupt { .. }), "{e}");
+}
+
+/// However the bytes arrive, a read is cut into batches of whole frames, in order, each
+/// holding exactly its bytes, none but the last under the batch size and none holding more
+/// than a batch and a frame.
+#[test]
+fn arriving_bytes_are_cut_into_batches_of_whole_frames() {
+    use rand::{Rng, SeedableRng};
+    let meta = |len: u32| FrameMeta {
+        len,
+        raw_len: 65536,
+        codec: Codec::Zstd(1),
+        crc: 0,
+        delta: false,
+    };
+    let pack = PackId([3; 16]);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut jobs = Vec::new();
+    let mut off = 4096u64;
+    for u in 0..60u32 {
+        let len = rng.gen_range(1_000..70_000);
+        add_to_jobs(&mut jobs, pack, off, 0, u, &meta(len), 4 << 20);
+        // Now and then a gap between frames (pages of other checkpoints).
+        off += len as u64 + if u % 7 == 3 { rng.gen_range(1..100_000) } else { 0 };
+    }
+    assert_eq!(jobs.len(), 1);
+    let job = &jobs[0];
+    let data: Vec<u8> = (0..job.end).map(|i| (i % 253) as u8).collect();
+    let bufs = Buffers::new();
+    for piece_max in [1usize, 777, 16 << 10, 1 << 20, 8 << 20] {
+        let mut split = Splitter::new(0, job, &bufs);
+        let mut batches = Vec::new();
+        let mut at = job.start as usize;
+        while at < job.end as usize {
+            let n = rng.gen_range(1..=piece_max).min(job.end as usize - at);
+            split.push(&data[at..at + n], &mut |b| batches.push(b));
+            at += n;
+        }
+        assert!(split.done(), "every frame handed over (pieces up to {piece_max})");
+        let mut next = (0usize, job.start);
+        for (i, b) in batches.iter().enumerate() {
+            assert_eq!((b.f0, b.base), next, "batches follow each other");
+            assert!(b.f1 > b.f0);
+            let end = job.frames[b.f1 - 1].off + job.frames[b.f1 - 1].len as u64;
+            assert_eq!(b.bytes[..], data[b.base as usize..end as usize]);
+            let len = end - b.base;
+            if i + 1 < batches.len() {
+                assert!(len >= BATCH_BYTES, "a batch before the last is at least the batch size");
+            }
+            if b.f1 - b.f0 > 1 {
+                let f = &job.frames[b.f1 - 2];
+                assert!(f.off + f.len as u64 - b.base < BATCH_BYTES, "a batch is cut at the first frame reaching the batch size");
+            }
+            next = (b.f1, end);
+        }
+        assert_eq!(next, (job.frames.len(), job.end));
+    }
+}
+
+#[test]
+fn reads_coalesce_per_pack_and_end_with_the_smallest() {
+    let meta = |len: u32| FrameMeta {
+        len,
+        raw_len: 65536,
+        codec: Codec::Zstd(1),
+        crc: 0,
+        delta: false,
+    };
+    let (a, b) = (PackId([1; 16]), PackId([2; 16]));
+    let mut jobs = Vec::new();
+    // Pack a: three frames, the second with two pages, a gap of 64 KiB before the third;
+    // then one small frame in pack b; then a far frame in pack a (a new read).
+    add_to_jobs(&mut jobs, a, 0, 0, 0, &meta(1000), 1 << 20);
+    add_to_jobs(&mut jobs, a, 1000, 0, 1, &meta(2000), 1 << 20);
+    add_to_jobs(&mut jobs, a, 1000, 4096, 2, &meta(2000), 1 << 20);
+    add_to_jobs(&mut jobs, a, 3000 + (64 << 10), 0, 3, &meta(500), 1 << 20);
+    add_to_jobs(&mut jobs, b, 0, 0, 4, &meta(300), 1 << 20);
+    add_to_jobs(&mut jobs, a, 8 << 20, 0, 5, &meta(900_000), 1 << 20);
+    let spans: Vec<(PackId, u64, u64, usize)> = jobs.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+    assert_eq!(
+        spans,
+        vec![(a, 0, 3500 + (64 << 10), 3), (b, 0, 300, 1), (a, 8 << 20, (8 << 20) + 900_000, 1)]
+    );
+    assert_eq!(jobs[0].frames[1].chunks, vec![(0, 1), (4096, 2)]);
+    // A read never grows past the read size: the same frames with 4 KiB reads split.
+    let mut small = Vec::new();
+    add_to_jobs(&mut small, a, 0, 0, 0, &meta(1000), 4096);
+    add_to_jobs(&mut small, a, 1000, 0, 1, &meta(2000), 4096);
+    add_to_jobs(&mut small, a, 3000, 0, 2, &meta(2000), 4096);
+    assert_eq!(small.iter().map(|j| j.frames.len()).collect::<Vec<_>>(), vec![2, 1]);
+    // Largest first, smallest last; equal sizes keep their order.
+    order_reads(&mut jobs);
+    let sizes: Vec<u64> = jobs.iter().map(|j| j.end - j.start).collect();
+    assert_eq!(sizes, vec![900_000, 3500 + (64 << 10), 300]);
+    let mut same = vec![small[1].clone(), small[1].clone()];
+    same[1].start = 1;
+    same[1].end = 2001;
+    order_reads(&mut same);
+    assert_eq!(same[0].start, 3000, "stable for equal sizes");
+}
+
+#[test]
+fn a_packs_small_last_read_is_folded_into_the_one_before() {
+    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false };
+    let (a, b, c) = (PackId([1; 16]), PackId([2; 16]), PackId([3; 16]));
+    let mut jobs = Vec::new();
+    // Pack a: two full 1 MiB reads and a 100 KB remainder; pack b: a full read and a
+    // 300 KB remainder (over a quarter: kept); pack c: a single small read (kept).
+    let mut u = 0;
+    let mut add = |jobs: &mut Vec<Job>, p: PackId, off: u64, len: u32| {
+        add_to_jobs(jobs, p, off, 0, u, &meta(len), 1 << 20);
+        u += 1;
+    };
+    for k in 0..32u64 {
+        add(&mut jobs, a, k * 65536, 65536);
+    }
+    add(&mut jobs, a, 32 * 65536, 100_000);
+    for k in 0..16u64 {
+        add(&mut jobs, b, k * 65536, 65536);
+    }
+    add(&mut jobs, b, 16 * 65536, 300_000);
+    add(&mut jobs, c, 0, 5_000);
+    assert_eq!(jobs.len(), 6);
+    let folded = fold_small_tails(jobs, 1 << 20);
+    let spans: Vec<(PackId, u64, u64, usize)> = folded.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+    assert_eq!(
+        spans,
+        vec![
+            (a, 0, 1 << 20, 16),
+            (a, 1 << 20, (2 << 20) + 100_000, 17),
+            (b, 0, 1 << 20, 16),
+            (b, 1 << 20, (1 << 20) + 300_000, 1),
+            (c, 0, 5_000, 1),
+        ]
+    );
+}
+
+#[test]
+fn small_checkpoints_get_small_reads() {
+    // 24 MB: 1 MiB reads (24 of them, 6 per fetcher); 700 MB: the full 8 MiB.
+    assert_eq!(read_size(24 << 20, 8 << 20), MIN_READ);
+    assert_eq!(read_size(700 << 20, 8 << 20), 8 << 20);
+    assert_eq!(read_size(96 << 20, 8 << 20), 3 << 20);
+    // A caller's limit below MIN_READ wins.
+    assert_eq!(read_size(24 << 20, 256 << 10), 256 << 10);
+    assert!(read_size(0, 8 << 20) >= 1);
+}
+
+#[test]
+fn par_map_keeps_order_and_reports_the_first_failure() {
+    let items: Vec<u32> = (0..100).collect();
+    let out = par_map(&items, 7, |x| Ok::<u32, ()>(x * 2)).unwrap();
+    assert_eq!(out, items.iter().map(|x| x * 2).collect::<Vec<_>>());
+    let err = par_map(&items, 1, |x| if *x >= 40 { Err(*x) } else { Ok(*x) }).unwrap_err();
+    assert_eq!(err, (40, 40));
+    assert!(par_map(&[] as &[u32], 4, |x| Ok::<u32, ()>(*x)).unwrap().is_empty());
+}
