@@ -163,58 +163,24 @@ impl strata::backend::Backend for CountReads {
     }
 }
 
-/// The first reads of a restore start before the stream: the save's `read_hint` is read while
-/// the maps are, and the plan's next reads while it finishes (and QEMU is being connected).
-/// The stream then uses them and is whole. A wrong hint (a pack that does not exist, ranges
-/// that cut frames in two) costs reads, never pages: the stream is the same memory.
+/// The first reads of a restore start while the plan finishes (and QEMU is being connected),
+/// not when the stream starts; the stream then uses them and is whole.
 fn prefetch_starts_before_the_stream(dir: &Path, name: &str) {
     use strata::memory::restore::{load_checkpoint, prepare, stream};
     let be = std::sync::Arc::new(CountReads(strata::backend::local::LocalBackend::open(dir.join("store")).unwrap(), Default::default()));
     let store = Store::open(be.clone(), &dir.join("prefetch.redb")).unwrap();
     let ckpt = load_checkpoint(&store, name).unwrap();
-    assert!(!ckpt.manifest.read_hint.is_empty(), "the save records where its pages went");
     let opts = RestoreOptions::default();
-    let run = |ckpt: &strata::memory::manifest::Checkpoint, out: &Path| {
-        let p = prepare(&store, ckpt, &opts).unwrap();
-        // Maps and tail were read inside `prepare`; give the early reads time to land.
-        std::thread::sleep(Duration::from_millis(500));
-        let before = be.1.load(std::sync::atomic::Ordering::SeqCst);
-        let (_, rep) = stream(p, std::fs::File::create(out).unwrap(), &opts, &NoProgress).unwrap();
-        let during = be.1.load(std::sync::atomic::Ordering::SeqCst) - before;
-        (rep, during, parse_file(out, 1 << 20).1)
-    };
-    let (rep, during, img) = run(&ckpt, &dir.join("hinted.stream"));
+    let p = prepare(&store, &ckpt, &opts).unwrap();
+    // Maps and tail were read inside `prepare`; give the early reads time to land.
+    std::thread::sleep(Duration::from_millis(500));
+    let before = be.1.load(std::sync::atomic::Ordering::SeqCst);
+    let (_, rep) = stream(p, std::io::sink(), &opts, &NoProgress).unwrap();
     assert!(rep.chunks_verified > 0 && rep.reads > 0, "{rep:?}");
-    assert!(rep.speculative_reads > 0, "{rep:?}");
-    // The stream reads only what was not read early, and uses the early reads: at least the
-    // planned ones, and the speculative ones' bytes too.
-    assert_eq!(during as u64, rep.reads - rep.reads_from_early, "{rep:?}");
-    assert!(rep.reads_from_early > (rep.reads as usize).min(strata::memory::restore::FETCHERS) as u64, "{rep:?}");
-    // A wrong hint: the stream is the same memory.
-    let mut bad = ckpt.clone();
-    let real = bad.manifest.read_hint[0].clone();
-    bad.manifest.read_hint = vec![
-        strata::memory::manifest::PackRange { pack: "ab".repeat(16), start: 0, end: 1 << 20 },
-        strata::memory::manifest::PackRange { start: real.start + 1000, end: real.end - 1000, ..real },
-    ];
-    let (rep_bad, during_bad, img_bad) = run(&bad, &dir.join("bad-hint.stream"));
-    assert!(rep_bad.speculative_reads > 0 && during_bad as u64 == rep_bad.reads - rep_bad.reads_from_early, "{rep_bad:?}");
-    let (rep_none, _, img_none) = run(
-        &{
-            let mut c = ckpt.clone();
-            c.manifest.read_hint.clear();
-            c
-        },
-        &dir.join("no-hint.stream"),
-    );
-    assert_eq!(rep_none.speculative_reads, 0);
-    for (what, other) in [("a wrong hint", &img_bad), ("no hint", &img_none)] {
-        assert_eq!(other.data, img.data, "memory restored with {what} differs");
-        assert_eq!(other.tail, img.tail, "device state restored with {what} differs");
-    }
-    for f in ["hinted.stream", "bad-hint.stream", "no-hint.stream"] {
-        std::fs::remove_file(dir.join(f)).ok();
-    }
+    // The stream reads only what was not read early, and uses the early reads.
+    let during = be.1.load(std::sync::atomic::Ordering::SeqCst) - before;
+    let early = (rep.reads as usize).min(strata::memory::restore::FETCHERS);
+    assert_eq!(during, rep.reads as usize - early, "{} reads planned, {during} made by the stream", rep.reads);
 }
 
 #[test]

@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::id::{ChunkId, PackId};
+use crate::id::ChunkId;
 use crate::memory::stream::{RamBlock, RamSectionHeader, StreamLayout, PAGE_SIZE};
 use crate::store::objects::{Ref, Tree};
 
@@ -235,22 +235,6 @@ pub struct DeltaMeta {
     pub skipped_batches: u64,
 }
 
-/// Part of a pack that holds this save's pages: bytes `start..end` of pack `pack` (32 hex
-/// digits). Advisory: a restore reads the first of them while it reads the page maps, and
-/// uses those bytes only for the frames its plan finds inside them (every page is verified
-/// against its id as always). A wrong or stale range costs bandwidth, never correctness.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PackRange {
-    pub pack: String,
-    pub start: u64,
-    pub end: u64,
-}
-
-/// Ranges a manifest lists in `read_hint` (a restore reads at most a few dozen MiB of them).
-pub const MAX_READ_HINT: usize = 64;
-/// Largest range in `read_hint` (a pack is 16 MiB by default, 1 GiB at most).
-pub const MAX_HINT_RANGE: u64 = 1 << 30;
-
 /// The JSON payload of a checkpoint ref.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Manifest {
@@ -268,10 +252,6 @@ pub struct Manifest {
     /// Present when the save had a base checkpoint (version 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<DeltaMeta>,
-    /// Where the save put its pages, in the order it wrote them (first [`MAX_READ_HINT`]
-    /// packs; optional, absent before strata 0.1 session 17).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub read_hint: Vec<PackRange>,
 }
 
 /// Ref name of checkpoint `name`.
@@ -374,20 +354,6 @@ impl Manifest {
             }
             if d.records > d.pages {
                 return bad("delta.records", "more records than delta pages".into());
-            }
-        }
-        if self.read_hint.len() > MAX_READ_HINT {
-            return bad(
-                "read_hint",
-                format!("{} ranges (at most {MAX_READ_HINT})", self.read_hint.len()),
-            );
-        }
-        for r in &self.read_hint {
-            if r.pack.len() != 32 || PackId::from_hex(&r.pack).is_none() {
-                return bad("read_hint.pack", "not 32 hex digits".into());
-            }
-            if r.start >= r.end || r.end - r.start > MAX_HINT_RANGE {
-                return bad("read_hint", format!("range {}..{} of pack {}", r.start, r.end, r.pack));
             }
         }
         if self.stream.file_version != 3 {
@@ -551,11 +517,6 @@ mod tests {
             },
             stats: SaveStats::default(),
             delta: None,
-            read_hint: vec![PackRange {
-                pack: "0f".repeat(16),
-                start: 16,
-                end: 4 << 20,
-            }],
         }
     }
 
@@ -573,17 +534,6 @@ mod tests {
         assert_eq!(v["tail"]["len"], 200_000);
         assert_eq!(v["codec"]["frames"]["lz4"], 5);
         assert!(v["stats"]["downtime_ms"].is_number());
-        assert_eq!(v["read_hint"][0]["pack"], "0f".repeat(16));
-        assert_eq!(v["read_hint"][0]["start"], 16);
-        assert_eq!(v["read_hint"][0]["end"], 4u64 << 20);
-        // Optional: a manifest without it (written before it existed) still parses.
-        let mut old = v.clone();
-        old.as_object_mut().unwrap().remove("read_hint");
-        let parsed = parse_manifest(&serde_json::to_vec(&old).unwrap()).unwrap();
-        assert!(parsed.read_hint.is_empty());
-        let mut none = m.clone();
-        none.read_hint.clear();
-        assert!(serde_json::from_slice::<serde_json::Value>(&none.encode()).unwrap().get("read_hint").is_none());
         assert_eq!(parse_manifest(&m.encode()).unwrap(), m);
         let modes: Vec<String> = [Mode::Save, Mode::BackgroundSnapshot, Mode::Precopy]
             .iter()
@@ -629,20 +579,6 @@ mod tests {
         assert!(matches!(
             parse_manifest(&m.encode()),
             Err(ManifestError::Invalid { field: "name", .. })
-        ));
-        for (pack, start, end) in [("xyz".to_string(), 0, 1), ("0f".repeat(16), 5, 5), ("0f".repeat(16), 0, (1 << 30) + 1)] {
-            let mut m = sample();
-            m.read_hint = vec![PackRange { pack, start, end }];
-            assert!(matches!(
-                parse_manifest(&m.encode()),
-                Err(ManifestError::Invalid { field, .. }) if field.starts_with("read_hint")
-            ));
-        }
-        let mut m = sample();
-        m.read_hint = vec![m.read_hint[0].clone(); MAX_READ_HINT + 1];
-        assert!(matches!(
-            parse_manifest(&m.encode()),
-            Err(ManifestError::Invalid { field: "read_hint", .. })
         ));
         let mut m = sample();
         m.stream.config_subsections = "zz".into();

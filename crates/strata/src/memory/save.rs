@@ -41,7 +41,7 @@ use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
     ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats, REF_PREFIX,
-    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION, MAX_HINT_RANGE, MAX_READ_HINT, PackRange,
+    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
 };
 use crate::codec::Codec;
 use crate::disk::map::write_map_with;
@@ -640,16 +640,6 @@ fn save_inner(
         codec: chooser.report(),
         stats,
         delta: delta_meta,
-        read_hint: ses
-            .extents()
-            .into_iter()
-            .take(MAX_READ_HINT)
-            .map(|e| PackRange {
-                pack: e.pack.to_hex(),
-                start: e.start,
-                end: e.end.min(e.start + MAX_HINT_RANGE),
-            })
-            .collect(),
     };
     manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
     let ckpt = Checkpoint {

@@ -425,12 +425,7 @@ impl Store {
         let id = self.inner.next_session.fetch_add(1, Ordering::Relaxed);
         let pins = Arc::new(Mutex::new(HashSet::new()));
         self.inner.sessions.lock().insert(id, pins.clone());
-        Session {
-            store: self.clone(),
-            id,
-            pins,
-            extents: Mutex::new(Vec::new()),
-        }
+        Session { store: self.clone(), id, pins }
     }
 
     /// Wall time (ns, all threads) spent waiting to hand sealed packs and flushes to the pack
@@ -629,14 +624,7 @@ impl Store {
 
     /// Append one frame holding `items` (ids must be BLAKE3 of the data). Returns the number of
     /// chunks that were new. Used by sessions.
-    fn put_frame_inner(
-        &self,
-        items: &[(ChunkId, &[u8])],
-        kind: ChunkKind,
-        codec: Codec,
-        pre: Option<Precompressed>,
-        extents: &Mutex<Vec<Extent>>,
-    ) -> Result<usize> {
+    fn put_frame_inner(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
         let sh = &self.inner.sh;
         let fresh: Vec<(ChunkId, &[u8])> = {
             let idx = sh.index.read();
@@ -714,11 +702,6 @@ impl Store {
                     if *a {
                         idx.chunks.insert(e.id, Loc { pack: no, entry: *e });
                     }
-                }
-            }
-            if kind == ChunkKind::Data {
-                if let Some(e) = entries.first() {
-                    note_extent(&mut extents.lock(), b.id, e.frame_off, e.frame_off + e.frame_len as u64);
                 }
             }
             let n_new = absent.iter().filter(|a| **a).count();
@@ -899,31 +882,6 @@ pub struct Session {
     store: Store,
     id: u64,
     pins: Arc<Mutex<HashSet<ChunkId>>>,
-    extents: Mutex<Vec<Extent>>,
-}
-
-/// The byte range of a pack that holds a session's data frames: from the first frame's start
-/// to the last one's end (other writers' frames may lie in between).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Extent {
-    pub pack: PackId,
-    pub start: u64,
-    pub end: u64,
-}
-
-/// Extents a session records (one per pack: a 2 GiB save writes ~50 packs).
-pub const MAX_EXTENTS: usize = 4096;
-
-/// Grow the last extent if the frame landed in the same pack, else start one (up to
-/// [`MAX_EXTENTS`]). A pack reappearing later (concurrent sessions share the open pack only
-/// while it is open, so it cannot) would get a second extent.
-fn note_extent(v: &mut Vec<Extent>, pack: PackId, start: u64, end: u64) {
-    if let Some(x) = v.last_mut().filter(|x| x.pack == pack) {
-        x.start = x.start.min(start);
-        x.end = x.end.max(end);
-    } else if v.len() < MAX_EXTENTS {
-        v.push(Extent { pack, start, end });
-    }
 }
 
 impl Session {
@@ -956,14 +914,7 @@ impl Session {
         let _g = self.store.inner.gc_lock.read();
         self.store.inner.sh.check_poison()?;
         self.pins.lock().extend(items.iter().map(|(id, _)| *id));
-        self.store.put_frame_inner(items, kind, codec, pre, &self.extents)
-    }
-
-    /// Where this session's data frames went, pack by pack in the order it wrote them (see
-    /// [`Extent`]): a memory save records the first ones in its manifest, so a restore can
-    /// start reading pages before it has read the page maps.
-    pub fn extents(&self) -> Vec<Extent> {
-        self.extents.lock().clone()
+        self.store.put_frame_inner(items, kind, codec, pre)
     }
 
     /// Store a tree chunk.

@@ -532,31 +532,3 @@ fn locate_many_matches_locate_across_lock_batches() {
         }
     }
 }
-
-/// A session records where its data frames went, one extent per pack in write order, and
-/// nothing for trees or chunks that were already stored.
-#[test]
-fn a_session_records_the_pack_extents_of_its_data_frames() {
-    let (_d, store, _mem) = mem_store(256 << 10);
-    let ses = store.session();
-    let ids: Vec<ChunkId> = (0..40).map(|i| ses.put_with(&data(i, 64 << 10), ChunkKind::Data, Codec::None).unwrap()).collect();
-    ses.put_tree(&Tree { children: ids[..3].to_vec(), payload: Vec::new() }).unwrap();
-    store.flush().unwrap();
-    let ext = ses.extents();
-    assert!(ext.len() >= 8, "40 chunks of 64 KiB in 256 KiB packs: {ext:?}");
-    // Each chunk lies inside its pack's extent; extents are in write order, one per pack.
-    let mut seen: Vec<PackId> = Vec::new();
-    for id in &ids {
-        let (pack, e) = store.locate(id).unwrap();
-        if seen.last() != Some(&pack) {
-            seen.push(pack);
-        }
-        let x = ext.iter().find(|x| x.pack == pack).unwrap();
-        assert!(x.start <= e.frame_off && e.frame_off + e.frame_len as u64 <= x.end, "{x:?} {e:?}");
-    }
-    assert_eq!(ext.iter().map(|x| x.pack).collect::<Vec<_>>(), seen);
-    // Chunks already stored add nothing, in this session or another.
-    let other = store.session();
-    other.put_with(&data(3, 64 << 10), ChunkKind::Data, Codec::None).unwrap();
-    assert!(other.extents().is_empty());
-}

@@ -43,7 +43,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::error::MemError;
-use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint, PackRange};
+use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint};
 use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
 use crate::codec::Codec;
 use crate::disk::map::LEAF_IDS;
@@ -58,7 +58,6 @@ use crate::store::{Store, StoreError};
 
 const TARGET: &str = "strata::memory";
 
-mod early;
 mod maps;
 mod pipeline;
 mod plan;
@@ -127,11 +126,6 @@ pub struct RestoreReport {
     /// Bytes read from packs.
     pub bytes_read: u64,
     pub reads: u64,
-    /// Reads started before the plan existed, from the manifest's `read_hint`.
-    pub speculative_reads: u64,
-    /// Of `reads`, those whose bytes came from a read started early (speculative, or planned
-    /// and started before the stream); the rest were read by the stream's fetchers.
-    pub reads_from_early: u64,
     pub vm_status: String,
 }
 

@@ -149,25 +149,14 @@ pub(super) fn fetch_job(
     bufs: &Buffers,
     send: &mut dyn FnMut(Batch) -> bool,
 ) -> Option<Result<Vec<Decoded>, (u32, StoreError)>> {
-    // An early read's bytes (None: there was none, or it failed: read them now).
-    let early = job.early.and_then(|k| {
-        let e = &plan.early[k as usize];
-        e.take().map(|b| (e.start, b))
-    });
+    let early = plan.early.get(j).and_then(|h| h.lock().take()).and_then(|h| h.join().ok());
     let started = plan.t0.elapsed();
     let prefetched = early.is_some();
-    if prefetched {
-        plan.early_used.fetch_add(1, Ordering::Relaxed);
-    }
     let mut split = Splitter::new(j, job, bufs);
     let mut open = true;
     let mut emit = |b: Batch| open = open && send(b);
     let read = match early {
-        Some((at, b)) => {
-            let a = (job.start - at) as usize;
-            split.push(&b[a..a + (job.end - job.start) as usize], &mut emit);
-            Ok(())
-        }
+        Some(r) => r.map(|b| split.push(&b, &mut emit)),
         None => store
             .backend()
             .get_range_to(&job.pack.pack_key(), job.start, job.end - job.start, &mut |piece| split.push(piece, &mut emit)),
@@ -485,8 +474,6 @@ pub fn stream<W: Write>(
         delta_pages: plan.delta_jobs.iter().map(|j| j.len() as u64).sum(),
         bytes_read,
         reads: plan.jobs.len() as u64,
-        speculative_reads: plan.speculative as u64,
-        reads_from_early: plan.early_used.load(Ordering::Relaxed),
         ..Default::default()
     };
     tracing::debug!(target: TARGET, name, ?report, "stream generated");

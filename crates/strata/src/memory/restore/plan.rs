@@ -1,9 +1,7 @@
 //! The read plan: every page located, sorted by its place in the packs, and cut into reads
 //! (see the parent module for why), and the first reads started before the stream.
 
-use super::early::*;
 use super::*;
-use std::sync::Arc;
 
 
 /// One compressed frame to read, with the pages (unique ids) it holds.
@@ -61,21 +59,16 @@ pub(super) fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame:
             start: off,
             end,
             frames: vec![frame],
-            early: None,
         }),
     }
 }
 
-/// Reads whose bytes an early read holds first, in that read's order (their bytes are on the
-/// way or in); then the largest reads first and the smallest last (stable, so pack order
-/// within a size). The last reads' bytes are work left after the last byte arrives: with
-/// 1 MiB reads last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`,
-/// session 8).
+/// Put the largest reads first and the smallest last (stable, so pack order within a size).
+/// The pages of a read are decoded, verified and written only once all its bytes are in, so
+/// whatever the last reads hold is work left after the last byte arrives: with 1 MiB reads
+/// last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`, session 8).
 pub(super) fn order_reads(jobs: &mut [Job]) {
-    jobs.sort_by_key(|j| match j.early {
-        Some(k) => (false, k, j.start, std::cmp::Reverse(0)),
-        None => (true, 0, 0, std::cmp::Reverse(j.end - j.start)),
-    });
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.end - j.start));
 }
 
 /// Largest gap between two frames of one read (see [`add_to_jobs`]).
@@ -117,8 +110,6 @@ pub(super) struct Job {
     pub(super) start: u64,
     pub(super) end: u64,
     pub(super) frames: Vec<FramePlan>,
-    /// The early read holding its bytes (an index into [`Plan::early`]).
-    pub(super) early: Option<u32>,
 }
 
 /// Default largest read (see [`RestoreOptions::read_bytes`]).
@@ -152,12 +143,8 @@ pub(super) struct Plan {
     pub(super) refs: Vec<(u32, u32)>,
     pub(super) zeros: Vec<(u32, u32)>,
     pub(super) jobs: Vec<Job>,
-    /// Reads started before the fetchers (see `early.rs`); jobs name theirs.
-    pub(super) early: Vec<Arc<Early>>,
-    /// How many of `early` were speculative (started before the plan).
-    pub(super) speculative: usize,
-    /// Jobs that took their bytes from an early read.
-    pub(super) early_used: std::sync::atomic::AtomicU64,
+    /// The first jobs' reads, started as soon as the jobs were planned (see [`prefetch`]).
+    pub(super) early: Vec<parking_lot::Mutex<Option<Early>>>,
     /// Delta pages (unique-id indexes), a few dozen per job, ordered by their base's place.
     pub(super) delta_jobs: Vec<Vec<u32>>,
     pub(super) tail: Vec<u8>,
@@ -165,20 +152,21 @@ pub(super) struct Plan {
     pub(super) t0: Instant,
 }
 
-/// Bytes the planned early reads cover: past the first [`FETCHERS`] reads no early read
-/// holds yet, more start (up to twice as many) until they reach this, so the link stays busy
-/// until the fetchers take over.
+/// A read started before the stream: its thread returns the bytes.
+pub(super) type Early = std::thread::JoinHandle<Result<Vec<u8>, crate::backend::BackendError>>;
+
+/// Bytes the early reads cover: past the first [`FETCHERS`] jobs, more start (up to twice as
+/// many) until they reach this, so the link stays busy until the fetchers take over.
 pub(super) const PREFETCH_BYTES: u64 = 3 << 20;
 
-/// Start the plan's first reads that no early read holds, now, on threads of their own: the
-/// rest of the plan (one HEAD per pack), QEMU's `migrate-incoming` and the connection take
-/// ~20 ms of a 128 MiB restore over 1 Gbit/s (`bench save-restore --remote`), in which the
-/// link would otherwise carry only the HEADs. A plan that then fails drops them; the threads
-/// end with their reads.
-pub(super) fn prefetch(store: &Store, jobs: &mut [Job], early: &mut Vec<Arc<Early>>) {
-    let first = jobs.iter().position(|j| j.early.is_none()).unwrap_or(jobs.len());
+/// Start the reads of the first jobs now, on threads of their own: the rest of the plan (one
+/// HEAD per pack), QEMU's `migrate-incoming` and the connection take ~20 ms of a 128 MiB
+/// restore over 1 Gbit/s (`bench save-restore --remote`), in which the link would otherwise
+/// carry only the HEADs. A plan that then fails drops the handles; the threads end with their
+/// reads.
+pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Option<Early>>> {
     let mut bytes = 0u64;
-    let n = jobs[first..]
+    let n = jobs
         .iter()
         .take(2 * FETCHERS)
         .take_while(|j| {
@@ -187,22 +175,26 @@ pub(super) fn prefetch(store: &Store, jobs: &mut [Job], early: &mut Vec<Arc<Earl
             take
         })
         .count()
-        .max(FETCHERS.min(jobs.len() - first));
-    for j in jobs[first..].iter_mut().take(n) {
-        let e = Early::start(store, j.pack, j.start, j.end);
-        e.add_user();
-        j.early = Some(early.len() as u32);
-        early.push(e);
-    }
+        .max(FETCHERS.min(jobs.len()));
+    jobs.iter()
+        .take(n)
+        .map(|j| {
+            let (store, key, start, len) = (store.clone(), j.pack.pack_key(), j.start, j.end - j.start);
+            let h = std::thread::Builder::new()
+                .name("strata-prefetch".into())
+                .spawn(move || store.backend().get_range(&key, start, len))
+                .ok();
+            parking_lot::Mutex::new(h)
+        })
+        .collect()
 }
+
+
 
 pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
     let t0 = Instant::now();
     let m = &ckpt.manifest;
     let name = &m.name;
-    // The save's own packs, read while the maps are (see early.rs).
-    let mut early = speculate(store, &m.read_hint, read_bytes);
-    let speculative = early.len();
     // The device-state tail is a few round trips of its own: fetched while the maps are.
     let tail = {
         let (store, ckpt) = (store.clone(), ckpt.clone());
@@ -334,11 +326,10 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         ref_ranges.last_mut().expect("pushed").1 += 1;
     }
     drop((ids, pages, frames_of));
-    let mut jobs = cover_jobs(fold_small_tails(jobs, read_bytes), &early, read_bytes);
-    let covered = jobs.iter().filter(|j| j.early.is_some()).count();
+    let mut jobs = fold_small_tails(jobs, read_bytes);
     order_reads(&mut jobs);
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
-    prefetch(store, &mut jobs, &mut early);
+    let early = prefetch(store, &jobs);
     // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent).
     let mut packs: Vec<(PackId, u32)> = Vec::new();
     let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
@@ -386,8 +377,6 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         tail_ms = t0.elapsed().as_secs_f64() * 1e3,
         packs = packs.len(),
         reads = jobs.len(),
-        speculative,
-        covered,
         read_bytes,
         "restore planned"
     );
@@ -398,8 +387,6 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         zeros,
         jobs,
         early,
-        speculative,
-        early_used: Default::default(),
         delta_jobs,
         tail,
         t0,

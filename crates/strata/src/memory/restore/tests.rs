@@ -1,6 +1,5 @@
 //! Tests of the restore plan, map reads and the fetch pipeline.
 
-use super::early::*;
 use super::maps::*;
 use super::pipeline::*;
 use super::*;
@@ -230,76 +229,4 @@ fn par_map_keeps_order_and_reports_the_first_failure() {
     let err = par_map(&items, 1, |x| if *x >= 40 { Err(*x) } else { Ok(*x) }).unwrap_err();
     assert_eq!(err, (40, 40));
     assert!(par_map(&[] as &[u32], 4, |x| Ok::<u32, ()>(*x)).unwrap().is_empty());
-}
-
-/// Early reads: the plan's reads are cut where an early read begins and ends, frame by frame;
-/// the parts inside one take its bytes and go first, a frame straddling an edge is read as
-/// usual, leftovers join their uncovered neighbour, and reads no early read touches are kept.
-#[test]
-fn plan_reads_are_cut_at_early_reads_and_those_parts_go_first() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false };
-    let (a, b) = (PackId([1; 16]), PackId([2; 16]));
-    let mut jobs = Vec::new();
-    // Pack a: 32 frames of 64 KiB (two 1 MiB reads); pack b: 16 (one read).
-    for k in 0..32u32 {
-        add_to_jobs(&mut jobs, a, k as u64 * 65536, 0, k, &meta(65536), 1 << 20);
-    }
-    for k in 0..16u32 {
-        add_to_jobs(&mut jobs, b, k as u64 * 65536, 0, 32 + k, &meta(65536), 1 << 20);
-    }
-    assert_eq!(jobs.len(), 3);
-    // One early read over most of a's first read and the start of its second (its edges
-    // inside frames 1 and 22), and one of a pack the plan does not use.
-    let early = vec![
-        Early::settled(a, 100_000, 1_500_000, Some(vec![7; 1_400_000])),
-        Early::settled(PackId([9; 16]), 0, 1 << 20, None),
-    ];
-    let mut cut = cover_jobs(jobs, &early, 1 << 20);
-    let spans = |jobs: &[Job]| -> Vec<(PackId, u64, u64, usize, Option<u32>)> {
-        jobs.iter().map(|j| (j.pack, j.start, j.end, j.frames.len(), j.early)).collect()
-    };
-    assert_eq!(
-        spans(&cut),
-        vec![
-            (a, 0, 2 * 65536, 2, None),
-            (a, 2 * 65536, 1 << 20, 14, Some(0)),
-            (a, 1 << 20, 22 * 65536, 6, Some(0)),
-            (a, 22 * 65536, 2 << 20, 10, None),
-            (b, 0, 1 << 20, 16, None),
-        ]
-    );
-    // Every frame is still read exactly once.
-    let frames: Vec<u64> = cut.iter().flat_map(|j| j.frames.iter().map(|f| f.off)).collect();
-    assert_eq!(frames.len(), 48);
-    order_reads(&mut cut);
-    assert_eq!(
-        spans(&cut).iter().map(|s| (s.0, s.1, s.4)).collect::<Vec<_>>(),
-        vec![(a, 2 * 65536, Some(0)), (a, 1 << 20, Some(0)), (b, 0, None), (a, 22 * 65536, None), (a, 0, None)],
-        "early parts first in their order, then largest first"
-    );
-    // Both users get the bytes; after the last the read holds nothing.
-    assert_eq!(early[0].take().unwrap().len(), 1_400_000);
-    assert!(early[0].take().is_some());
-    assert!(early[0].take().is_none(), "released after its last user");
-    // No early reads: the plan is untouched.
-    let mut again = Vec::new();
-    add_to_jobs(&mut again, a, 0, 0, 0, &meta(65536), 1 << 20);
-    assert_eq!(spans(&cover_jobs(again.clone(), &[], 1 << 20)), spans(&again));
-}
-
-/// A small leftover outside an early read joins the uncovered read next to it.
-#[test]
-fn a_leftover_beside_an_early_read_joins_its_neighbour() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false };
-    let a = PackId([1; 16]);
-    let mut jobs = Vec::new();
-    for k in 0..32u32 {
-        add_to_jobs(&mut jobs, a, k as u64 * 65536, 0, k, &meta(65536), 1 << 20);
-    }
-    // The early read ends inside frame 14: frames 14 and 15 are left over from the first read
-    // and join the second (18 frames: 1.125 read sizes).
-    let early = vec![Early::settled(a, 0, 14 * 65536 + 100, Some(vec![0; 14 * 65536 + 100]))];
-    let cut = cover_jobs(jobs, &early, 1 << 20);
-    let spans: Vec<(u64, u64, usize, Option<u32>)> = cut.iter().map(|j| (j.start, j.end, j.frames.len(), j.early)).collect();
-    assert_eq!(spans, vec![(0, 14 * 65536, 14, Some(0)), (14 * 65536, 2 << 20, 18, None)]);
 }
