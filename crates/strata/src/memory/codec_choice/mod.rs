@@ -1,0 +1,122 @@
+//! Adaptive codec choice for memory saves, after the compressed save/restore paper
+//! (`shared/seeds/000_*`): compressing pays when
+//!
+//! ```text
+//! Speed_Transfer ≤ Speed_Comp × (1 − Rate)
+//! ```
+//!
+//! where Speed_Transfer is how fast the backend makes raw bytes durable, Speed_Comp how fast
+//! the pool compresses and Rate the compressed/raw ratio. Among the codecs that pass, the
+//! one with the smallest expected time per byte, `1/Speed_Comp + Rate/Speed_Transfer` (the
+//! paper's equation 3 divided by the file size), is used; when none passes, pages are stored
+//! raw, so a save is never slower than storing raw by the paper's model. That is the
+//! [`Model::Serial`] used for local disks; on a network backend uploads overlap compression,
+//! so [`Model::Overlapped`] takes the slower stage's time instead of the sum.
+//!
+//! All three inputs are measured, not configured:
+//! * Speed_Transfer from the save's own pack uploads (the store's upload meter: bytes over
+//!   the wall time uploads were running), re-read at every decision once
+//!   [`METER_MIN_BYTES`] went up. Until then a prior is used: the speed this host measured
+//!   on the same backend within [`REMEMBER_SECS`] (a small file in the store's local
+//!   directory, written after each save), else, on a network backend, 1 Gbit/s
+//!   ([`DEFAULT_NETWORK_BPS`]: the first frames get a cheap codec; sending a 16 MiB probe cost
+//!   a small save more time and link bytes than it saved), else [`probe_backend`]: one timed
+//!   `put` of incompressible bytes (a local disk: cheap, and its first pack is large);
+//! * Speed_Comp and Rate on the frames actually arriving: workers compress a sample of
+//!   frames (the first few, then one in [`SAMPLE_EVERY`]) with every candidate, timed with the
+//!   thread's CPU clock (so a worker preempted by QEMU does not look slow), and the pool's
+//!   speed is that per-core speed × the cores compression can really use: all cores minus one
+//!   when the source QEMU runs on this host, because its migration thread keeps one core busy
+//!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
+//!   usually gets raw pages. A stop-and-copy save to a network backend counts every core (the
+//!   caller passes them): there QEMU's sender blocks whenever the pool falls behind, and the
+//!   link is the bottleneck, so it gets zstd:1 (the start-up codec there, [`Chooser::with_start`]).
+//!
+//! The decision is re-evaluated after every sample over a sliding window, so a save that
+//! moves from code pages to random data switches codec per batch. [`decide`] is a pure
+//! function, unit-tested on the paper's Table 1 numbers.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::manifest::{CodecEstimate, CodecReport};
+use crate::backend::{Backend, BackendError};
+use crate::codec::Codec;
+
+mod chooser;
+mod measure;
+mod model;
+mod speed;
+#[cfg(test)]
+mod tests;
+
+pub use chooser::Chooser;
+pub(crate) use measure::thread_cpu_ns;
+pub use measure::{measure_keep, measure_once, usable_cores};
+pub use model::{decide, decide_keeping, decide_with, Decision, Model, CPU_HEADROOM, RESTORE_READS, SWITCH_MARGIN};
+pub use speed::{
+    metered_speed, probe_backend, remember_speed, remembered_speed, Meter, DEFAULT_NETWORK_BPS, METER_MIN_BYTES, PROBE_BYTES,
+    REMEMBER_SECS, SPEED_FILE,
+};
+
+/// Codecs tried by `auto`, besides storing raw.
+pub const CANDIDATES: [Codec; 3] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)];
+/// Frames sampled unconditionally at the start of a save.
+pub const WARMUP_SAMPLES: u64 = 6;
+/// After the warm-up, one frame in this many is sampled (16 MiB of 128 KiB frames). A sample
+/// compresses its frame with every candidate, ~3.4x the work of zstd:1 alone (zstd:3 is
+/// ~2.2x); at one in 64 that was ~8% of a 128 MiB save's compressing CPU (`perf`), which on
+/// a 2-core host is the save's bottleneck. The sample's output for the chosen codec is now
+/// also what the store keeps ([`Chooser::codec_for_frame`]), not compressed again.
+pub const SAMPLE_EVERY: u64 = 128;
+/// Samples per codec kept in the sliding window.
+pub const WINDOW: usize = 24;
+
+/// What `--codec` asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodecPolicy {
+    /// Measure and choose per batch.
+    Auto,
+    /// Always this codec.
+    Fixed(Codec),
+}
+
+impl std::str::FromStr for CodecPolicy {
+    type Err = crate::codec::CodecError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            Ok(CodecPolicy::Auto)
+        } else {
+            s.parse().map(CodecPolicy::Fixed)
+        }
+    }
+}
+
+impl std::fmt::Display for CodecPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CodecPolicy::Auto => f.write_str("auto"),
+            CodecPolicy::Fixed(c) => write!(f, "{c}"),
+        }
+    }
+}
+
+/// Accumulated measurements of one codec.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Measure {
+    pub raw: u64,
+    pub stored: u64,
+    pub nanos: u64,
+}
+
+impl Measure {
+    fn add(&mut self, o: &Measure) {
+        self.raw += o.raw;
+        self.stored += o.stored;
+        self.nanos += o.nanos;
+    }
+}
