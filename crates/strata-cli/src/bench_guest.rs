@@ -1,4 +1,4 @@
-//! The guest side shared by the memory benchmarks (`bench_mem.rs`: local `codecs`,
+//! The guest side shared by the memory benchmarks (`bench_mem/`: local `codecs`,
 //! `save-restore`, `live`; `bench_remote_mem.rs`: the same over the 1 Gbit/s storage host):
 //! booting the TCG guest with the golden desktop disk, loading the desktop workload, QMP,
 //! destination QEMUs for restores, the QEMU baseline save/restore, a checkpoint taken while

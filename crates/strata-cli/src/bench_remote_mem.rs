@@ -2,7 +2,7 @@
 //! --remote` (paper 000, Figs 2 and 3) and `strata bench live --redis` (paper 002).
 //!
 //! Same guests and desktop workload as the local `bench save-restore` / `bench live`
-//! (`bench_mem.rs`), but the bytes go through the link:
+//! (`bench_mem/`), but the bytes go through the link:
 //! * **QEMU baselines** migrate with `exec:` to a [`Relay`] that writes the stream into a file
 //!   on the storage host's disk (starting writeback every 4 MiB as it arrives) and fsyncs it:
 //!   `cat` (raw), `zstd -1` and `lzop`, compressing
