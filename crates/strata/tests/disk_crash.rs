@@ -104,19 +104,15 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
             killed = true;
         }
         // The test client panics on a dead socket; that, like an error reply, ends the run.
+        let t = Instant::now();
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             c.write(marker_base + k * 4096, &pattern(1000 + k, 4096), 0).is_ok() && c.simple(NbdCmd::Flush, 0, 0, 0).is_ok()
         }))
         .unwrap_or(false);
+        // Liveness under load: compaction back-pressure holds a writer for one fold at most
+        // (~0.5 s here). Writers used to be released one per fold, and a marker waited 12-21 s.
+        assert!(killed || t.elapsed() < Duration::from_secs(10), "marker {k}: write + flush took {:?} under load", t.elapsed());
         if !ok {
-            if !killed {
-                // Not acknowledged within the client's 30 s: on a loaded host a compaction can
-                // hold appends that long (a known stall). The server is still mid-load, so
-                // kill it now; this write was never acknowledged and is not counted.
-                server.kill().unwrap();
-                server.wait().unwrap();
-                killed = true;
-            }
             break;
         }
         acked = k as i64;

@@ -73,6 +73,12 @@ struct SyncState {
 
 pub(super) struct CompactState {
     pub running: bool,
+    /// Folds finished (or failed) so far: a writer held back by one waits for this to move,
+    /// not for `running` to clear, which another writer may set again first.
+    pub finished: u64,
+    /// Explicit `compact()` calls waiting for the running fold: writers start no background
+    /// fold meanwhile, so a snapshot under a write storm is not held back fold after fold.
+    pub explicit: u32,
     pub thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -335,7 +341,7 @@ impl Volume {
             frozen_log: Mutex::new(None),
             sync: Mutex::new(SyncState { synced_seq: 0, syncing: false }),
             sync_cv: Condvar::new(),
-            compaction: Mutex::new(CompactState { running: false, thread: None }),
+            compaction: Mutex::new(CompactState { running: false, finished: 0, explicit: 0, thread: None }),
             compaction_cv: Condvar::new(),
             failed: Mutex::new(None),
             _lock: lock,

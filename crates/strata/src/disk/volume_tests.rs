@@ -279,3 +279,50 @@ fn a_fold_that_fails_before_its_commit_leaves_two_logs_that_replay_in_order() {
     assert_eq!(after[0], 1);
     assert_eq!(after[100 << 10], 2);
 }
+
+#[test]
+fn a_writer_held_back_by_a_fold_waits_for_that_fold_only() {
+    use super::volume::SyncEvent;
+    use std::sync::atomic::AtomicU64;
+    let (_d, s) = store();
+    let size = 16u64 << 20;
+    create(&s, "v", size).unwrap();
+    let v = Volume::open(&s, "v").unwrap();
+    v.set_compact_at(64 << 10);
+    // Slow folds, so writers pile up past twice the threshold and wait.
+    let folds = Arc::new(AtomicU64::new(0));
+    let f = folds.clone();
+    v.set_sync_hook(Arc::new(move |ev: &SyncEvent| {
+        if let SyncEvent::FoldStart(_) = ev {
+            f.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(())
+    }));
+    // The most folds that started while one write call ran: the one it waited for (which may
+    // have started during its append) and the next, started by it or another writer. When
+    // waiting writers were released one per fold, 8 writers saw up to ~7.
+    let worst = AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        for t in 0..8u64 {
+            let (v, folds, worst) = (&v, &folds, &worst);
+            sc.spawn(move || {
+                for i in 0..120u64 {
+                    let before = folds.load(Ordering::SeqCst);
+                    v.write(((t * 120 + i) * 4096) % size, &[t as u8 + 1; 4096], false).unwrap();
+                    worst.fetch_max(folds.load(Ordering::SeqCst) - before, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    v.wait_compaction();
+    let (n, worst) = (folds.load(Ordering::SeqCst), worst.load(Ordering::SeqCst));
+    assert!(v.stats().compaction_waits.load(Ordering::Relaxed) > 0, "no writer was held back ({n} folds)");
+    // One more than the two for a thread descheduled on a loaded host.
+    assert!(worst <= 3, "a write spanned {worst} folds ({n} in all)");
+    let mut all = vec![0u8; 8 * 120 * 4096];
+    v.read(0, &mut all).unwrap();
+    for (k, b) in all.chunks(4096).enumerate() {
+        assert!(b.iter().all(|&x| x == (k / 120) as u8 + 1), "block {k}");
+    }
+}
