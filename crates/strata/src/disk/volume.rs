@@ -97,6 +97,9 @@ pub struct Volume {
     sync_cv: Condvar,
     pub(super) compaction: Mutex<CompactState>,
     pub(super) compaction_cv: Condvar,
+    /// How far the running fold is through its blocks, in 1/65536ths: paces writers once the
+    /// active log passes the threshold (`compact.rs`).
+    pub(super) fold_progress: AtomicU64,
     pub(super) failed: Mutex<Option<String>>,
     _lock: File,
     _lease: Option<crate::store::lease::LeaseGuard>,
@@ -343,6 +346,7 @@ impl Volume {
             sync_cv: Condvar::new(),
             compaction: Mutex::new(CompactState { running: false, finished: 0, explicit: 0, thread: None }),
             compaction_cv: Condvar::new(),
+            fold_progress: AtomicU64::new(0),
             failed: Mutex::new(None),
             _lock: lock,
             _lease: lease,
@@ -420,7 +424,7 @@ impl Volume {
     fn append(&self, kind: RecKind, off: u64, len: u64, data: &[u8]) -> Result<()> {
         self.check_failed()?;
         self.bounds(kind_name(kind), off, len)?;
-        let grown = {
+        let (grown, seq) = {
             let mut w = self.log.lock();
             let rec = w.append(kind, off, len, data)?;
             let src = match kind {
@@ -430,14 +434,14 @@ impl Volume {
             self.state.write().active.insert(off, len, src);
             self.appended.fetch_add(1, Ordering::Release);
             self.stats.log_bytes_written.fetch_add(log::REC_HEADER_LEN + data.len() as u64, Ordering::Relaxed);
-            w.pos
+            (w.pos, w.header.file_seq)
         };
         if kind == RecKind::Write {
             self.stats.writes.fetch_add(1, Ordering::Relaxed);
             self.stats.guest_bytes_written.fetch_add(len, Ordering::Relaxed);
         }
         if grown > self.compact_at.load(Ordering::Relaxed) {
-            self.compact_in_background(grown)?;
+            self.compact_in_background(grown, seq)?;
         }
         Ok(())
     }

@@ -326,3 +326,50 @@ fn a_writer_held_back_by_a_fold_waits_for_that_fold_only() {
         assert!(b.iter().all(|&x| x == (k / 120) as u8 + 1), "block {k}");
     }
 }
+
+#[test]
+fn past_the_threshold_writers_are_paced_by_the_fold_and_released_by_it() {
+    use super::volume::SyncEvent;
+    let (_d, s) = store();
+    create(&s, "v", 8 << 20).unwrap();
+    let v = Volume::open(&s, "v").unwrap();
+    v.set_compact_at(64 << 10);
+    // The fold waits at its start (no block folded yet) until the test says go.
+    let gate = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let g = gate.clone();
+    v.set_sync_hook(Arc::new(move |ev: &SyncEvent| {
+        if let SyncEvent::FoldStart(_) = ev {
+            let mut go = g.0.lock();
+            while !*go {
+                g.1.wait(&mut go);
+            }
+        }
+        Ok(())
+    }));
+    // Past the threshold: the log freezes and a fold starts (and waits at the gate).
+    v.write(0, &[1u8; 68 << 10], false).unwrap();
+    // The new log takes up to the threshold freely...
+    for i in 0..15u64 {
+        v.write((1 << 20) + i * 4096, &[2u8; 4096], false).unwrap();
+    }
+    // ...and a write past it waits, as nothing is folded yet.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|sc| {
+        let v2 = &v;
+        sc.spawn(move || {
+            for i in 15..20u64 {
+                v2.write((1 << 20) + i * 4096, &[2u8; 4096], false).unwrap();
+            }
+            tx.send(()).unwrap();
+        });
+        assert!(rx.recv_timeout(std::time::Duration::from_millis(300)).is_err(), "a write past the threshold went on with nothing folded");
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+        rx.recv_timeout(std::time::Duration::from_secs(30)).expect("the fold released the writer");
+    });
+    v.wait_compaction();
+    assert!(v.stats().compaction_waits.load(Ordering::Relaxed) >= 1);
+    let mut b = vec![0u8; 20 * 4096];
+    v.read(1 << 20, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 2));
+}
