@@ -63,7 +63,7 @@ with open(f"{out}/bench-write-stall.csv", "w") as f:
         f.write(f"{r['label']},{r['iops']:.0f},{r['mib_s']:.1f},{r['p50_ms']:.2f},{r['p99_ms']:.1f},{r['p99_9_ms']:.1f},{r['p99_99_ms']:.1f},{r['max_ms']:.1f}\n")
 # A bar chart of the maximum and p99.99 latency per label, log scale.
 import math
-W, H, bar = 640, 60 + 50 * len(rows), 18
+W, H, bar = 780, 60 + 50 * len(rows), 18
 top = max(r["max_ms"] for r in rows)
 scale = lambda v: 480 * math.log10(max(v, 0.1) / 0.1) / math.log10(max(top, 1) / 0.1)
 svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
