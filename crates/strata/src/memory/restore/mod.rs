@@ -31,14 +31,16 @@
 //!   places in the packs: record and base page verified against their ids, the rebuilt page
 //!   against the page id in the record.
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
-//!   frames finish (a page id used at several addresses is written at each), zero pages as
-//!   ZERO records first, the tail last. The generator checks that every page was written.
+//!   frames finish, zero pages as ZERO records first, the tail last. A page id used at several
+//!   addresses is written at its first with its frame and at the others spread over the rest
+//!   of the stream (`spread.rs`: written all at once they were a burst of faults in QEMU's
+//!   loader that stalled the link). The generator checks that every page was written.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -61,6 +63,7 @@ const TARGET: &str = "strata::memory";
 mod maps;
 mod pipeline;
 mod plan;
+mod spread;
 #[cfg(test)]
 mod tests;
 
@@ -70,6 +73,7 @@ pub use maps::MAP_READERS;
 pub use pipeline::{prepare, stream, write_stream, Prepared};
 pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
 use plan::*;
+use spread::{Spread, MAX_SLOTS};
 
 /// How to restore.
 #[derive(Debug, Clone)]

@@ -338,6 +338,7 @@ pub fn stream<W: Write>(
         w.zero(BlockIdx(b), p as u64 * PAGE_SIZE as u64, 0).map_err(gen)?;
     }
     progress.advance(plan.zeros.len() as u64 * PAGE_SIZE as u64);
+    let zeros_ms = t1.elapsed().as_secs_f64() * 1e3;
     // Fetchers keep FETCHERS reads in flight and hand the bytes to the decoders, so the link
     // never waits for a decode; delta jobs (small reads of their own) run on the fetchers.
     let workers = opts.workers.max(1);
@@ -354,9 +355,14 @@ pub fn stream<W: Write>(
     let mut bytes_read = 0u64;
     // Time the writer waited for decoded pages (the link or the decoders were behind).
     let mut starved = std::time::Duration::ZERO;
+    // A page's other addresses are written at the pace of the stream, not in one burst.
+    let mut spread = Spread::new(&plan.ref_ranges, MAX_SLOTS);
+    // Time fetchers and decoders waited on full queues (the stage after them was behind).
+    let fetch_blocked = AtomicU64::new(0);
+    let decode_blocked = AtomicU64::new(0);
     let result: Result<(), MemError> = std::thread::scope(|s| {
         for i in 0..fetchers {
-            let (tx, ftx, plan, next, stop, batch_bufs) = (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs);
+            let (tx, ftx, plan, next, stop, batch_bufs, blocked) = (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs, &fetch_blocked);
             std::thread::Builder::new()
                 .name(format!("strata-fetch-{i}"))
                 .spawn_scoped(s, move || loop {
@@ -365,7 +371,7 @@ pub fn stream<W: Write>(
                         return;
                     }
                     let done = match plan.jobs.get(j) {
-                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| ftx.send(b).is_ok()) {
+                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| timed_send(&ftx, b, blocked)) {
                             None => continue,
                             Some(r) => r,
                         },
@@ -380,7 +386,7 @@ pub fn stream<W: Write>(
         }
         drop(ftx);
         for i in 0..workers {
-            let (tx, frx, plan, stop, bufs, batch_bufs) = (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs);
+            let (tx, frx, plan, stop, bufs, batch_bufs, blocked) = (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs, &decode_blocked);
             std::thread::Builder::new()
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
@@ -392,7 +398,7 @@ pub fn stream<W: Write>(
                     let r = decode_batch(plan, &batch, bufs);
                     batch_bufs.give(batch.bytes);
                     let failed = r.is_err();
-                    if tx.send(r).is_err() || failed {
+                    if !timed_send(&tx, r, blocked) || failed {
                         return;
                     }
                 })
@@ -410,25 +416,32 @@ pub fn stream<W: Write>(
             starved += t.elapsed();
             match r {
                 Ok(frames) => {
+                    let mut put = |(b, p): (u32, u32), page: &[u8; PAGE_SIZE]| w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page);
+                    let mut n = 0u64;
                     for d in frames {
                         bytes_read += d.read;
-                        let mut n = 0u64;
                         for &(o, u) in &d.chunks {
                             let page: &[u8; PAGE_SIZE] = d.raw[o as usize..o as usize + PAGE_SIZE]
                                 .try_into()
                                 .expect("page-sized slice");
-                            let (a, z) = plan.ref_ranges[u as usize];
-                            for &(b, p) in &plan.refs[a as usize..z as usize] {
-                                if let Err(e) = w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page) {
+                            match spread.page(plan.ref_ranges[u as usize], page, &plan.refs, &mut put) {
+                                Ok(k) => n += k,
+                                Err(e) => {
                                     stop.store(true, Ordering::Relaxed);
                                     return Err(gen(e));
                                 }
-                                n += 1;
                             }
                         }
-                        progress.advance(n * PAGE_SIZE as u64);
                         bufs.give(d.raw);
                     }
+                    match spread.catch_up(&plan.refs, &mut put) {
+                        Ok(k) => n += k,
+                        Err(e) => {
+                            stop.store(true, Ordering::Relaxed);
+                            return Err(gen(e));
+                        }
+                    }
+                    progress.advance(n * PAGE_SIZE as u64);
                 }
                 Err((u, source)) => {
                     stop.store(true, Ordering::Relaxed);
@@ -448,6 +461,11 @@ pub fn stream<W: Write>(
         outcome
     });
     result?;
+    let held = spread.held();
+    let n = spread
+        .finish(&plan.refs, &mut |(b, p), page| w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page))
+        .map_err(gen)?;
+    progress.advance(n * PAGE_SIZE as u64);
     let pages_ms = t1.elapsed().as_secs_f64() * 1e3;
     w.tail(&plan.tail).map_err(gen)?;
     let (out, st): (Timed<W>, GenerateStats) = w.finish().map_err(gen)?;
@@ -455,10 +473,18 @@ pub fn stream<W: Write>(
     tracing::debug!(
         target: TARGET,
         pages_ms,
+        zeros_ms,
+        held_at_end = held,
+        most_held = spread.most_held,
+        unspread = spread.unspread,
         starved_ms = starved.as_secs_f64() * 1e3,
         end_ms = t1.elapsed().as_secs_f64() * 1e3,
         write_ms = out.busy.as_secs_f64() * 1e3,
         writes = out.calls,
+        longest_write_ms = out.longest.0.as_secs_f64() * 1e3,
+        longest_write_at_ms = out.longest.1.as_secs_f64() * 1e3,
+        fetch_blocked_ms = fetch_blocked.load(Ordering::Relaxed) as f64 / 1e6,
+        decode_blocked_ms = decode_blocked.load(Ordering::Relaxed) as f64 / 1e6,
         "stream written"
     );
     let out = out.inner;
@@ -480,11 +506,29 @@ pub fn stream<W: Write>(
     Ok((out, report))
 }
 
+/// Send on a bounded queue, adding the time it was full to `blocked` (nanoseconds); false
+/// once the receiver is gone.
+fn timed_send<T>(tx: &mpsc::SyncSender<T>, v: T, blocked: &AtomicU64) -> bool {
+    match tx.try_send(v) {
+        Ok(()) => true,
+        Err(mpsc::TrySendError::Disconnected(_)) => false,
+        Err(mpsc::TrySendError::Full(v)) => {
+            let t = Instant::now();
+            let ok = tx.send(v).is_ok();
+            blocked.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            ok
+        }
+    }
+}
+
 /// A writer that counts the time spent in its inner writer's calls.
 pub(super) struct Timed<W> {
     pub(super) inner: W,
     pub(super) busy: std::time::Duration,
     pub(super) calls: u64,
+    /// The longest single call, and when it started (since `new`).
+    pub(super) longest: (std::time::Duration, std::time::Duration),
+    t0: Instant,
 }
 
 impl<W> Timed<W> {
@@ -493,6 +537,8 @@ impl<W> Timed<W> {
             inner,
             busy: std::time::Duration::ZERO,
             calls: 0,
+            longest: Default::default(),
+            t0: Instant::now(),
         }
     }
 }
@@ -501,8 +547,12 @@ impl<W: Write> Write for Timed<W> {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
         let t = Instant::now();
         let r = self.inner.write(b);
-        self.busy += t.elapsed();
+        let took = t.elapsed();
+        self.busy += took;
         self.calls += 1;
+        if took > self.longest.0 {
+            self.longest = (took, t - self.t0);
+        }
         r
     }
 
