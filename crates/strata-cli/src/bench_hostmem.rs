@@ -12,15 +12,22 @@
 //!
 //! `warm` touches and frees memory just before a timed save or restore, outside its clock and
 //! for every method alike, so the kernel's free lists hold backed pages for whichever process
-//! allocates next. It only covers what is allocated within about a second of it: the first
-//! few hundred MiB of a large restore, all of a small one. `bench save-restore --remote
-//! --no-warm` measures without it.
+//! allocates next. The kernel reports free memory to the hypervisor a share at a time, every
+//! ~2 s, so a warm of N MiB does not keep N MiB backed until the step uses it. Since session
+//! 20 the warm is 4x the guest's RAM (capped at 2 GiB) + 64 MiB: with 1x, the one restore
+//! that followed a save directly (no stream file freed just before it) ran 1.2-1.4x slower
+//! at every size, its target QEMU at 5-10x the system time; with 4x it did not (session 19's
+//! trial, `docs/results/README.md`). `bench save-restore --remote --no-warm` measures
+//! without it.
 
 use std::time::{Duration, Instant};
 
-/// Largest warm: memory is reported again about a second after it is freed, so more than a
-/// second's worth of allocation would not stay backed until it is used.
-pub const WARM_CAP_MIB: u32 = 512;
+/// How many times the guest's RAM is warmed: the kernel hands back a share of what was freed
+/// on every pass, so the warm must exceed what the step will allocate.
+const WARM_FACTOR: u32 = 4;
+
+/// Largest warm, before the extra: on a 2 GiB guest, 2 GiB (the warm itself takes ~1-6 s).
+pub const WARM_CAP_MIB: u32 = 2048;
 
 /// Extra memory warmed beyond the guest's RAM (buffers, page cache of what the step writes).
 const WARM_EXTRA_MIB: u32 = 64;
@@ -28,7 +35,7 @@ const WARM_EXTRA_MIB: u32 = 64;
 /// MiB to warm before a timed step of a guest of `mem_mib`; 0 when warming is off.
 pub fn warm_mib(mem_mib: u32, on: bool) -> u32 {
     if on {
-        mem_mib.min(WARM_CAP_MIB) + WARM_EXTRA_MIB
+        (mem_mib.saturating_mul(WARM_FACTOR)).min(WARM_CAP_MIB) + WARM_EXTRA_MIB
     } else {
         0
     }
@@ -91,7 +98,9 @@ mod tests {
 
     #[test]
     fn warm_is_capped_and_off_means_zero() {
-        assert_eq!(warm_mib(128, true), 128 + WARM_EXTRA_MIB);
+        assert_eq!(warm_mib(128, true), 512 + WARM_EXTRA_MIB);
+        assert_eq!(warm_mib(512, true), 2048 + WARM_EXTRA_MIB);
+        assert_eq!(warm_mib(1024, true), WARM_CAP_MIB + WARM_EXTRA_MIB);
         assert_eq!(warm_mib(2048, true), WARM_CAP_MIB + WARM_EXTRA_MIB);
         assert_eq!(warm_mib(2048, false), 0);
         assert_eq!(touch(0), 0.0);

@@ -512,7 +512,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         "host_memory": {
             "probe": probe,
             "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
-            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It covers about a second of allocation (capped at 512 MiB + 64). --no-warm turns it off",
+            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory). --no-warm turns it off",
         },
         "restore_workers": workers,
         "codec_policy": codec.to_string(),
