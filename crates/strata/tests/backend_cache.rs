@@ -318,13 +318,18 @@ fn concurrent_readers_under_eviction_never_see_wrong_bytes() {
                     let off = i * 30_000;
                     let v = c.get_range("packs/ee/p", off, len).unwrap();
                     assert_eq!(v, &data[off as usize..(off + len) as usize]);
+                    // A part of the range: served from its entry without re-hashing it, while
+                    // other threads evict and refill blocks.
+                    let (po, pl) = (off + len / 3, len / 3);
+                    let v = c.get_range("packs/ee/p", po, pl).unwrap();
+                    assert_eq!(v, &data[po as usize..(po + pl) as usize]);
                 }
             });
         }
     });
     c.wait_idle();
     let k = c.counters();
-    assert!(k.evictions > 0 && k.hits > 0 && k.used_bytes <= k.capacity, "{k:?}");
+    assert!(k.evictions > 0 && k.hits > 0 && k.part_hits > 0 && k.used_bytes <= k.capacity, "{k:?}");
     assert_eq!(c.verify_all().1, 0);
 }
 
@@ -347,4 +352,91 @@ fn too_small_and_unwritable_caches_name_the_fix() {
     std::fs::write(&file, b"x").unwrap();
     let e = CacheBackend::open(Arc::new(MemoryBackend::new()), &file.join("sub"), CacheOptions::new(1 << 20)).unwrap_err();
     assert!(e.to_string().contains("writable"), "{e}");
+}
+
+/// Where `needle` (unique random bytes) sits in the cache's data file.
+fn find_in_cache_file(dir: &std::path::Path, needle: &[u8]) -> u64 {
+    let file = std::fs::read(dir.join("cache.data")).unwrap();
+    file.windows(needle.len()).position(|w| w == needle).expect("the bytes are in the cache file") as u64
+}
+
+fn flip_byte(dir: &std::path::Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join("cache.data")).unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x5A], at).unwrap();
+}
+
+#[test]
+fn parts_of_entries_verified_here_skip_the_hash_and_recovered_entries_are_hashed_first() {
+    let d = tempfile::tempdir().unwrap();
+    let be = Counting::new(Duration::ZERO);
+    let data = pattern(21, 256 << 10);
+    be.put("packs/aa/p", &data).unwrap();
+    let frame = (65536u64, 65536u64);
+    let part = (frame.0 + 8192, 4096u64);
+    let want = |o: u64, l: u64| data[o as usize..(o + l) as usize].to_vec();
+
+    let c = CacheBackend::open(be.clone(), d.path(), CacheOptions::new(16 << 20)).unwrap();
+    assert_eq!(c.get_range("packs/aa/p", frame.0, frame.1).unwrap(), want(frame.0, frame.1));
+    c.wait_idle();
+    assert_eq!(c.get_range("packs/aa/p", part.0, part.1).unwrap(), want(part.0, part.1));
+    let k = c.counters();
+    assert_eq!((k.hits, k.part_hits, k.verify_failed, be.reads()), (1, 1, 0, 1), "{k:?}");
+    drop(c);
+
+    // After a restart an entry is hashed whole before any part of it is served: damage
+    // outside the part asked for is still caught, and the bytes come from the backend.
+    let at = find_in_cache_file(d.path(), &data[frame.0 as usize..frame.0 as usize + 64]);
+    flip_byte(d.path(), at + 100);
+    let c = CacheBackend::open(be.clone(), d.path(), CacheOptions::new(16 << 20)).unwrap();
+    assert_eq!(c.get_range("packs/aa/p", part.0, part.1).unwrap(), want(part.0, part.1));
+    let k = c.counters();
+    assert_eq!((k.part_hits, k.verify_failed, be.reads()), (0, 1, 2), "{k:?}");
+    // The refetched part is staged and filled as its own entry; the next reads hit.
+    c.wait_idle();
+    assert_eq!(c.get_range("packs/aa/p", part.0 + 100, 1000).unwrap(), want(part.0 + 100, 1000));
+    assert_eq!(c.get_range("packs/aa/p", part.0, part.1).unwrap(), want(part.0, part.1));
+    let k = c.counters();
+    assert_eq!((k.part_hits, k.verify_failed, be.reads()), (1, 1, 2), "{k:?}");
+}
+
+#[test]
+fn a_piece_gone_bad_in_a_verified_entry_is_caught_by_the_store_and_refetched() {
+    let d = tempfile::tempdir().unwrap();
+    let be = Counting::new(Duration::ZERO);
+    let opts = CacheOptions { splitter: Some(pack_frames()), ..CacheOptions::new(64 << 20) };
+    let cdir = d.path().join("cache");
+    let cache: Arc<CacheBackend> = Arc::new(CacheBackend::open(be.clone(), &cdir, opts).unwrap());
+    let store = Store::init(cache.clone() as DynBackend, &d.path().join("meta.redb"), InitOptions { pack_size: 1 << 20, ..Default::default() }).unwrap();
+    let ses = store.session();
+    let block = pattern(77, 65536); // incompressible: stored raw, read piece by piece
+    let id = ses.put(&block, ChunkKind::Data).unwrap();
+    let root = ses.put_tree(&strata::store::objects::Tree { children: vec![id], payload: vec![] }).unwrap();
+    ses.commit_ref("disk/d", strata::store::objects::Ref::new(vec![root], vec![])).unwrap();
+    drop(ses);
+    drop(store);
+    cache.wait_idle();
+    // A second store over the same cache reads from the backend (through the cache), not memory.
+    let store = Store::open(cache.clone() as DynBackend, &d.path().join("meta2.redb")).unwrap();
+    let mut buf = vec![0u8; 4096];
+    store.read_range(&id, 0, &mut buf).unwrap(); // whole frame: verified, piece CVs kept
+    assert_eq!(buf, &block[..4096]);
+    store.read_range(&id, 8192, &mut buf).unwrap();
+    assert_eq!(buf, &block[8192..12288]);
+    let k = cache.counters();
+    assert!(k.part_hits >= 1 && k.verify_failed == 0, "the piece came from the verified entry: {k:?}");
+    let reads = be.reads();
+
+    // The SSD flips a bit inside that piece. The cache serves the part unhashed; the store
+    // finds the piece does not match its CV, reads the whole frame, the cache's hash check
+    // drops the entry, and the backend's bytes are returned.
+    let at = find_in_cache_file(&cdir, &block[8192..8192 + 64]);
+    flip_byte(&cdir, at + 300);
+    store.read_range(&id, 8192, &mut buf).unwrap();
+    assert_eq!(buf, &block[8192..12288], "never wrong bytes");
+    let k = cache.counters();
+    assert_eq!(k.verify_failed, 1, "{k:?}");
+    assert_eq!(be.reads(), reads + 1, "one backend read replaced the bad entry");
 }

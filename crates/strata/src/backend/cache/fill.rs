@@ -86,7 +86,8 @@ fn fill_one(sh: &Shared, rk: RangeKey, s: Slice) {
         &mut st.log.buf,
     );
     st.log.live += 1;
-    st.by_block.insert(block.0, Entry { key, obj_off, len, order: block.1, hash, tick });
+    // Verified: these are the bytes this process just hashed and wrote.
+    st.by_block.insert(block.0, Entry { key, obj_off, len, order: block.1, hash, tick, seq: tick, verified: true });
     st.by_range.insert(rk.clone(), block.0);
     st.lru.insert(tick, block.0);
     bump(&sh.stats.fills, 1);

@@ -23,6 +23,12 @@ pub(super) struct Entry {
     pub(super) order: u8,
     pub(super) hash: [u8; HASH_LEN],
     pub(super) tick: u64,
+    /// Identity of this entry, never reused (the tick it was inserted at): a reader that read
+    /// the block outside the lock checks the same entry is still there afterwards.
+    pub(super) seq: u64,
+    /// Its bytes were written or hash-checked by this process: a read of part of it need not
+    /// hash the whole entry again (see `Shared::hit`).
+    pub(super) verified: bool,
 }
 
 /// Bytes shared with the caller that produced them (a range of a read or of a put pack).
@@ -87,7 +93,17 @@ pub(super) fn replay(buddy: &Buddy, records: &[Record]) -> (BTreeMap<u64, Entry>
                 }
                 by_block.insert(
                     *block,
-                    Entry { key: Arc::from(key.as_str()), obj_off: *obj_off, len: *len as u64, order: *order, hash: *hash, tick: i as u64 },
+                    Entry {
+                        key: Arc::from(key.as_str()),
+                        obj_off: *obj_off,
+                        len: *len as u64,
+                        order: *order,
+                        hash: *hash,
+                        tick: i as u64,
+                        seq: i as u64,
+                        // Written before a restart (maybe torn): hashed whole on first use.
+                        verified: false,
+                    },
                 );
             }
             Record::Remove { block } => {
