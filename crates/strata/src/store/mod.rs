@@ -9,7 +9,7 @@
 //! pack data -> sync -> index object -> sync -> ref -> sync; deletion runs in reverse.
 //! On a network backend (an acknowledged put is durable) a pack is also sealed early, while
 //! fewer than [`EARLY_SEAL_UPLOADS`] packs are uploading (at least [`EARLY_SEAL_BYTES`], or
-//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, [`EARLY_SEAL_FIRST_BYTES`] for the first), and its index object
+//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is), and its index object
 //! follows its put at once, so a flush waits only for uploads still running.
 //!
 //! Failure policy (as in fjall): any failed backend write or sync on the commit path poisons
@@ -50,7 +50,7 @@ use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
 pub use read::LOCATE_BATCH;
-pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
+pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]

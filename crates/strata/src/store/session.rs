@@ -29,12 +29,6 @@ pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// more is ready. 2 MiB (was 256 KiB): the first upload leaves ~20 ms into a 128 MiB save
 /// instead of ~3 ms, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
 pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
-/// The first pack a store instance seals, while nothing is uploading: 512 KiB, so the link
-/// starts ~6 ms into a save instead of ~23 ms (a 128 MiB save to S3 over 1 Gbit/s is
-/// link-bound from its first upload to its end, so that start is most of its slack), at the
-/// cost of one small object per save rather than a third of them (see
-/// [`EARLY_SEAL_IDLE_BYTES`]; session 20 in docs/results/README.md).
-pub const EARLY_SEAL_FIRST_BYTES: u64 = 512 << 10;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
@@ -222,9 +216,8 @@ impl Store {
             // flush); while the backend is the bottleneck packs still grow to full size.
             let early = self.inner.early_seal
                 && match sh.uploads.pending() {
-                    (0, false) => b.len() >= EARLY_SEAL_FIRST_BYTES,
-                    (0, true) => b.len() >= EARLY_SEAL_IDLE_BYTES,
-                    (n, _) => n < EARLY_SEAL_UPLOADS && b.len() >= EARLY_SEAL_BYTES,
+                    0 => b.len() >= EARLY_SEAL_IDLE_BYTES,
+                    n => n < EARLY_SEAL_UPLOADS && b.len() >= EARLY_SEAL_BYTES,
                 };
             let sealed = if b.len() >= self.inner.pack_size || early { self.seal_locked(&mut open) } else { None };
             (sealed, n_new)

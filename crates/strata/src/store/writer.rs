@@ -138,8 +138,6 @@ pub struct UploadMeter {
 struct MeterState {
     /// Sealed, not yet uploaded (queued or in flight).
     pending: usize,
-    /// Packs sealed by this store instance, ever.
-    sealed: u64,
     inflight: usize,
     busy_since: Option<std::time::Instant>,
     busy: std::time::Duration,
@@ -148,14 +146,11 @@ struct MeterState {
 
 impl UploadMeter {
     pub(crate) fn sealed(&self) {
-        let mut m = self.inner.lock();
-        m.pending += 1;
-        m.sealed += 1;
+        self.inner.lock().pending += 1;
     }
-    /// Sealed packs waiting or uploading, and whether this store has sealed any pack yet.
-    pub(crate) fn pending(&self) -> (usize, bool) {
-        let m = self.inner.lock();
-        (m.pending, m.sealed > 0)
+    /// Sealed packs waiting or uploading.
+    pub(crate) fn pending(&self) -> usize {
+        self.inner.lock().pending
     }
     /// A sealed pack that will not be uploaded (store poisoned).
     fn dropped(&self) {
