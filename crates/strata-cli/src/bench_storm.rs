@@ -19,6 +19,10 @@
 //! `bench-storm-trace.csv` and as the golden image's working set in the bucket, then replays
 //! its reads with N concurrent NBD clients against each mode (no guest CPU in the way). One
 //! extra guest row warms the cache with `disk warm`'s code path before the largest storm.
+//! Fairness (since session 20): at each N the modes take turns at going first, and before
+//! every guest boot the host's memory is warmed outside the clock (`bench_hostmem`): these
+//! hosts are VMs whose hypervisor takes back free memory, and N fresh guests' RAM otherwise
+//! costs whichever mode boots first after a pause several CPU-seconds of outer faults.
 
 use crate::bench_disk::ensure_tool;
 use crate::bench_remote::StorageHost;
@@ -205,6 +209,8 @@ struct Ctx<'a> {
 
 /// Launch `drives.len()` guests at once; returns each one's (seconds to ready, bootset_ms).
 fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
+    // Outside the clock, for every mode alike: the guests' RAM comes from backed memory.
+    crate::bench_hostmem::touch(crate::bench_hostmem::warm_mib(drives.len() as u32 * ctx.opts.memory_mib, true));
     let barrier = Barrier::new(drives.len());
     let t0 = std::sync::OnceLock::new();
     let results: Vec<Result<(f64, u64, strata::fixtures::Guest)>> = std::thread::scope(|s| {
@@ -490,11 +496,17 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     std::fs::create_dir_all(&o.out)?;
     std::fs::write(o.out.join("bench-storm-trace.csv"), trace.to_csv())?;
 
-    let modes = [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2];
-    // Replay first (quick), then the guests; N outer so drift hits all modes alike.
+    // Replay first (quick), then the guests; N outer so drift hits all modes alike, and the
+    // modes take turns at going first (the first after a pause lands on host memory the
+    // hypervisor took back, see `bench_hostmem`).
+    let modes_at = |k: usize| {
+        let mut m = [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2];
+        m.rotate_left(k % 4);
+        m
+    };
     let mut replays = Vec::new();
-    for &n in &o.guests {
-        for m in modes {
+    for (k, &n) in o.guests.iter().enumerate() {
+        for m in modes_at(k) {
             let (_, r) = match m {
                 Mode::Qcow2 => qcow2_run(&mut ctx, n, Some((&reads, depth)))?,
                 _ => strata_run(&mut ctx, m, n, Some((&reads, depth)))?,
@@ -506,8 +518,8 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     }
     let mut guests = Vec::new();
     if !o.no_guests {
-        for &n in &o.guests {
-            for m in modes {
+        for (k, &n) in o.guests.iter().enumerate() {
+            for m in modes_at(k) {
                 let (g, _) = match m {
                     Mode::Qcow2 => qcow2_run(&mut ctx, n, None)?,
                     _ => strata_run(&mut ctx, m, n, None)?,
