@@ -113,6 +113,7 @@ impl Store {
         let Some(Sealing { no, builder, _gate }) = sealing else { return Ok(()) };
         let id = builder.id;
         let (bytes, entries) = builder.finish();
+        tracing::debug!(target: "strata::store", no, size = bytes.len(), chunks = entries.len(), "pack sealed");
         let bytes = Arc::new(bytes);
         {
             let mut idx = self.inner.sh.index.write();

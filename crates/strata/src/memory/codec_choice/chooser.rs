@@ -84,11 +84,11 @@ impl Chooser {
 
     /// Start with `codec` (one of [`CANDIDATES`]) instead of the cheapest, and let the first
     /// decision keep it while its expected time per byte is within [`SWITCH_MARGIN`] of the
-    /// best, as every later decision keeps the codec in use. A network save starts with zstd:1:
-    /// single 64 KiB samples on a busy host are noise, and replacing the start-up codec
-    /// outright let the first decision pick zstd:3 (3% better by the model, more CPU, not
-    /// faster) or lz4 (28% more bytes, slower both ways) on a sample's dip. A fixed policy
-    /// ignores it.
+    /// best, as every later decision keeps the codec in use. A network save starts with
+    /// [`NETWORK_START`]: single 128 KiB samples on a busy host are noise, and replacing the
+    /// start-up codec outright let the first decision pick zstd:3 (a few % better by the
+    /// model, more CPU, not faster) or lz4 (28% more bytes, slower both ways) on a sample's
+    /// dip. A fixed policy ignores it.
     pub fn with_start(mut self, codec: Codec) -> Chooser {
         if self.policy == CodecPolicy::Auto && slot(codec) != usize::MAX {
             self.current.store(slot(codec), Ordering::Relaxed);

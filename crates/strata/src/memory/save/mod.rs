@@ -34,7 +34,7 @@ use serde_json::Value;
 
 use super::codec_choice::{
     metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy,
-    DEFAULT_NETWORK_BPS, PROBE_BYTES,
+    DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES,
 };
 use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
@@ -370,7 +370,7 @@ fn save_inner(
     let chooser = Chooser::new(opts.codec, backend_bps, cores)
         .with_meter(meter, &prior_from)
         .with_model(model);
-    let chooser = if network { chooser.with_start(Codec::Zstd(1)) } else { chooser };
+    let chooser = if network { chooser.with_start(NETWORK_START) } else { chooser };
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: caps
