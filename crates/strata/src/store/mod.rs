@@ -363,6 +363,13 @@ impl Store {
     pub fn upload_speed(&self) -> (u64, std::time::Duration) {
         self.inner.sh.uploads.measured()
     }
+    /// Bytes stored but not yet acknowledged by the backend: the open pack and the sealed
+    /// packs waiting or uploading. A save reads it to tell whether the link is what holds it
+    /// back (see `memory::codec_choice::ADAPT_QUEUED_SECS`).
+    pub fn unsent_bytes(&self) -> u64 {
+        let open = self.inner.open.lock().builder.as_ref().map_or(0, |b| b.len());
+        open + self.inner.sh.uploads.pending_bytes()
+    }
     pub fn stats(&self) -> &Stats {
         &self.inner.sh.stats
     }

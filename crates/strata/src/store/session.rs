@@ -114,6 +114,7 @@ impl Store {
         let id = builder.id;
         let (bytes, entries) = builder.finish();
         tracing::debug!(target: "strata::store", no, size = bytes.len(), chunks = entries.len(), "pack sealed");
+        self.inner.sh.uploads.queued(bytes.len() as u64);
         let bytes = Arc::new(bytes);
         {
             let mut idx = self.inner.sh.index.write();

@@ -283,13 +283,20 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let b = SlowNetwork(mem.clone());
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
+    assert_eq!(s.unsent_bytes(), 0);
     // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_IDLE_BYTES are sealed at once (the
     // uploader is idle), then more whenever the uploader has room, the rest at the commit.
     let mut ids = Vec::new();
+    let mut most_unsent = 0;
     for i in 0..96u64 {
         ids.push(ses.put(&data(1000 + i, 64 << 10), ChunkKind::Data).unwrap());
+        // Everything stored is either still unsent or already acknowledged by the backend.
+        let unsent = s.unsent_bytes();
+        most_unsent = most_unsent.max(unsent);
+        assert!(unsent + s.upload_speed().0 >= (i + 1) * (64 << 10), "{unsent} unsent after {} chunks", i + 1);
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
+    assert!(most_unsent >= 64 << 10, "{most_unsent}");
     // Packs go up without any flush: at least two before the commit (6 MiB would make only
     // one of EARLY_SEAL_BYTES), the first of them sealed at EARLY_SEAL_IDLE_BYTES because
     // nothing was uploading.
@@ -307,6 +314,7 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let (bytes, busy) = s.upload_speed();
     assert!(bytes >= 2 * EARLY_SEAL_IDLE_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
     ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+    assert_eq!(s.unsent_bytes(), 0, "a committed store has nothing left to upload");
     let packs = mem.list("packs/").unwrap().len();
     assert!(packs >= 2, "{packs} packs: nothing sealed early");
     assert_eq!(mem.list("index/").unwrap().len(), 0, "a network pack is its own index");

@@ -138,6 +138,8 @@ pub struct UploadMeter {
 struct MeterState {
     /// Sealed, not yet uploaded (queued or in flight).
     pending: usize,
+    /// Their bytes (counted from when their trailer is encoded).
+    pending_bytes: u64,
     inflight: usize,
     busy_since: Option<std::time::Instant>,
     busy: std::time::Duration,
@@ -152,10 +154,19 @@ impl UploadMeter {
     pub(crate) fn pending(&self) -> usize {
         self.inner.lock().pending
     }
-    /// A sealed pack that will not be uploaded (store poisoned).
-    fn dropped(&self) {
+    /// A sealed pack of `bytes` (trailer included) is on its way to the writer.
+    pub(crate) fn queued(&self, bytes: u64) {
+        self.inner.lock().pending_bytes += bytes;
+    }
+    /// Bytes of sealed packs waiting or uploading.
+    pub(crate) fn pending_bytes(&self) -> u64 {
+        self.inner.lock().pending_bytes
+    }
+    /// A sealed pack of `size` bytes that will not be uploaded (store poisoned).
+    fn dropped(&self, size: u64) {
         let mut m = self.inner.lock();
         m.pending = m.pending.saturating_sub(1);
+        m.pending_bytes = m.pending_bytes.saturating_sub(size);
     }
     fn start(&self) {
         let mut m = self.inner.lock();
@@ -164,11 +175,14 @@ impl UploadMeter {
         }
         m.inflight += 1;
     }
-    fn end(&self, bytes: Option<u64>) {
+    fn end(&self, size: u64, ok: bool) {
         let mut m = self.inner.lock();
         m.inflight = m.inflight.saturating_sub(1);
         m.pending = m.pending.saturating_sub(1);
-        m.bytes += bytes.unwrap_or(0);
+        m.pending_bytes = m.pending_bytes.saturating_sub(size);
+        if ok {
+            m.bytes += size;
+        }
         if m.inflight == 0 {
             if let Some(t) = m.busy_since.take() {
                 m.busy += t.elapsed();
@@ -245,7 +259,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
         match job {
             Job::Pack { no, id, bytes, entries } => {
                 if sh.poison.lock().is_some() {
-                    sh.uploads.dropped();
+                    sh.uploads.dropped(bytes.len() as u64);
                     continue;
                 }
                 // Uploads already done are reaped first (in order), so their buffers are back
@@ -255,12 +269,12 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 }
                 let sh2 = sh.clone();
                 let network = sh.backend.capabilities().network;
+                let size = bytes.len() as u64;
                 let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
                     sh2.uploads.start();
                     let t0 = std::time::Instant::now();
-                    let size = bytes.len() as u64;
                     let r = sh2.backend.put_shared(&id.pack_key(), &bytes);
-                    sh2.uploads.end(r.as_ref().ok().map(|_| size));
+                    sh2.uploads.end(size, r.is_ok());
                     r?;
                     // Acknowledged on a network backend: durable, whole, and its own index.
                     if network {
@@ -274,7 +288,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 match spawned {
                     Ok(h) => inflight.push_back(h),
                     Err(e) => {
-                        sh.uploads.dropped();
+                        sh.uploads.dropped(size);
                         sh.poison(&crate::backend::BackendError::from_io("put", id.pack_key(), e))
                     }
                 }

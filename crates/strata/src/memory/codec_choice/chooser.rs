@@ -28,6 +28,10 @@ pub struct Chooser {
     start_kept: bool,
     /// Index into `CANDIDATES`, or `usize::MAX` for raw.
     current: AtomicUsize,
+    /// Bytes stored and not yet uploaded, for [`ADAPT_QUEUED_SECS`].
+    backlog: Option<Backlog>,
+    /// Frames given [`ADAPT_TO`] instead of [`ADAPT_FROM`] because the link was behind.
+    adapted: AtomicU64,
     frames: AtomicU64,
     samples: AtomicU64,
     used: Mutex<Vec<(Codec, u64)>>,
@@ -57,6 +61,8 @@ impl Chooser {
             model: Model::Serial,
             start_kept: false,
             current: AtomicUsize::new(start),
+            backlog: None,
+            adapted: AtomicU64::new(0),
             frames: AtomicU64::new(0),
             samples: AtomicU64::new(0),
             used: Mutex::new(Vec::new()),
@@ -74,6 +80,21 @@ impl Chooser {
         self.meter = Some(meter);
         self.prior_from = prior_from.into();
         self
+    }
+
+    /// Let the link's backlog raise [`ADAPT_FROM`] to [`ADAPT_TO`] per frame
+    /// ([`ADAPT_QUEUED_SECS`]). Only the `auto` policy uses it.
+    pub fn with_backlog(mut self, backlog: Backlog) -> Chooser {
+        self.backlog = Some(backlog);
+        self
+    }
+
+    /// Whether more than [`ADAPT_QUEUED_SECS`] of uploads are queued at the link's speed now.
+    fn link_behind(&self) -> bool {
+        match &self.backlog {
+            Some(b) if self.policy == CodecPolicy::Auto => b() as f64 >= ADAPT_QUEUED_SECS * self.backend_bps(),
+            _ => false,
+        }
     }
 
     /// Decide with `model` (default [`Model::Serial`]).
@@ -141,7 +162,11 @@ impl Chooser {
         if self.policy == CodecPolicy::Auto && !sample.is_empty() {
             outs = self.sample(sample);
         }
-        let codec = self.current_codec();
+        let mut codec = self.current_codec();
+        if codec == ADAPT_FROM && self.link_behind() {
+            codec = ADAPT_TO;
+            self.adapted.fetch_add(1, Ordering::Relaxed);
+        }
         let mut used = self.used.lock();
         match used.iter_mut().find(|(c, _)| *c == codec) {
             Some((_, n)) => *n += 1,
@@ -233,6 +258,13 @@ impl Chooser {
                 " (chosen per batch, {} switches; frames: {})",
                 w.switches,
                 per.join(", ")
+            );
+        }
+        let adapted = self.adapted.load(Ordering::Relaxed);
+        if adapted > 0 {
+            why += &format!(
+                "; {adapted} frames {ADAPT_TO} instead of {ADAPT_FROM}: more than {:.0} ms of uploads were queued",
+                ADAPT_QUEUED_SECS * 1e3
             );
         }
         CodecReport {

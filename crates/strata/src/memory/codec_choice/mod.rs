@@ -30,7 +30,8 @@
 //!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
 //!   usually gets raw pages. A stop-and-copy save to a network backend counts every core (the
 //!   caller passes them): there QEMU's sender blocks whenever the pool falls behind, and the
-//!   link is the bottleneck, so it gets zstd:2 ([`NETWORK_START`], kept by [`Chooser::with_start`]).
+//!   link is the bottleneck, so it gets zstd:1 ([`NETWORK_START`], kept by [`Chooser::with_start`]),
+//!   raised per frame to zstd:2 while uploads queue up ([`ADAPT_QUEUED_SECS`]).
 //!
 //! The decision is re-evaluated after every sample over a sliding window, so a save that
 //! moves from code pages to random data switches codec per batch. [`decide`] is a pure
@@ -65,16 +66,29 @@ pub use speed::{
 
 /// Codecs tried by `auto`, besides storing raw.
 pub const CANDIDATES: [Codec; 4] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(2), Codec::Zstd(3)];
-/// The start-up codec of a save to a network backend ([`Chooser::with_start`]). zstd:2 (the
-/// fast strategy with zstd's own shortest match of 5, against zstd:1's 7 here) compresses a
-/// 128 MiB guest's frames ~25% slower than zstd:1 per core and stores 4.5% fewer bytes
-/// (23.3 MB against 24.4). Three alternating pairs of 5-round runs of
-/// `bench save-restore --remote --sizes 128` (session 21): median save / best QEMU stream
-/// 0.87–0.98 against 0.94–1.01 with zstd:1, single saves slower than it 3 of 15 against 5 of
-/// 15, restores 0.84–0.86 of the best stream against 0.89–0.90. zstd:1 was the start codec
-/// from session 6; session 9's forced runs had zstd:2 slower, before zstd:1 got its longer
-/// minimum match and the harness its memory warm-up (`docs/memory.md`).
-pub const NETWORK_START: Codec = Codec::Zstd(2);
+/// The start-up codec of a save to a network backend ([`Chooser::with_start`]).
+pub const NETWORK_START: Codec = Codec::Zstd(1);
+/// Bytes stored and not yet acknowledged by the backend (`Store::unsent_bytes`).
+pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
+/// A frame the chooser gives [`ADAPT_FROM`] is compressed with [`ADAPT_TO`] instead while
+/// more than this many seconds of uploads, at the link's measured speed, are queued (the open
+/// pack and the sealed packs not yet acknowledged): the link is then what holds the save back,
+/// and the stronger level's extra CPU only slows a producer that is ahead anyway, as
+/// `zstd --adapt` does. When the save is short of CPU instead, the queue stays short and the
+/// frames keep the faster level. 30 ms is ~3.4 MB at 1 Gbit/s, one or two packs.
+///
+/// Measured (session 21, `bench save-restore --remote`, `docs/memory.md`): zstd:2 stores 4.5%
+/// fewer bytes than zstd:1 on a 128 MiB guest's frames, but only 1–2% on the 256–1024 MiB
+/// guests', for 25–45% more of the pool's CPU. With zstd:2 on every frame the link-bound
+/// 128 MiB save gained (three alternating pairs of 5 rounds: median save / best QEMU stream
+/// 0.87–0.98 against 0.94–1.01) while the larger saves paid the CPU for little; raised per
+/// frame, the 128 MiB save was 0.85 of the best stream by median (5 rounds, none slower) and
+/// the 512 MiB save was unchanged (two alternating pairs of 3 rounds: 1.118 / 1.081 s against
+/// 1.156 / 1.091 s with zstd:1 throughout).
+pub const ADAPT_QUEUED_SECS: f64 = 0.03;
+/// The level raised when the link is behind, and what it is raised to.
+pub const ADAPT_FROM: Codec = Codec::Zstd(1);
+pub const ADAPT_TO: Codec = Codec::Zstd(2);
 /// Frames sampled unconditionally at the start of a save.
 pub const WARMUP_SAMPLES: u64 = 6;
 /// After the warm-up, one frame in this many is sampled (16 MiB of 128 KiB frames). A sample

@@ -134,13 +134,44 @@ fn a_chosen_start_codec_is_kept_unless_another_is_clearly_better() {
     let c = fresh().with_start(NETWORK_START);
     assert!(c.wants_sample());
     assert_eq!(c.codec_for(&[]), NETWORK_START);
-    // A clearly better codec still wins the first decision: zstd:2 at 50 MB/s a core
-    // (max(1.2 / 100, 4.42) + 4.42 = 16.4 s/GB) against lz4 (11.47 s/GB).
+    // A clearly better codec still wins the first decision: zstd:1 at 60 MB/s a core
+    // (max(1.2 / 120, 4.76) + 4.76 = 14.8 s/GB) against lz4 (11.47 s/GB).
     let slow = vec![m(614.0, 0.625), m(60.0, 0.519), m(50.0, 0.482), m(30.0, 0.476)];
     assert_eq!(run(fresh().with_start(NETWORK_START), &slow), Codec::Lz4);
     // A fixed policy ignores the start codec.
     let f = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 109e6, 2).with_start(NETWORK_START);
     assert_eq!(f.codec_for(&[]), Codec::Lz4);
+}
+
+#[test]
+fn a_queued_link_raises_zstd1_to_zstd2_per_frame() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    // 100 MB/s: the threshold is 3 MB queued.
+    let queued = Arc::new(AtomicU64::new(0));
+    let q = queued.clone();
+    let c = Chooser::new(CodecPolicy::Auto, 100e6, 2)
+        .with_model(Model::Overlapped)
+        .with_start(NETWORK_START)
+        .with_backlog(Box::new(move || q.load(Ordering::Relaxed)));
+    assert_eq!(NETWORK_START, ADAPT_FROM);
+    assert_eq!(c.codec_for(&[]), ADAPT_FROM);
+    queued.store(2_900_000, Ordering::Relaxed);
+    assert_eq!(c.codec_for(&[]), ADAPT_FROM);
+    queued.store(3_100_000, Ordering::Relaxed);
+    assert_eq!(c.codec_for(&[]), ADAPT_TO);
+    queued.store(0, Ordering::Relaxed);
+    assert_eq!(c.codec_for(&[]), ADAPT_FROM);
+    let r = c.report();
+    assert_eq!(r.frames.get(&ADAPT_TO.to_string()), Some(&1));
+    assert_eq!(r.frames.get(&ADAPT_FROM.to_string()), Some(&3));
+    assert!(r.why.contains("1 frames zstd:2 instead of zstd:1"), "{}", r.why);
+    // Only zstd:1 is raised: a chooser on lz4 stays there however long the queue.
+    let lz = Chooser::new(CodecPolicy::Auto, 100e6, 2).with_backlog(Box::new(|| u64::MAX));
+    assert_eq!(lz.codec_for(&[]), Codec::Lz4);
+    // A fixed codec is never changed.
+    let f = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 100e6, 2).with_backlog(Box::new(|| u64::MAX));
+    assert_eq!(f.codec_for(&[]), Codec::Zstd(1));
 }
 
 #[test]

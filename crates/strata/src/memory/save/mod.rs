@@ -370,7 +370,12 @@ fn save_inner(
     let chooser = Chooser::new(opts.codec, backend_bps, cores)
         .with_meter(meter, &prior_from)
         .with_model(model);
-    let chooser = if network { chooser.with_start(NETWORK_START) } else { chooser };
+    let chooser = if network {
+        let backlog_store = store.clone();
+        chooser.with_start(NETWORK_START).with_backlog(Box::new(move || backlog_store.unsent_bytes()))
+    } else {
+        chooser
+    };
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: caps
