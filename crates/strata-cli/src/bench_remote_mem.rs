@@ -115,6 +115,10 @@ fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> 
     Ok((end.duration_since(t).as_secs_f64(), n))
 }
 
+/// MiB put to and read from the fresh S3 server before the first timed step
+/// ([`StorageHost::warm_s3`]).
+const WARM_S3_MIB: usize = 256;
+
 /// Largest range GET of the strata restore over the link: the library's default, what
 /// `strata vm restore` uses (8 MiB until session 13).
 const RESTORE_READ_BYTES: u64 = strata::memory::restore::DEFAULT_READ_BYTES;
@@ -312,6 +316,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         crate::bench_disk::ensure_tool(t)?;
     }
     let host = StorageHost::up(tmp.path())?;
+    host.warm_s3(WARM_S3_MIB).context("warming up the storage host's S3 server")?;
     let probe = crate::bench_hostmem::probe();
     eprintln!(
         "host memory: touching fresh memory costs {:.2} ms/MiB after a pause, {:.2} ms/MiB right after a free; {}",
