@@ -15,7 +15,9 @@
 //!   link speed makes it compress); the chosen codec and the reason are reported. versitygw
 //!   does not fsync its objects, so each object is fsynced as it lands (as a durable server
 //!   would) and the save time includes a final fsync of every object file and directory the
-//!   save wrote, to match the baselines' writeback and fsync.
+//!   save wrote, to match the baselines' writeback and fsync. The S3 server starts fresh with
+//!   the benchmark, so 256 MiB are put to it and read back before the first timed step
+//!   ([`StorageHost::warm_s3`]), as a long-running server would be.
 //! * `live --redis`: checkpoints (background-snapshot, precopy + cont, stop-and-copy) into a
 //!   store on the storage host's Redis (`appendfsync always`), one key prefix per run.
 
