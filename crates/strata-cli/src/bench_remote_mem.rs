@@ -180,7 +180,11 @@ struct StrataSaved {
     link: Link,
     fsync_s: f64,
     synced_live: u64,
+    /// CPU seconds of versitygw and of strata (this process) during the save.
     cpu: (f64, f64),
+    /// Of strata's, system time, and its minor page faults.
+    sys: f64,
+    faults: u64,
 }
 
 fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, prefix: &str, codec: CodecPolicy, warm: u32) -> Result<StrataSaved> {
@@ -190,6 +194,7 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     touch(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
+    let self0 = proc_cpu_split("/proc/self/stat");
     let wb = StorageHost::sync_objects(host.bucket_dir().join(prefix));
     let opts = SaveOptions { codec, ..SaveOptions::new(Mode::Save) };
     let r = save(&store, q, "bench", &opts, &NoProgress);
@@ -200,19 +205,23 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     let fsync_s = t.elapsed().as_secs_f64();
     let link = host.link().since(l0);
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
+    let self1 = proc_cpu_split("/proc/self/stat");
     q.cont()?;
     let save_s = r.total_ms / 1e3 + fsync_s;
     eprintln!(
-        "  {:<14} save {save_s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {:.1}, strata {:.1}; codec {}: {}; {synced_live} objects fsynced as they landed, then all {files} again in {fsync_s:.2} s)",
+        "  {:<14} save {save_s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {:.2}, strata {:.2} ({:.2} sys, {} faults); codec {}: {}; {synced_live} objects fsynced as they landed, then all {files} again in {fsync_s:.2} s)",
         "strata",
         mb(r.stored_bytes),
         mb(link.total()),
         cpu.0,
         cpu.1,
+        self1.1 - self0.1,
+        self1.2 - self0.2,
         r.codec.chosen,
         r.codec.why
     );
-    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu })
+    let (sys, faults) = (self1.1 - self0.1, self1.2 - self0.2);
+    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults })
 }
 
 /// strata's restore: the index and (unless `cold_maps`) the page maps are local (this host saved
@@ -402,7 +411,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             });
             reports.push(serde_json::json!({
                 "mem_mib": mem, "round": round, "save": st.report, "save_fsync_s": st.fsync_s, "save_objects_synced_live": st.synced_live, "restore": rr,
-                "cpu_s": {"save_versitygw": st.cpu.0, "save_strata": st.cpu.1, "restore_versitygw": restore_cpu.0, "restore_strata": restore_cpu.1},
+                "cpu_s": {"save_versitygw": st.cpu.0, "save_strata": st.cpu.1, "save_strata_sys": st.sys, "save_strata_faults": st.faults, "restore_versitygw": restore_cpu.0, "restore_strata": restore_cpu.1},
             }));
             drop(st);
             std::fs::remove_dir_all(host.bucket_dir().join(&prefix)).ok();

@@ -9,10 +9,92 @@ use std::fmt;
 use std::str::FromStr;
 
 thread_local! {
-    // zstd contexts are expensive to create (~100 µs); reuse one per thread, as the hot paths
-    // (import, memory save, restore) run on a fixed pool of threads.
-    static ZSTD_C: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { std::cell::RefCell::new(None) };
+    // zstd compression contexts, one per level in use on this thread: a memory save moves
+    // frames between levels 1 and 2 as its upload queue grows and shrinks. A thread that ends
+    // (a save's pool worker) hands them to `ZSTD_POOL` for the next.
+    static ZSTD_C: std::cell::RefCell<ThreadCompressors> = const { std::cell::RefCell::new(ThreadCompressors(Vec::new())) };
     static ZSTD_D: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Warm zstd compression contexts not owned by any thread, by level. A context's first
+/// compression allocates and page-faults its workspace (~1 MiB at level 3 for a 128 KiB
+/// frame): on these hosts ~6 ms of a save's first frames per pool worker, while the link
+/// waits for the first pack. Contexts come here from threads that ended and from
+/// [`prewarm_zstd`], which a save runs while its QMP set-up goes back and forth.
+static ZSTD_POOL: parking_lot::Mutex<Vec<(i32, zstd::bulk::Compressor<'static>)>> = parking_lot::Mutex::new(Vec::new());
+
+/// Pooled contexts kept per level (beyond this they are freed).
+fn pool_cap() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16)
+}
+
+fn pool_put(level: i32, c: zstd::bulk::Compressor<'static>) {
+    let mut p = ZSTD_POOL.lock();
+    if p.iter().filter(|(l, _)| *l == level).count() < pool_cap() {
+        p.push((level, c));
+    }
+}
+
+fn pool_take(level: i32) -> Option<zstd::bulk::Compressor<'static>> {
+    let mut p = ZSTD_POOL.lock();
+    let i = p.iter().position(|(l, _)| *l == level)?;
+    Some(p.swap_remove(i).1)
+}
+
+struct ThreadCompressors(Vec<(i32, zstd::bulk::Compressor<'static>)>);
+
+impl Drop for ThreadCompressors {
+    fn drop(&mut self) {
+        for (l, c) in self.0.drain(..) {
+            pool_put(l, c);
+        }
+    }
+}
+
+/// Run `f` with this thread's zstd context for `level` (taken from the pool, or created),
+/// telling it whether the context is new (never compressed, so its first use also pays for
+/// its workspace). None if zstd refuses the level.
+pub fn with_zstd_compressor<R>(level: i32, f: impl FnOnce(&mut zstd::bulk::Compressor<'static>, bool) -> R) -> Option<R> {
+    ZSTD_C.with(|t| {
+        let mut t = t.borrow_mut();
+        let (i, fresh) = match t.0.iter().position(|(l, _)| *l == level) {
+            Some(i) => (i, false),
+            None => {
+                let (c, fresh) = match pool_take(level) {
+                    Some(c) => (c, false),
+                    None => (zstd_compressor(level)?, true),
+                };
+                t.0.push((level, c));
+                (t.0.len() - 1, fresh)
+            }
+        };
+        Some(f(&mut t.0[i].1, fresh))
+    })
+}
+
+/// Make sure `per_level` warm contexts exist for each of `levels` (pooled or owned by live
+/// threads is not known here: this counts only the pool), each warmed by one compression of
+/// a 128 KiB frame. Meant for a helper thread before a burst of compression.
+pub fn prewarm_zstd(levels: &[i32], per_level: usize) {
+    // Text-like bytes: matches at every distance, so the hash and chain tables are touched
+    // throughout, as real frames touch them.
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let sample: Vec<u8> = (0..128 << 10)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b'a' + (x % 23) as u8
+        })
+        .collect();
+    for &level in levels {
+        let have = ZSTD_POOL.lock().iter().filter(|(l, _)| *l == level).count();
+        for _ in have..per_level.min(pool_cap()) {
+            let Some(mut c) = zstd_compressor(level) else { break };
+            let _ = c.compress(&sample);
+            pool_put(level, c);
+        }
+    }
 }
 
 /// Shortest match zstd level 1 looks for (zstd's own default at this frame size is 6). On a
@@ -81,13 +163,7 @@ impl Codec {
         let out = match self {
             Codec::None => return None,
             Codec::Lz4 => lz4_flex::block::compress(raw),
-            Codec::Zstd(level) => ZSTD_C.with(|c| {
-                let mut c = c.borrow_mut();
-                if c.as_ref().map(|(l, _)| *l) != Some(level) {
-                    *c = Some((level, zstd_compressor(level)?));
-                }
-                c.as_mut()?.1.compress(raw).ok()
-            })?,
+            Codec::Zstd(level) => with_zstd_compressor(level, |c, _| c.compress(raw).ok())??,
         };
         if out.len() + raw.len() / 32 < raw.len() {
             Some(out)

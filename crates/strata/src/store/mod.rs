@@ -9,7 +9,8 @@
 //! pack data -> sync -> index object -> sync -> ref -> sync; deletion runs in reverse.
 //! On a network backend (an acknowledged put is durable) a pack is also sealed early, while
 //! fewer than [`EARLY_SEAL_UPLOADS`] packs are uploading (at least [`EARLY_SEAL_BYTES`], or
-//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is), and its index object
+//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, ramping up to it from
+//! [`EARLY_SEAL_FIRST_BYTES`] after each flush), and its index object
 //! follows its put at once, so a flush waits only for uploads still running.
 //!
 //! Failure policy (as in fjall): any failed backend write or sync on the commit path poisons
@@ -50,7 +51,7 @@ use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
 pub use read::LOCATE_BATCH;
-pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
+pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]
@@ -197,6 +198,10 @@ impl Shared {
 struct OpenPack {
     builder: Option<PackBuilder>,
     no: u32,
+    /// Size at which the open pack is sealed early while nothing is uploading: ramps from
+    /// `session::EARLY_SEAL_FIRST_BYTES` to `EARLY_SEAL_IDLE_BYTES` (doubling per idle seal)
+    /// after each flush, so the first upload of a save leaves within a few ms.
+    idle_seal_at: u64,
 }
 
 pub(crate) struct Inner {
@@ -315,7 +320,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 sh,
-                open: Mutex::new(OpenPack { builder: None, no: u32::MAX }),
+                open: Mutex::new(OpenPack { builder: None, no: u32::MAX, idle_seal_at: EARLY_SEAL_FIRST_BYTES }),
                 sealing: RwLock::new(()),
                 writer,
                 flush_lock: Mutex::new(()),

@@ -284,8 +284,8 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
     assert_eq!(s.unsent_bytes(), 0);
-    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_IDLE_BYTES are sealed at once (the
-    // uploader is idle), then more whenever the uploader has room, the rest at the commit.
+    // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_FIRST_BYTES are sealed at once
+    // (the uploader is idle), then more whenever the uploader has room, the rest at the commit.
     let mut ids = Vec::new();
     let mut most_unsent = 0;
     for i in 0..96u64 {
@@ -298,7 +298,7 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     }
     assert!(most_unsent >= 64 << 10, "{most_unsent}");
     // Packs go up without any flush: at least two before the commit (6 MiB would make only
-    // one of EARLY_SEAL_BYTES), the first of them sealed at EARLY_SEAL_IDLE_BYTES because
+    // one of EARLY_SEAL_BYTES), the first of them sealed at EARLY_SEAL_FIRST_BYTES because
     // nothing was uploading.
     let t = std::time::Instant::now();
     while mem.list("packs/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10) {
@@ -308,11 +308,11 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     assert!(early.len() >= 2, "{} packs before the commit: the idle uploader did not get a small pack", early.len());
     let smallest = early.iter().map(|o| o.size).min().unwrap();
     assert!(
-        (EARLY_SEAL_IDLE_BYTES..EARLY_SEAL_BYTES).contains(&smallest),
+        (EARLY_SEAL_FIRST_BYTES..EARLY_SEAL_IDLE_BYTES).contains(&smallest),
         "smallest early pack {smallest} bytes"
     );
     let (bytes, busy) = s.upload_speed();
-    assert!(bytes >= 2 * EARLY_SEAL_IDLE_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
+    assert!(bytes >= 2 * EARLY_SEAL_FIRST_BYTES && !busy.is_zero(), "{bytes} bytes in {busy:?}");
     ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
     assert_eq!(s.unsent_bytes(), 0, "a committed store has nothing left to upload");
     let packs = mem.list("packs/").unwrap().len();
@@ -336,6 +336,55 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     }
     s2.flush().unwrap();
     assert_eq!(mem2.list("packs/").unwrap().len(), 1);
+}
+
+/// Idle seals ramp like TCP slow start: a burst's first pack is EARLY_SEAL_FIRST_BYTES, each
+/// idle seal after it doubles, up to EARLY_SEAL_IDLE_BYTES; a flush starts the ramp again.
+#[test]
+fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_flush() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let s = Store::init(
+        Arc::new(SlowNetwork(mem.clone())),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 16 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
+    let ses = s.session();
+    let chunk = 64u64 << 10;
+    let mut n = 0u64;
+    // Put chunks one at a time, each only once no upload is pending, so every seal is idle;
+    // record the size of each pack as it lands.
+    let mut burst = |count: usize| -> Vec<u64> {
+        let before: HashSet<String> = mem.list("packs/").unwrap().into_iter().map(|o| o.key).collect();
+        let mut sizes = Vec::new();
+        let mut seen = before.clone();
+        while sizes.len() < count {
+            n += 1;
+            ses.put(&data(5000 + n, chunk as usize), ChunkKind::Data).unwrap();
+            let t = std::time::Instant::now();
+            while s.inner.sh.uploads.pending() > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            for o in mem.list("packs/").unwrap() {
+                if seen.insert(o.key.clone()) {
+                    sizes.push(o.size);
+                }
+            }
+        }
+        sizes
+    };
+    let check = |sizes: &[u64]| {
+        // Each pack holds whole 64 KiB chunks plus its trailer: its payload is the first
+        // multiple of 64 KiB at or above the threshold.
+        let want = [EARLY_SEAL_FIRST_BYTES, 2 * EARLY_SEAL_FIRST_BYTES, 4 * EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_IDLE_BYTES];
+        for (got, want) in sizes.iter().zip(want) {
+            assert!((want..want + chunk + (64 << 10)).contains(got), "pack of {got} bytes, wanted ~{want}: {sizes:?}");
+        }
+    };
+    check(&burst(5));
+    s.flush().unwrap();
+    check(&burst(3));
 }
 
 #[test]

@@ -145,6 +145,13 @@ impl Chooser {
             return false;
         }
         let n = self.frames.fetch_add(1, Ordering::Relaxed);
+        if self.start_kept {
+            // The start codec is in use meanwhile anyway: the warm-up's samples are spread
+            // over its first frames instead of all falling on the first ones, which hold back
+            // the first pack (and with it the first upload) while every core is short.
+            return n < WARMUP_SAMPLES * WARMUP_SPREAD && n % WARMUP_SPREAD == WARMUP_SPREAD - 1
+                || n.is_multiple_of(SAMPLE_EVERY) && n >= WARMUP_SAMPLES * WARMUP_SPREAD;
+        }
         n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0
     }
 

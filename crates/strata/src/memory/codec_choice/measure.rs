@@ -3,11 +3,6 @@
 
 use super::*;
 
-thread_local! {
-    // One zstd context per level, so sampling levels 1 and 3 in turn does not rebuild them.
-    static SAMPLERS: RefCell<Vec<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(Vec::new()) };
-}
-
 /// CPU time of the calling thread, in nanoseconds (wall clock if unavailable).
 pub(crate) fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -35,9 +30,9 @@ pub fn usable_cores(source_is_local: bool) -> usize {
 /// Compress `raw` with `codec` on this thread, timed by the thread's CPU clock. Output size
 /// is `raw.len()` when the codec does not pay (the store keeps such frames raw).
 ///
-/// Only the compression is timed: a zstd context is created, and warmed with one untimed
-/// compression of `raw` (its workspace is allocated, and page-faulted, on first use), before
-/// the clock starts. Timing the first use made zstd:1 look up to 2x slower in a save's first
+/// Only the compression is timed: a zstd context new to this thread (not taken warm from the
+/// pool, `codec::with_zstd_compressor`) is first warmed with one untimed compression of `raw`
+/// (its workspace is allocated, and page-faulted, on first use). Timing the first use made zstd:1 look up to 2x slower in a save's first
 /// samples, which handed the first 130-260 frames of a 128 MiB save to lz4.
 pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
     measure_keep(codec, raw).0
@@ -49,23 +44,15 @@ pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
 /// being compressed a second time.
 pub fn measure_keep(codec: Codec, raw: &[u8]) -> (Measure, Option<Vec<u8>>) {
     let (out, nanos): (Option<Vec<u8>>, u64) = match codec {
-        Codec::Zstd(level) => SAMPLERS.with(|s| {
-            let mut s = s.borrow_mut();
-            let pos = match s.iter().position(|(l, _)| *l == level) {
-                Some(p) => p,
-                None => match crate::codec::zstd_compressor(level) {
-                    Some(mut c) => {
-                        let _ = c.compress(raw);
-                        s.push((level, c));
-                        s.len() - 1
-                    }
-                    None => return (None, 1),
-                },
-            };
+        Codec::Zstd(level) => crate::codec::with_zstd_compressor(level, |c, fresh| {
+            if fresh {
+                let _ = c.compress(raw);
+            }
             let t = thread_cpu_ns();
-            let z = s[pos].1.compress(raw).ok();
+            let z = c.compress(raw).ok();
             (z, thread_cpu_ns().saturating_sub(t))
-        }),
+        })
+        .unwrap_or((None, 1)),
         other => {
             let t = thread_cpu_ns();
             let z = other.compress(raw);

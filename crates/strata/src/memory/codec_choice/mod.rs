@@ -37,7 +37,6 @@
 //! moves from code pages to random data switches codec per batch. [`decide`] is a pure
 //! function, unit-tested on the paper's Table 1 numbers.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -91,6 +90,12 @@ pub const ADAPT_FROM: Codec = Codec::Zstd(1);
 pub const ADAPT_TO: Codec = Codec::Zstd(2);
 /// Frames sampled unconditionally at the start of a save.
 pub const WARMUP_SAMPLES: u64 = 6;
+/// With a start codec kept ([`Chooser::with_start`]), the warm-up samples one frame in this
+/// many (frames 7, 15, ... 47) instead of the first six. A sample costs ~1.3 ms of CPU per
+/// 128 KiB frame (every candidate, against ~0.25 ms for zstd:1 alone): six on the first
+/// frames were ~8 ms of the ~10 ms before a 128 MiB save's first pack could leave, with the
+/// link idle (debug trace, session 22).
+pub const WARMUP_SPREAD: u64 = 8;
 /// After the warm-up, one frame in this many is sampled (16 MiB of 128 KiB frames). A sample
 /// compresses its frame with every candidate, ~3.4x the work of zstd:1 alone (zstd:3 is
 /// ~2.2x); at one in 64 that was ~8% of a 128 MiB save's compressing CPU (`perf`), which on

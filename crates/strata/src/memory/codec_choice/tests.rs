@@ -130,9 +130,10 @@ fn a_chosen_start_codec_is_kept_unless_another_is_clearly_better() {
     assert_eq!(run(fresh(), &sample), Codec::Zstd(3));
     assert_eq!(run(fresh().with_start(NETWORK_START), &sample), NETWORK_START);
     assert_eq!(run(fresh().with_start(Codec::Zstd(1)), &sample), Codec::Zstd(1));
-    // Before the first decision the start codec is used.
+    // Before the first decision the start codec is used (its first frame is not sampled:
+    // the warm-up's samples are spread).
     let c = fresh().with_start(NETWORK_START);
-    assert!(c.wants_sample());
+    assert!(!c.wants_sample());
     assert_eq!(c.codec_for(&[]), NETWORK_START);
     // A clearly better codec still wins the first decision: zstd:1 at 60 MB/s a core
     // (max(1.2 / 120, 4.76) + 4.76 = 14.8 s/GB) against lz4 (11.47 s/GB).
@@ -209,6 +210,24 @@ fn chooser_measures_real_data_and_switches() {
     assert!(r.samples >= WARMUP_SAMPLES);
     assert_eq!(r.policy, "auto");
     assert!(r.frames.contains_key("none"));
+}
+
+/// A kept start codec spreads the warm-up's samples over its first frames (one in
+/// WARMUP_SPREAD), then samples one frame in SAMPLE_EVERY as usual; without one the first
+/// WARMUP_SAMPLES frames are sampled.
+#[test]
+fn a_kept_start_codec_spreads_the_warm_up_samples() {
+    let c = Chooser::new(CodecPolicy::Auto, 50e6, 2).with_start(NETWORK_START);
+    let picked: Vec<u64> = (0..3 * SAMPLE_EVERY).filter(|_| c.wants_sample()).collect();
+    let want: Vec<u64> = (0..WARMUP_SAMPLES)
+        .map(|k| k * WARMUP_SPREAD + WARMUP_SPREAD - 1)
+        .chain([SAMPLE_EVERY, 2 * SAMPLE_EVERY])
+        .collect();
+    assert_eq!(picked, want);
+    let plain = Chooser::new(CodecPolicy::Auto, 50e6, 2);
+    let picked: Vec<u64> = (0..2 * SAMPLE_EVERY).filter(|_| plain.wants_sample()).collect();
+    let want: Vec<u64> = (0..WARMUP_SAMPLES).chain([SAMPLE_EVERY]).collect();
+    assert_eq!(picked, want);
 }
 
 #[test]

@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 
 use super::codec_choice::{
-    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy,
+    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy, CANDIDATES,
     DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES,
 };
 use super::delta::{select_base, BasePolicy};
@@ -232,6 +232,19 @@ fn save_inner(
         return Err(MemError::BadName { name: name.into() });
     }
     let rname = ref_name(name);
+    // The pool's zstd contexts are warmed (their workspaces allocated and page-faulted) on a
+    // helper thread while the QMP set-up below goes back and forth, not on the first frames.
+    let levels: Vec<i32> = match opts.codec {
+        CodecPolicy::Auto => CANDIDATES.iter().filter_map(|c| if let Codec::Zstd(l) = *c { Some(l) } else { None }).collect(),
+        CodecPolicy::Fixed(Codec::Zstd(l)) => vec![l],
+        CodecPolicy::Fixed(_) => vec![],
+    };
+    if !levels.is_empty() {
+        let per_level = opts.ingest.workers.max(1);
+        let _ = std::thread::Builder::new()
+            .name("strata-zstd-warm".into())
+            .spawn(move || crate::codec::prewarm_zstd(&levels, per_level));
+    }
     // One writer per checkpoint name, across hosts (docs/backends.md), from before the first page.
     // The lease and the existence check are backend round trips: they run beside the read-only
     // QMP queries below, and both finish before QEMU is changed or sends a page.
