@@ -4,6 +4,10 @@
 //! the level, so readers never need the writer's configuration. Decompression is bounded: the
 //! index carries the frame's raw length, which is capped (`MAX_FRAME_RAW`), and a frame that
 //! does not decompress to exactly that length is corrupt.
+//!
+//! zstd contexts are costly to start (a workspace allocated and page-faulted on first use), so
+//! each thread keeps one per level it uses, taken from and returned to a process-wide pool of
+//! warm ones; a memory save fills that pool on a helper thread before its stream arrives.
 
 use std::fmt;
 use std::str::FromStr;
