@@ -10,7 +10,7 @@
 //! On a network backend (an acknowledged put is durable) a pack is also sealed early, while
 //! fewer than [`EARLY_SEAL_UPLOADS`] packs are uploading (at least [`EARLY_SEAL_BYTES`], or
 //! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, ramping up to it from
-//! [`EARLY_SEAL_FIRST_BYTES`] after each flush), and its index object
+//! [`EARLY_SEAL_FIRST_BYTES`] after each ref commit), and its index object
 //! follows its put at once, so a flush waits only for uploads still running.
 //!
 //! Failure policy (as in fjall): any failed backend write or sync on the commit path poisons
@@ -200,7 +200,7 @@ struct OpenPack {
     no: u32,
     /// Size at which the open pack is sealed early while nothing is uploading: ramps from
     /// `session::EARLY_SEAL_FIRST_BYTES` to `EARLY_SEAL_IDLE_BYTES` (doubling per idle seal)
-    /// after each flush, so the first upload of a save leaves within a few ms.
+    /// after each ref commit, so the first upload of a save leaves within a few ms.
     idle_seal_at: u64,
 }
 

@@ -29,7 +29,7 @@ pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// more is ready. 2 MiB (was 256 KiB): the first upload leaves ~20 ms into a 128 MiB save
 /// instead of ~3 ms, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
 pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
-/// The first pack sealed early after a flush (the start of a save): the idle-seal size then
+/// The first pack sealed early after a ref commit (the start of a save): the idle-seal size then
 /// doubles per idle seal up to [`EARLY_SEAL_IDLE_BYTES`] (256 KiB, 512 KiB, 1 MiB, 2 MiB), so a
 /// save's first upload leaves a few ms after its first page instead of ~18 ms (a 2 MiB pack),
 /// for three extra small objects. TCP slow start, the other way round.
@@ -75,10 +75,7 @@ impl Store {
         self.send_sealed(sealing)?;
         // Packs other threads sealed before this flush must reach the writer before it does.
         drop(self.inner.sealing.write());
-        self.inner.writer.flush()?;
-        // The next write starts a new burst (e.g. the next save): its first upload leaves early.
-        self.inner.open.lock().idle_seal_at = EARLY_SEAL_FIRST_BYTES;
-        Ok(())
+        self.inner.writer.flush()
     }
 
     /// On a network backend, seal the open pack now and queue its upload without waiting for
@@ -364,6 +361,9 @@ impl Session {
             (self.store.flush(), old.join())
         });
         flushed?;
+        // The next write starts a new burst (e.g. the next save): its first upload leaves
+        // early. Not at every flush: a long save flushes every 128 MiB and keeps going.
+        inner.open.lock().idle_seal_at = EARLY_SEAL_FIRST_BYTES;
         tracing::debug!(target: "strata::store", name, flush_ms = t0.elapsed().as_secs_f64() * 1e3, "flushed for a ref");
         let old = match old {
             Ok(Ok(o)) => o,

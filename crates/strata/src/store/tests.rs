@@ -339,9 +339,10 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
 }
 
 /// Idle seals ramp like TCP slow start: a burst's first pack is EARLY_SEAL_FIRST_BYTES, each
-/// idle seal after it doubles, up to EARLY_SEAL_IDLE_BYTES; a flush starts the ramp again.
+/// idle seal after it doubles, up to EARLY_SEAL_IDLE_BYTES; a ref commit starts the ramp
+/// again, a flush alone (a long save's periodic one) does not.
 #[test]
-fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_flush() {
+fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let s = Store::init(
@@ -382,8 +383,12 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_flush() {
             assert!((want..want + chunk + (64 << 10)).contains(got), "pack of {got} bytes, wanted ~{want}: {sizes:?}");
         }
     };
-    check(&burst(5));
+    let first = burst(5);
+    check(&first);
     s.flush().unwrap();
+    let after_flush = burst(2);
+    assert!(after_flush.iter().all(|&n| n >= EARLY_SEAL_IDLE_BYTES), "a flush restarted the ramp: {after_flush:?}");
+    ses.commit_ref("r", Ref { roots: vec![], ..Default::default() }).unwrap();
     check(&burst(3));
 }
 

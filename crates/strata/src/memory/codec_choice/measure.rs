@@ -32,8 +32,9 @@ pub fn usable_cores(source_is_local: bool) -> usize {
 ///
 /// Only the compression is timed: a zstd context new to this thread (not taken warm from the
 /// pool, `codec::with_zstd_compressor`) is first warmed with one untimed compression of `raw`
-/// (its workspace is allocated, and page-faulted, on first use). Timing the first use made zstd:1 look up to 2x slower in a save's first
-/// samples, which handed the first 130-260 frames of a 128 MiB save to lz4.
+/// (its workspace is allocated, and page-faulted, on first use). Timing the first use made
+/// zstd:1 look up to 2x slower in a save's first samples, which handed the first 130-260
+/// frames of a 128 MiB save to lz4.
 pub fn measure_once(codec: Codec, raw: &[u8]) -> Measure {
     measure_keep(codec, raw).0
 }
