@@ -40,6 +40,8 @@ pub(crate) fn machine(s: &str) -> Result<Machine> {
 /// What was loaded into the guest.
 #[derive(Debug, Clone, serde::Serialize)]
 pub(crate) struct Workload {
+    /// The `--workload` it was loaded from.
+    pub mix: String,
     pub text_mib: u32,
     pub fill_mib: u32,
     pub zero_pct: u32,
@@ -61,8 +63,6 @@ pub(crate) fn boot(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<Gu
         .with_context(|| format!("Cannot boot the {mem} MiB benchmark guest"))
 }
 
-/// Load the desktop workload: golden files (at most one pass of the tree), then anonymous
-/// memory, so that most of RAM is touched.
 /// The guest's free memory in MiB, as memwork reports it when refusing an oversized `fill`
 /// ("... N MiB available; ...").
 pub(crate) fn available_mib(g: &mut Guest) -> Result<u32> {
@@ -79,18 +79,121 @@ pub(crate) fn available_mib(g: &mut Guest) -> Result<u32> {
     }
 }
 
-pub(crate) fn load_workload(g: &mut Guest, _mem: u32, seed: u64, text_cap: u32) -> Result<Workload> {
+/// What the benchmark guest's memory holds besides its kernel and initramfs: `--workload`.
+/// The golden files' text takes `text_pct` of the free memory (at most the caller's cap), then
+/// (unless `fill` is off) memwork's synthetic pages take the rest: `zero_pct` zero pages,
+/// `repeat_pct` pages repeating one of 16 patterns, the others pseudo-random (incompressible).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct WorkloadMix {
+    pub text_pct: u32,
+    pub fill: bool,
+    pub zero_pct: u32,
+    pub repeat_pct: u32,
+}
+
+impl WorkloadMix {
+    /// Half the free memory as golden-file text, the rest 10% zero, 50% repeated, 40% random.
+    pub const DESKTOP: WorkloadMix = WorkloadMix { text_pct: 50, fill: true, zero_pct: 10, repeat_pct: 50 };
+    const PRESETS: [(&'static str, WorkloadMix); 4] = [
+        ("desktop", WorkloadMix::DESKTOP),
+        ("random", WorkloadMix { text_pct: 0, fill: true, zero_pct: 0, repeat_pct: 0 }),
+        ("text", WorkloadMix { text_pct: 100, fill: false, zero_pct: 0, repeat_pct: 0 }),
+        ("idle", WorkloadMix { text_pct: 0, fill: false, zero_pct: 0, repeat_pct: 0 }),
+    ];
+}
+
+impl Default for WorkloadMix {
+    fn default() -> Self {
+        WorkloadMix::DESKTOP
+    }
+}
+
+impl std::fmt::Display for WorkloadMix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some((name, _)) = WorkloadMix::PRESETS.iter().find(|(_, m)| m == self) {
+            return f.write_str(name);
+        }
+        write!(f, "text={}", self.text_pct)?;
+        if self.fill {
+            write!(f, ",zero={},repeat={}", self.zero_pct, self.repeat_pct)
+        } else {
+            f.write_str(",fill=off")
+        }
+    }
+}
+
+impl std::str::FromStr for WorkloadMix {
+    type Err = String;
+
+    /// A preset (`desktop`, `random`, `text`, `idle`) or `KEY=VALUE,...` over `desktop` with
+    /// keys `text`, `zero`, `repeat` (percentages) and `fill` (`on`/`off`).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let s = s.trim();
+        if let Some((_, m)) = WorkloadMix::PRESETS.iter().find(|(n, _)| *n == s) {
+            return Ok(*m);
+        }
+        let names: Vec<&str> = WorkloadMix::PRESETS.iter().map(|(n, _)| *n).collect();
+        let mut m = WorkloadMix::DESKTOP;
+        for part in s.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                format!("Unknown workload '{part}': use one of {} or text=PCT,zero=PCT,repeat=PCT,fill=on|off", names.join(", "))
+            })?;
+            let pct = || -> std::result::Result<u32, String> {
+                match v.trim().parse::<u32>() {
+                    Ok(n) if n <= 100 => Ok(n),
+                    _ => Err(format!("Workload {k}={v}: give a percentage 0-100")),
+                }
+            };
+            match k.trim() {
+                "text" => m.text_pct = pct()?,
+                "zero" => m.zero_pct = pct()?,
+                "repeat" => m.repeat_pct = pct()?,
+                "fill" => {
+                    m.fill = match v.trim() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(format!("Workload fill={v}: use fill=on or fill=off")),
+                    }
+                }
+                other => return Err(format!("Unknown workload key '{other}': use text, zero, repeat or fill")),
+            }
+        }
+        if m.zero_pct + m.repeat_pct > 100 {
+            return Err(format!("Workload zero={} + repeat={} is over 100%", m.zero_pct, m.repeat_pct));
+        }
+        Ok(m)
+    }
+}
+
+/// The result files' name for benchmark `base` run on workload `mix`: `base` for the desktop
+/// workload, `base-workload-NAME` otherwise (`=` and `,` become `-`).
+pub(crate) fn results_name(base: &str, mix: &WorkloadMix) -> String {
+    if *mix == WorkloadMix::DESKTOP {
+        base.to_string()
+    } else {
+        format!("{base}-workload-{}", mix.to_string().replace(['=', ','], "-"))
+    }
+}
+
+/// Load a workload: golden files (at most `text_cap` MiB, one pass of the tree repeated), then
+/// anonymous memory, so that most of RAM is touched.
+pub(crate) fn load_workload(g: &mut Guest, mix: &WorkloadMix, seed: u64, text_cap: u32) -> Result<Workload> {
     // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
     let usable = available_mib(g)?.saturating_sub(40).max(8);
-    let text_mib = (usable / 2).min(text_cap).max(4);
     let t = Duration::from_secs(600);
-    g.command(&format!("text {text_mib}"), t).context("text workload")?;
-    let (zero_pct, repeat_pct) = (10, 50);
-    let fill_mib = available_mib(g)?.saturating_sub(40).max(4);
-    g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t)
-        .context("fill workload")?;
+    let text_mib = if mix.text_pct == 0 { 0 } else { (usable * mix.text_pct / 100).min(text_cap).max(4) };
+    if text_mib > 0 {
+        g.command(&format!("text {text_mib}"), t).context("text workload")?;
+    }
+    let (zero_pct, repeat_pct) = (mix.zero_pct, mix.repeat_pct);
+    let fill_mib = if mix.fill { available_mib(g)?.saturating_sub(40).max(4) } else { 0 };
+    if fill_mib > 0 {
+        g.command(&format!("fill {fill_mib} {zero_pct} {repeat_pct} {seed}"), t)
+            .context("fill workload")?;
+    }
     let sum = g.command("sum", t).context("sum")?;
     Ok(Workload {
+        mix: mix.to_string(),
         text_mib,
         fill_mib,
         zero_pct,
@@ -268,11 +371,16 @@ pub(crate) fn env_json() -> serde_json::Value {
 
 /// Boot a guest of `mem` MiB and load the desktop workload; returns it with its QMP client.
 pub(crate) fn desktop_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<(Guest, Workload, QmpClient)> {
+    workload_guest(fx, mem, m, name, &WorkloadMix::DESKTOP)
+}
+
+/// Boot a guest of `mem` MiB and load workload `mix`; returns it with its QMP client.
+pub(crate) fn workload_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str, mix: &WorkloadMix) -> Result<(Guest, Workload, QmpClient)> {
     let mut g = boot(fx, mem, m, name)?;
-    let w = load_workload(&mut g, mem, 1, 240)?;
+    let w = load_workload(&mut g, mix, 1, 240)?;
     eprintln!(
-        "  workload: text {} MiB + fill {} MiB ({}% zero, {}% repeated); sum {}",
-        w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct, w.sum
+        "  workload {}: text {} MiB + fill {} MiB ({}% zero, {}% repeated); sum {}",
+        w.mix, w.text_mib, w.fill_mib, w.zero_pct, w.repeat_pct, w.sum
     );
     let q = qmp_of(&g)?;
     Ok((g, w, q))

@@ -36,7 +36,7 @@ use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{check_sum, desktop_guest, Workload, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
+use crate::bench_guest::{check_sum, desktop_guest, results_name, workload_guest, Workload, WorkloadMix, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
 use crate::bench_hostmem::{touch, warm_mib};
 use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
@@ -318,7 +318,7 @@ fn slower_cells(rows: &[Row]) -> Vec<(u32, Option<u32>, &'static str, f64)> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, cold_maps: bool, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, cold_maps: bool, mix: &WorkloadMix, out: &Path, scratch: Option<&Path>) -> Result<()> {
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
@@ -343,7 +343,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         let dir = tmp.path().join(format!("m{mem}"));
         std::fs::create_dir_all(&dir)?;
         eprintln!("bench save-restore --remote: {mem} MiB guest ({mach})");
-        let (g, w, mut q) = desktop_guest(&fx, mem, m, &format!("sr{mem}"))?;
+        let (g, w, mut q) = workload_guest(&fx, mem, m, &format!("sr{mem}"), mix)?;
         let warm = warm_mib(mem, warm_memory);
         for round in 0..rounds {
             // The four methods take turns at going first, in the saves and in the restores:
@@ -509,11 +509,12 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     let json = serde_json::json!({
         "benchmark": "save-restore-remote",
         "command": format!(
-            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}{}",
+            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}{}{}",
             sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
             if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") },
             if warm_memory { "" } else { " --no-warm" },
-            if cold_maps { " --cold-maps" } else { "" }
+            if cold_maps { " --cold-maps" } else { "" },
+            if *mix == WorkloadMix::DESKTOP { String::new() } else { format!(" --workload {mix}") }
         ),
         "page_maps": if cold_maps {
             "cold: this host's copies of the page maps were deleted before every strata restore, so the maps crossed the link as on a host that did not save the checkpoint"
@@ -556,7 +557,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         bars(&format!("Restore over 1 Gbit/s from the storage host, seconds{med}"), "seconds", &cats, &series(&|r| r.restore_s)),
         bars("Stored bytes on the storage host", "MB", &cats, &series(&|r| r.stored_bytes as f64 / 1e6)),
     ]);
-    write_outputs(out, "save-restore-remote", csv, &json, svg)
+    write_outputs(out, &results_name("save-restore-remote", mix), csv, &json, svg)
 }
 
 // ---------------------------------------------------------------------------------------------

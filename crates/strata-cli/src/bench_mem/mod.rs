@@ -33,8 +33,8 @@ use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
 use crate::bench_guest::{
-    available_mib, CheckpointCost, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, qemu_save, qmp_of,
-    restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES,
+    available_mib, CheckpointCost, boot, desktop_guest, dirty_checkpoint, workload_guest, WorkloadMix, env_json, machine, qemu_restore, qemu_save, qmp_of,
+    results_name, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES,
 };
 use crate::chart::{bars, Series};
 
@@ -108,6 +108,13 @@ pub enum MemBenchCmd {
         /// every strata restore, so they cross the link as on any other host.
         #[arg(long)]
         cold_maps: bool,
+        /// What the guests' memory holds: `desktop` (half the free memory golden-file text,
+        /// the rest 10% zero, 50% repeated and 40% random pages), `random` (incompressible),
+        /// `text` (golden-file text only), `idle` (just booted), or KEY=VALUE,... over desktop
+        /// (text=PCT,zero=PCT,repeat=PCT,fill=on|off). Other than desktop, the result files are
+        /// named bench-save-restore[-remote]-workload-NAME.*.
+        #[arg(long, default_value = "desktop")]
+        workload: crate::bench_guest::WorkloadMix,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -169,19 +176,21 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             rounds,
             no_warm,
             cold_maps,
+            workload,
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, restore_workers.unwrap_or_else(|| strata::memory::restore::RestoreOptions::default().workers), *codec, *rounds, !*no_warm, *cold_maps, out, scratch.as_deref()),
+        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, restore_workers.unwrap_or_else(|| strata::memory::restore::RestoreOptions::default().workers), *codec, *rounds, !*no_warm, *cold_maps, workload, out, scratch.as_deref()),
         MemBenchCmd::SaveRestore {
             sizes,
             machine,
             vms,
             vms_mem,
+            workload,
             out,
             scratch,
             ..
-        } => bench_save_restore(sizes, machine, *vms, *vms_mem, out, scratch.as_deref()),
+        } => bench_save_restore(sizes, machine, *vms, *vms_mem, workload, out, scratch.as_deref()),
         MemBenchCmd::Multifd {
             mem,
             machine,

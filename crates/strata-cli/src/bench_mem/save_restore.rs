@@ -27,6 +27,7 @@ pub(super) fn bench_save_restore(
     mach: &str,
     vms: u32,
     vms_mem: u32,
+    mix: &WorkloadMix,
     out: &Path,
     scratch: Option<&Path>,
 ) -> Result<()> {
@@ -40,7 +41,7 @@ pub(super) fn bench_save_restore(
         let dir = tmp.path().join(format!("m{mem}"));
         std::fs::create_dir_all(&dir)?;
         eprintln!("bench save-restore: {mem} MiB guest ({mach})");
-        let (g, w, mut q) = desktop_guest(&fx, mem, m, &format!("sr{mem}"))?;
+        let (g, w, mut q) = workload_guest(&fx, mem, m, &format!("sr{mem}"), mix)?;
         let methods: [(&str, String, String); 3] = [
             (
                 "exec:cat+sync",
@@ -244,7 +245,11 @@ pub(super) fn bench_save_restore(
     }
     let json = serde_json::json!({
         "benchmark": "save-restore",
-        "command": format!("strata bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}", sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
+        "command": format!(
+            "strata bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}{}",
+            sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
+            if *mix == WorkloadMix::DESKTOP { String::new() } else { format!(" --workload {mix}") }
+        ),
         "paper": "000 Figs 2 and 3",
         "how": "one guest per size; each QEMU baseline: stop, migrate to the URI, wait, then `sync` (save time runs from the stop and includes the sync, as strata's includes its own stop), cont; strata: `vm save` into a fresh local store (durable packs, index and ref). Restores: a fresh QEMU with the same arguments and -incoming defer -S; time from migrate-incoming to completed (strata: the whole `vm restore`, including target checks and verification of every page); strata's restored guest is resumed and its memwork `sum` compared",
         "workloads": workloads,
@@ -287,5 +292,5 @@ pub(super) fn bench_save_restore(
         ),
         bars("Stored bytes", "MB", &cats, &series(&|r| r.stored_bytes as f64 / 1e6)),
     ]);
-    write_outputs(out, "save-restore", csv, &json, svg)
+    write_outputs(out, &results_name("save-restore", mix), csv, &json, svg)
 }

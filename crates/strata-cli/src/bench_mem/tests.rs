@@ -36,3 +36,38 @@ fn stacked_svg_offsets_charts() {
     let s = stack(vec!["<svg a></svg>".into(), "<svg b></svg>".into()]);
     assert!(s.contains("<svg y=\"0\" a>") && s.contains("<svg y=\"420\" b>") && s.contains("height=\"840\""));
 }
+
+#[test]
+fn workload_mixes_parse_print_and_name_their_result_files() {
+    let parse = |s: &str| s.parse::<WorkloadMix>();
+    assert_eq!(parse("desktop").unwrap(), WorkloadMix::DESKTOP);
+    assert_eq!(WorkloadMix::default(), WorkloadMix::DESKTOP);
+    let random = parse("random").unwrap();
+    assert_eq!((random.text_pct, random.fill, random.zero_pct, random.repeat_pct), (0, true, 0, 0));
+    let idle = parse("idle").unwrap();
+    assert!(!idle.fill && idle.text_pct == 0);
+    // KEY=VALUE starts from desktop; a custom mix prints back to what parses to it.
+    let m = parse("text=20,repeat=30").unwrap();
+    assert_eq!((m.text_pct, m.fill, m.zero_pct, m.repeat_pct), (20, true, 10, 30));
+    assert_eq!(m.to_string(), "text=20,zero=10,repeat=30");
+    assert_eq!(parse(&m.to_string()).unwrap(), m);
+    let off = parse("text=70,fill=off").unwrap();
+    assert_eq!(off.to_string(), "text=70,fill=off");
+    // A mix equal to a preset prints as the preset.
+    assert_eq!(parse("text=0,zero=0,repeat=0").unwrap().to_string(), "random");
+    // Result files: desktop keeps the historical names.
+    assert_eq!(results_name("save-restore-remote", &WorkloadMix::DESKTOP), "save-restore-remote");
+    assert_eq!(results_name("save-restore-remote", &random), "save-restore-remote-workload-random");
+    assert_eq!(results_name("save-restore", &m), "save-restore-workload-text-20-zero-10-repeat-30");
+    // Bad input names the fix.
+    for (bad, says) in [
+        ("laptop", "use one of desktop, random, text, idle"),
+        ("text=101", "percentage 0-100"),
+        ("zero=60,repeat=50", "over 100%"),
+        ("fill=maybe", "fill=on or fill=off"),
+        ("size=3", "use text, zero, repeat or fill"),
+    ] {
+        let e = parse(bad).unwrap_err();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+}

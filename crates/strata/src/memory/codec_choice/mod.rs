@@ -9,7 +9,9 @@
 //! the pool compresses and Rate the compressed/raw ratio. Among the codecs that pass, the
 //! one with the smallest expected time per byte, `1/Speed_Comp + Rate/Speed_Transfer` (the
 //! paper's equation 3 divided by the file size), is used; when none passes, pages are stored
-//! raw, so a save is never slower than storing raw by the paper's model. That is the
+//! raw, so a save is never slower than storing raw by the paper's model (on a network
+//! backend, a codec faster than the link is still tried on every frame: each frame is stored
+//! raw anyway unless it shrinks by 1/32, see `model::free_codec`). That is the
 //! [`Model::Serial`] used for local disks; on a network backend uploads overlap compression,
 //! so [`Model::Overlapped`] takes the slower stage's time instead of the sum.
 //!

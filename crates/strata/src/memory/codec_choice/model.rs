@@ -125,6 +125,21 @@ pub fn decide_keeping(model: Model, backend_bps: f64, parallel: f64, measures: &
             best = Some(k);
         }
     }
+    if best.is_none() && model == Model::Overlapped {
+        if let Some((codec, comp, rate)) = free_codec(backend_bps, parallel, measures, current) {
+            return Decision {
+                codec,
+                why: format!(
+                    "no codec saved bytes on the recent samples ({codec} {:.2}), but {codec} compresses {:.0} MB/s (/ {CPU_HEADROOM} headroom), faster than the backend's {:.0} MB/s: \
+                     frames are still compressed, and each one that {codec} shrinks by less than 1/32 is stored raw",
+                    rate,
+                    mb(comp),
+                    mb(backend_bps)
+                ),
+                estimates,
+            };
+        }
+    }
     match (best, model) {
         (Some((t, codec, comp, rate)), Model::Serial) => Decision {
             codec,
@@ -171,4 +186,25 @@ pub fn decide_keeping(model: Model, backend_bps: f64, parallel: f64, measures: &
             }
         }
     }
+}
+
+/// In the overlapped model, a codec that costs the save no time: the pool compresses faster
+/// (with [`CPU_HEADROOM`]) than the link takes raw bytes. When no codec pays because the
+/// recent samples were incompressible (random pages, `Rate` 1), such a codec still loses
+/// nothing: [`Codec::compress`] stores a frame raw unless it saves 1/32, so the incompressible
+/// frames cost neither bytes nor restore time, and compressible frames that follow are not
+/// stored raw on the strength of the random ones sampled before them (a 512 MiB guest of
+/// random pages stored ~19 MB of its kernel and page cache raw that way, 3% more bytes than
+/// `zstd -1`'s stream; `docs/memory.md`). The codec in use is preferred, then the best ratio.
+fn free_codec(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)], current: Option<Codec>) -> Option<(Codec, f64, f64)> {
+    let free: Vec<(Codec, f64, f64)> = measures
+        .iter()
+        .filter(|(_, m)| m.raw > 0 && m.nanos > 0)
+        .map(|(c, m)| (*c, m.raw as f64 / (m.nanos as f64 / 1e9) * parallel.max(1.0), (m.stored as f64 / m.raw as f64).min(1.0)))
+        .filter(|(_, comp, _)| CPU_HEADROOM / comp <= 1.0 / backend_bps)
+        .collect();
+    free.iter()
+        .find(|(c, ..)| Some(*c) == current)
+        .or_else(|| free.iter().min_by(|a, b| a.2.total_cmp(&b.2).then(b.1.total_cmp(&a.1))))
+        .copied()
 }

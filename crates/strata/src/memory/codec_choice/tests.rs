@@ -107,8 +107,32 @@ fn overlapped_model_compresses_whenever_the_pool_outruns_the_link() {
     let d = decide_with(Model::Overlapped, 1500e6, 1.0, &ms);
     assert_eq!(d.codec, Codec::None);
     assert!(d.why.contains("storing raw"), "{}", d.why);
-    // Incompressible data never pays.
-    assert_eq!(decide_with(Model::Overlapped, 10e6, 2.0, &[(Codec::Lz4, m(3000.0, 1.0))]).codec, Codec::None);
+    // Incompressible data never pays, and a codec slower than the link is not tried.
+    assert_eq!(decide_with(Model::Overlapped, 1500e6, 2.0, &[(Codec::Lz4, m(300.0, 1.0))]).codec, Codec::None);
+}
+
+#[test]
+fn overlapped_model_keeps_compressing_through_incompressible_samples() {
+    // Samples of random pages (zstd shrinks none of them) on a link the pool outruns: no
+    // codec pays, but trying one costs nothing (frames it cannot shrink by 1/32 are stored
+    // raw), so the save keeps compressing instead of storing the next, compressible, frames
+    // raw.
+    let random = [(Codec::Lz4, m(8000.0, 1.0)), (Codec::Zstd(1), m(4000.0, 1.0)), (Codec::Zstd(2), m(7000.0, 1.0))];
+    let d = decide_with(Model::Overlapped, 110e6, 2.0, &random);
+    assert!(d.estimates.iter().all(|e| !e.pays), "{d:?}");
+    // None in use: the best ratio, then the fastest.
+    assert_eq!(d.codec, Codec::Lz4, "{}", d.why);
+    assert!(d.why.contains("stored raw") && d.why.contains("no codec saved bytes"), "{}", d.why);
+    // The codec in use is kept.
+    let d = decide_keeping(Model::Overlapped, 110e6, 2.0, &random, Some(Codec::Zstd(2)));
+    assert_eq!(d.codec, Codec::Zstd(2), "{}", d.why);
+    let nearly = [(Codec::Lz4, m(8000.0, 1.0)), (Codec::Zstd(1), m(4000.0, 0.999))];
+    assert_eq!(decide_with(Model::Overlapped, 110e6, 2.0, &nearly).codec, Codec::Zstd(1));
+    // Only codecs that outrun the link: zstd:1 at 100 MB/s on one core does not.
+    let slow = [(Codec::Zstd(1), m(100.0, 1.0))];
+    assert_eq!(decide_with(Model::Overlapped, 110e6, 1.0, &slow).codec, Codec::None);
+    // The serial model (local disks) is unchanged: raw.
+    assert_eq!(decide_with(Model::Serial, 110e6, 2.0, &random).codec, Codec::None);
 }
 
 #[test]
