@@ -158,6 +158,7 @@ pub(super) fn run(
     }
     let t_migrate = Instant::now();
     let setup_ms = t_migrate.duration_since(t0).as_secs_f64() * 1e3;
+    tracing::debug!(target: "strata::memory", setup_ms, stop_ms = t_stop.map(|t| t.duration_since(t0).as_secs_f64() * 1e3), "save: migrating");
     let outcome = std::thread::scope(|s| {
         let rx = std::thread::Builder::new()
             .name("strata-mem-parse".into())

@@ -256,11 +256,15 @@ fn save_inner(
                 // One listing answers both whether the name is taken (the commit checks again
                 // under the lease) and whether any checkpoint could be a delta base (else the
                 // ramblock query and the base search are skipped); it runs beside the lease.
-                let (lease, refs) = std::thread::scope(|s| {
-                    let refs = s.spawn(|| store.list_refs(REF_PREFIX));
+                let t = Instant::now();
+                let (lease, lease_ms, refs, list_ms) = std::thread::scope(|s| {
+                    let refs = s.spawn(|| (store.list_refs(REF_PREFIX), t.elapsed().as_secs_f64() * 1e3));
                     let lease = store.lease_if_needed(&rname);
-                    (lease, refs.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    let lease_ms = t.elapsed().as_secs_f64() * 1e3;
+                    let (refs, list_ms) = refs.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                    (lease, lease_ms, refs, list_ms)
                 });
+                tracing::debug!(target: TARGET, lease_ms, list_ms, "save: lease taken and refs listed");
                 let lease = lease.map_err(|e| ("lease", e))?;
                 let refs = refs.map_err(|e| ("list", e))?;
                 let exists = refs.iter().any(|r| *r == rname);
@@ -312,6 +316,7 @@ fn save_inner(
         });
         Ok((status, machine, version, local, cmdline, caps, params))
     })();
+    let qmp_ms = t0.elapsed().as_secs_f64() * 1e3;
     let (_lease, exists, any_checkpoint) = pre
         .join()
         .map_err(|_| MemError::Panic { what: "lease" })?
@@ -319,6 +324,7 @@ fn save_inner(
     if exists && !opts.replace {
         return Err(MemError::Exists { name: name.into() });
     }
+    tracing::debug!(target: TARGET, qmp_ms, joined_ms = t0.elapsed().as_secs_f64() * 1e3, "save: source queried");
     let (status, machine, version, local, cmdline, caps, params) = source?;
     // The delta base: the newest checkpoint with this machine type and RAM layout.
     let base = match &opts.base {
