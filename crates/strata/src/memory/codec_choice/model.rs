@@ -130,7 +130,7 @@ pub fn decide_keeping(model: Model, backend_bps: f64, parallel: f64, measures: &
             return Decision {
                 codec,
                 why: format!(
-                    "no codec saved bytes on the recent samples ({codec} {:.2}), but {codec} compresses {:.0} MB/s (/ {CPU_HEADROOM} headroom), faster than the backend's {:.0} MB/s: \
+                    "no codec saved bytes on the recent samples ({codec}: ratio {:.2}), but {codec} compresses {:.0} MB/s (/ {CPU_HEADROOM} headroom), faster than the backend's {:.0} MB/s: \
                      frames are still compressed, and each one that {codec} shrinks by less than 1/32 is stored raw",
                     rate,
                     mb(comp),
