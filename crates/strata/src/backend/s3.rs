@@ -454,8 +454,10 @@ impl Backend for S3Backend {
         let store = self.store.clone();
         // `Vec::from` takes over the body's buffer when nothing else holds it: no copy into
         // fresh memory.
-        self.call("get", key, async move { store.get(&path).await?.bytes().await })
-            .map(Vec::from)
+        let t = std::time::Instant::now();
+        let r = self.call("get", key, async move { store.get(&path).await?.bytes().await }).map(Vec::from);
+        tracing::debug!(target: TARGET, key, bytes = r.as_ref().map_or(0, |b| b.len()), ms = t.elapsed().as_secs_f64() * 1e3, ok = r.is_ok(), "get");
+        r
     }
 
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {

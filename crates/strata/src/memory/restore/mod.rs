@@ -60,6 +60,7 @@ use crate::store::{Store, StoreError};
 
 const TARGET: &str = "strata::memory";
 
+mod head;
 mod maps;
 mod pipeline;
 mod plan;
@@ -72,6 +73,7 @@ pub(crate) use maps::read_maps;
 pub use maps::MAP_READERS;
 pub use pipeline::{prepare, stream, write_stream, Prepared};
 pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
+use head::*;
 use plan::*;
 use spread::{Spread, MAX_SLOTS};
 
@@ -130,6 +132,8 @@ pub struct RestoreReport {
     /// Bytes read from packs.
     pub bytes_read: u64,
     pub reads: u64,
+    /// Of those, reads started before the stream (head start and prefetch).
+    pub early_reads: u64,
     pub vm_status: String,
 }
 

@@ -500,6 +500,7 @@ pub fn stream<W: Write>(
         delta_pages: plan.delta_jobs.iter().map(|j| j.len() as u64).sum(),
         bytes_read,
         reads: plan.jobs.len() as u64,
+        early_reads: plan.early.len() as u64,
         ..Default::default()
     };
     tracing::debug!(target: TARGET, name, ?report, "stream generated");

@@ -16,6 +16,13 @@ pub(super) struct FramePlan {
     pub(super) chunks: Vec<(u32, u32)>,
 }
 
+impl FramePlan {
+    /// The frame at `off` described by `f`, holding page `u` at `in_frame`.
+    pub(super) fn new(off: u64, f: &FrameMeta, in_frame: u32, u: u32) -> FramePlan {
+        FramePlan { off, len: f.len, raw_len: f.raw_len, codec: f.codec, crc: f.crc, chunks: vec![(in_frame, u)] }
+    }
+}
+
 /// What the index says about the frame holding a page.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct FrameMeta {
@@ -40,14 +47,7 @@ pub(super) fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame:
             }
         }
     }
-    let frame = FramePlan {
-        off,
-        len: f.len,
-        raw_len: f.raw_len,
-        codec: f.codec,
-        crc: f.crc,
-        chunks: vec![(in_frame, u)],
-    };
+    let frame = FramePlan::new(off, f, in_frame, u);
     let end = off + f.len as u64;
     match jobs.last_mut() {
         Some(j) if j.pack == pack && off >= j.end && off - j.end <= READ_GAP && end - j.start <= read_bytes => {
@@ -200,6 +200,10 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         let (store, ckpt) = (store.clone(), ckpt.clone());
         std::thread::spawn(move || load_tail(&store, &ckpt))
     };
+    // The first reads start now, from the first leaves only (`head.rs`).
+    let head = head_start(store, ckpt, read_size(m.stats.stored_bytes, read_bytes));
+    let head_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut head_jobs = head.jobs();
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
@@ -318,6 +322,8 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             let f = &frames_of[i];
             if f.delta {
                 deltas.push(u);
+            } else if let Some(h) = head.claim(pack, off) {
+                add_to_run(&mut head_jobs[h], off, in_frame, u, f);
             } else {
                 add_to_jobs(&mut jobs, pack, off, in_frame, u, f, read_bytes);
             }
@@ -326,10 +332,14 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         ref_ranges.last_mut().expect("pushed").1 += 1;
     }
     drop((ids, pages, frames_of));
-    let mut jobs = fold_small_tails(jobs, read_bytes);
-    order_reads(&mut jobs);
+    let mut rest = fold_small_tails(jobs, read_bytes);
+    order_reads(&mut rest);
+    // The head start's reads come first (they are under way), then the rest, largest first.
+    let (mut jobs, mut early) = head.into_parts(head_jobs);
+    let head_reads = jobs.len();
+    jobs.extend(rest);
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let early = prefetch(store, &jobs);
+    early.extend(prefetch(store, &jobs[head_reads..]));
     // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent).
     let mut packs: Vec<(PackId, u32)> = Vec::new();
     let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
@@ -368,6 +378,8 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     tracing::debug!(
         target: TARGET,
         name,
+        head_ms,
+        head_reads,
         maps_ms,
         map_trees_local,
         listed_ms,

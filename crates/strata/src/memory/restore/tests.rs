@@ -230,3 +230,82 @@ fn par_map_keeps_order_and_reports_the_first_failure() {
     assert_eq!(err, (40, 40));
     assert!(par_map(&[] as &[u32], 4, |x| Ok::<u32, ()>(*x)).unwrap().is_empty());
 }
+
+#[test]
+fn head_runs_are_cut_like_reads_and_claim_exactly_their_frames() {
+    let (a, b) = (PackId([1; 16]), PackId([2; 16]));
+    // Pack a: frames back to back, a repeat, then one past a 300 KiB gap; pack b: one frame.
+    let frames = vec![(a, 1000, 500), (a, 32, 968), (b, 32, 100), (a, 32, 968), (a, 1500 + (300 << 10), 10)];
+    let runs = runs_of(frames, 1 << 20);
+    assert_eq!(runs, vec![(a, 32, 1500), (a, 1500 + (300 << 10), 1510 + (300 << 10)), (b, 32, 132)]);
+    // A run stops at the read size, as a planned read does.
+    let tiled: Vec<(PackId, u64, u32)> = (0..10u64).map(|k| (a, 32 + k * 1000, 1000)).collect();
+    assert_eq!(runs_of(tiled, 4000).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(), vec![4000, 4000, 2000]);
+    // Largest first while under HEAD_BYTES, at most HEAD_READS, then sorted for claims.
+    let many: Vec<(PackId, u64, u64)> = (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * (1 << 20))).collect();
+    let picked = pick_runs(many.clone(), HEAD_BYTES);
+    let sizes: Vec<u64> = picked.iter().map(|r| (r.2 - r.1) >> 20).collect();
+    assert!(picked.len() <= HEAD_READS && picked.windows(2).all(|w| w[0] < w[1]), "{picked:?}");
+    assert_eq!(sizes, vec![20], "the largest run alone reaches HEAD_BYTES");
+    let sizes: Vec<u64> = pick_runs(many, 50 << 20).iter().map(|r| (r.2 - r.1) >> 20).collect();
+    assert_eq!(sizes, vec![18, 19, 20], "20 + 19 < 50 MiB: a third starts, then no more");
+    let small: Vec<(PackId, u64, u64)> = (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * 1000)).collect();
+    let want: Vec<u64> = (20 - HEAD_READS as u64 + 1..=20).map(|k| k * 1000).collect();
+    assert_eq!(pick_runs(small, HEAD_BYTES).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(), want, "at most HEAD_READS");
+    assert!(pick_runs(vec![(a, 32, 132)], 0).is_empty(), "nothing when nothing may be read");
+    // Claims: a frame inside a run (its first byte in [start, end)) belongs to it; none other.
+    let head = Head::with_runs(runs.clone());
+    assert_eq!(head.claim(a, 32), Some(0));
+    assert_eq!(head.claim(a, 1499), Some(0));
+    assert_eq!(head.claim(a, 1500), None, "the gap is not claimed");
+    assert_eq!(head.claim(a, 31), None);
+    assert_eq!(head.claim(a, 1500 + (300 << 10)), Some(1));
+    assert_eq!(head.claim(b, 32), Some(2));
+    assert_eq!(head.claim(b, 132), None);
+    assert_eq!(head.claim(PackId([0; 16]), 32), None);
+    assert_eq!(head.claim(PackId([3; 16]), 32), None);
+}
+
+#[test]
+fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
+    let meta = |len: u32| FrameMeta { len, raw_len: 131072, codec: Codec::Zstd(1), crc: 0, delta: false };
+    let packs: Vec<PackId> = (1..=3u8).map(|k| PackId([k; 16])).collect();
+    // 3 packs of 40 frames of 50,000 bytes; page u is in frame u / 4 (in pack order).
+    let frame_of = |u: u32| -> (PackId, u64) {
+        let f = (u / 4) as u64;
+        (packs[(f / 40) as usize], 32 + (f % 40) * 50_000)
+    };
+    // The head start saw pages 0..200 (frames 0..50 of the first two packs).
+    let head_frames: Vec<(PackId, u64, u32)> = (0..200).map(|u| (frame_of(u).0, frame_of(u).1, 50_000)).collect();
+    let head = Head::with_runs(pick_runs(runs_of(head_frames, 1 << 20), HEAD_BYTES));
+    let mut head_jobs = head.jobs();
+    let mut jobs = Vec::new();
+    let mut hits: Vec<(PackId, u64, u32, u32)> = (0..480).map(|u| (frame_of(u).0, frame_of(u).1, (u % 4) * 4096, u)).collect();
+    hits.sort_unstable();
+    for (pack, off, in_frame, u) in hits {
+        match head.claim(pack, off) {
+            Some(h) => add_to_run(&mut head_jobs[h], off, in_frame, u, &meta(50_000)),
+            None => add_to_jobs(&mut jobs, pack, off, in_frame, u, &meta(50_000), 1 << 20),
+        }
+    }
+    let n_head = head_jobs.len();
+    assert!(n_head > 0);
+    let mut all: Vec<Job> = head_jobs;
+    all.extend(fold_small_tails(jobs, 1 << 20));
+    // Every page once, every frame in one read, inside it; a head read is exactly its run.
+    let mut seen = std::collections::HashSet::new();
+    let mut pages = 0;
+    for (k, j) in all.iter().enumerate() {
+        assert!(!j.frames.is_empty());
+        for f in &j.frames {
+            assert!(f.off >= j.start && f.off + f.len as u64 <= j.end, "read {k}: frame at {} outside {}..{}", f.off, j.start, j.end);
+            assert!(seen.insert((j.pack, f.off)), "frame at {} of {:?} read twice", f.off, j.pack);
+            pages += f.chunks.len();
+        }
+        if k < n_head {
+            assert_eq!((j.start, j.end), (j.frames[0].off, j.frames.last().map(|f| f.off + f.len as u64).unwrap()));
+        }
+    }
+    assert_eq!(pages, 480);
+    assert_eq!(seen.len(), 120);
+}
