@@ -18,7 +18,8 @@
 
 use super::*;
 
-/// Pages whose frames the head start locates: 4 leaves' worth (~16 MiB of memory).
+/// Pages whose frames the head start locates: leaves are read until this many (4 full leaves,
+/// 32 MiB of memory).
 pub(super) const HEAD_PAGES: usize = 4 * LEAF_IDS;
 /// Leaves read at most while looking for them (maps of mostly zero pages).
 pub(super) const HEAD_LEAVES: usize = 8;
