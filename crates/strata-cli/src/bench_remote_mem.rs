@@ -232,9 +232,13 @@ fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w:
     let mut d = start_dest(g, dir, "dst-strata")?;
     if cold_maps {
         // As on a host that did not save it: the page maps come over the link.
+        // And its copy of the ref: the ref GET comes first, as there.
         let trees = s.store.tree_cache().context("an S3 store has a tree cache")?.dir().to_path_buf();
-        if trees.exists() {
-            std::fs::remove_dir_all(&trees).with_context(|| format!("removing {}", trees.display()))?;
+        let refs = s.store.ref_copies().context("an S3 store keeps ref copies")?.dir().to_path_buf();
+        for d in [trees, refs] {
+            if d.exists() {
+                std::fs::remove_dir_all(&d).with_context(|| format!("removing {}", d.display()))?;
+            }
         }
     }
     touch(warm);
@@ -517,9 +521,9 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             if *mix == WorkloadMix::DESKTOP { String::new() } else { format!(" --workload {mix}") }
         ),
         "page_maps": if cold_maps {
-            "cold: this host's copies of the page maps were deleted before every strata restore, so the maps crossed the link as on a host that did not save the checkpoint"
+            "cold: this host's copies of the page maps and of the ref were deleted before every strata restore, so the maps crossed the link, after the ref, as on a host that did not save the checkpoint"
         } else {
-            "local: the restoring host is the one that saved, and reads the page maps from its tree cache (the pages still all cross the link); --cold-maps measures a host without them"
+            "local: the restoring host is the one that saved, and reads the page maps from its tree cache and plans from its copy of the ref while it fetches the ref (the pages still all cross the link); --cold-maps measures a host without them"
         },
         "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw (S3, posix backend) there",

@@ -4,6 +4,9 @@
 //! save after the server is back works and restores byte for byte on a host that only has
 //! the bucket.
 //!
+//! Also: a host restores from its own copy of a checkpoint's ref while it fetches the ref, and
+//! notices when another host has replaced or deleted the checkpoint since.
+//!
 //! Run: cargo test -p strata --test memory_s3
 
 mod common;
@@ -106,6 +109,65 @@ fn killing_s3_mid_save_leaves_no_checkpoint_and_says_why() {
     let got = pmem(&mut dst, bytes, &dir.join("dst.mem"));
     let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(a, b)| a != b).count();
     assert_eq!(differ, 0, "{differ} pages differ after a save and restore through S3");
+    dst.quit();
+}
+
+#[test]
+fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_its_ref() {
+    let dir = workdir("mem-s3-refcopy");
+    let s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
+    s3.create_bucket("vms").unwrap();
+    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default()).unwrap();
+    let b = Store::open(backend(&s3), &local_meta_path(&dir.join("hostB"))).unwrap();
+    let mem = 128u32;
+    let bytes = (mem as u64) << 20;
+    let args = vm_args("pc", mem, true);
+    let mut q = Qemu::start(&dir, "src", &args);
+    q.wait_guest_filled();
+
+    // Host A checkpoints the running guest, so it has a copy of the ref; the guest goes on.
+    save(&a, &mut q.qmp, "desk", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress).unwrap();
+    assert!(a.ref_copies().unwrap().get("vm/desk").is_some(), "the saving host keeps a copy of the ref");
+    let c0 = q.read_u32(0x1004);
+    let t0 = std::time::Instant::now();
+    while q.read_u32(0x1004) == c0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "guest counter did not move");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Host B replaces it with a save of the guest as it is now.
+    let mut replace = SaveOptions::new(Mode::Save);
+    replace.replace = true;
+    save(&b, &mut q.qmp, "desk", &replace, &NoProgress).unwrap();
+    let want = pmem(&mut q, bytes, &dir.join("src.mem"));
+    q.quit();
+    assert_ne!(
+        a.ref_copies().unwrap().get("vm/desk"),
+        b.get_ref("vm/desk").unwrap(),
+        "host A's copy is now stale"
+    );
+
+    // Host A restores: its copy is a wrong guess, found out, and the store's ref is used.
+    let opts = RestoreOptions { resume: false, ..Default::default() };
+    for (round, expect) in [(1, "stale"), (2, "used")] {
+        let mut dst = start_destination(&dir, &format!("dst{round}"), &args);
+        let r = restore(&a, "desk", &mut dst.qmp, &opts, &NoProgress)
+            .unwrap_or_else(|e| panic!("restore {round}: {}\nQEMU stderr: {}", chain(&e), dst.stderr()));
+        assert_eq!(r.ref_copy, expect, "restore {round}");
+        let got = pmem(&mut dst, bytes, &dir.join("dst.mem"));
+        let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(x, y)| x != y).count();
+        assert_eq!(differ, 0, "restore {round} ({expect} copy): {differ} pages differ from host B's save");
+        dst.quit();
+    }
+    assert_eq!(a.ref_copies().unwrap().get("vm/desk"), b.get_ref("vm/desk").unwrap(), "the copy was brought up to date");
+
+    // Host B deletes it: host A's restore says it is gone, not what its copy said.
+    strata::memory::catalog::remove(&b, "desk").unwrap();
+    let mut dst = start_destination(&dir, "dst3", &args);
+    let e = restore(&a, "desk", &mut dst.qmp, &opts, &NoProgress).unwrap_err();
+    assert!(matches!(e, strata::memory::error::MemError::NotFound { .. }), "{}", chain(&e));
+    assert!(a.ref_copies().unwrap().get("vm/desk").is_none(), "the copy of a deleted ref goes");
+    let st = dst.qmp.query_status().unwrap();
+    assert_eq!(st.status, "inmigrate", "the target is untouched");
     dst.quit();
 }
 

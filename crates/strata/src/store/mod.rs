@@ -29,6 +29,7 @@ pub mod lease;
 pub mod meta;
 pub mod objects;
 pub mod pack;
+pub mod ref_copies;
 pub mod slice;
 pub mod tree_cache;
 mod read;
@@ -215,6 +216,9 @@ pub(crate) struct Inner {
     flush_lock: Mutex<()>,
     pub gc_lock: RwLock<()>,
     pub gc_running: Mutex<()>,
+    /// One refresh at a time (`read.rs`), so a reader that misses while another refreshes
+    /// waits for it instead of finding the GC lock taken and giving up.
+    refreshing: Mutex<()>,
     pub sessions: Mutex<HashMap<u64, Arc<Mutex<HashSet<ChunkId>>>>>,
     next_session: AtomicU64,
     pub default_codec: Codec,
@@ -228,6 +232,8 @@ pub(crate) struct Inner {
     pub slices: slice::SliceCache,
     /// Local copies of page-map trees (network backends only; `tree_cache.rs`).
     pub trees: Option<tree_cache::TreeCache>,
+    /// Local copies of refs (network backends only; `ref_copies.rs`).
+    pub ref_copies: Option<ref_copies::RefCopies>,
 }
 
 /// A handle to an open store; cheap to clone and share between threads.
@@ -326,6 +332,7 @@ impl Store {
                 flush_lock: Mutex::new(()),
                 gc_lock: RwLock::new(()),
                 gc_running: Mutex::new(()),
+                refreshing: Mutex::new(()),
                 sessions: Mutex::new(HashMap::new()),
                 next_session: AtomicU64::new(1),
                 default_codec,
@@ -333,6 +340,7 @@ impl Store {
                 early_seal: caps_network,
                 location,
                 trees: caps_network.then(|| tree_cache::TreeCache::new(local_dir.join("trees"))),
+                ref_copies: caps_network.then(|| ref_copies::RefCopies::new(local_dir.join("refs"))),
                 local_dir,
                 leases,
                 slices: slice::SliceCache::default(),
@@ -389,6 +397,11 @@ impl Store {
     /// Local copies of page-map trees, on a network backend (`tree_cache.rs`).
     pub fn tree_cache(&self) -> Option<&tree_cache::TreeCache> {
         self.inner.trees.as_ref()
+    }
+
+    /// Local copies of refs, on a network backend (`ref_copies.rs`).
+    pub fn ref_copies(&self) -> Option<&ref_copies::RefCopies> {
+        self.inner.ref_copies.as_ref()
     }
 
     pub fn default_codec(&self) -> Codec {

@@ -56,8 +56,11 @@ impl Store {
         for attempt in 0..3 {
             let loc = self.inner.sh.index.read().chunks.get(id).copied();
             let Some(loc) = loc else {
-                // Another host may have written it since we opened: look once.
-                if !refreshed && self.refresh()? > 0 {
+                // Another host may have written it since we opened: look once. Whatever the
+                // count: a concurrent refresh (another reader's miss) may have added the pack
+                // this one found, and then this one counts nothing new.
+                if !refreshed {
+                    self.refresh()?;
                     refreshed = true;
                     continue;
                 }
@@ -133,6 +136,11 @@ impl Store {
     pub fn refresh(&self) -> Result<usize> {
         // Never while our own GC runs: it may have unlinked chunks whose index objects it has
         // not deleted yet, and re-adding them would let a writer dedup against the dead.
+        // Readers that miss together (a plan's concurrent map reads on a second host) queue
+        // here: the first lists and reads the new packs, the others then find nothing new,
+        // and their callers look again. Without the queue they found the GC lock below held
+        // by the first refresh, counted nothing and reported the chunk missing.
+        let _one = self.inner.refreshing.lock();
         let Some(_no_gc) = self.inner.gc_running.try_lock() else { return Ok(0) };
         writer::refresh_index(&self.inner.sh)
     }

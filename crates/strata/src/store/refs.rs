@@ -45,6 +45,11 @@ impl Store {
             return Err(StoreError::RefNotFound { name: name.into() });
         }
         let key = format!("refs/{name}");
+        // The copy goes first: a copy of a deleted ref would only be a wasted guess, but
+        // one that outlived a failed delete is harmless too (the backend's ref decides).
+        if let Some(c) = self.ref_copies() {
+            c.remove(name);
+        }
         self.inner.sh.backend.delete(&key).map_err(|e| {
             self.inner.sh.poison(&e);
             StoreError::Backend(e)

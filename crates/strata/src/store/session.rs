@@ -320,7 +320,7 @@ impl Session {
     /// Keep an existing chunk (e.g. the root of a clone source) alive for this session.
     pub fn pin(&self, id: ChunkId) -> Result<()> {
         let _g = self.store.inner.gc_lock.read();
-        if !id.is_zero() && !self.store.contains(&id) && (self.store.refresh()? == 0 || !self.store.contains(&id)) {
+        if !id.is_zero() && !self.store.contains(&id) && { self.store.refresh()?; !self.store.contains(&id) } {
             return Err(StoreError::ChunkMissing { id });
         }
         self.pins.lock().insert(id);
@@ -346,7 +346,7 @@ impl Session {
         let inner = &self.store.inner;
         let _g = inner.gc_lock.read();
         for root in &r.roots {
-            if !root.is_zero() && !self.store.contains(root) && (self.store.refresh()? == 0 || !self.store.contains(root)) {
+            if !root.is_zero() && !self.store.contains(root) && { self.store.refresh()?; !self.store.contains(root) } {
                 return Err(StoreError::MissingRoot { name: name.into(), id: *root });
             }
             self.pins.lock().insert(*root);
@@ -381,7 +381,12 @@ impl Session {
             inner.sh.poison(&e);
             StoreError::Backend(e)
         })?;
-        inner.sh.sync()
+        inner.sh.sync()?;
+        // Only once the ref is durable: a copy never runs ahead of the backend.
+        if let Some(c) = self.store.ref_copies() {
+            c.put(name, &r);
+        }
+        Ok(())
     }
 }
 

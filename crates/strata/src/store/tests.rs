@@ -276,6 +276,61 @@ impl Backend for SlowNetwork {
     }
 }
 
+/// A network backend whose reads take a while (pack tails over a link).
+#[derive(Debug, Clone)]
+struct SlowReads(MemoryBackend);
+
+impl Backend for SlowReads {
+    fn name(&self) -> String {
+        "slow-reads".into()
+    }
+    fn capabilities(&self) -> crate::backend::Capabilities {
+        crate::backend::Capabilities { network: true, ..self.0.capabilities() }
+    }
+    fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        self.0.get(key)
+    }
+    fn put(&self, key: &str, data: &[u8]) -> crate::backend::BResult<()> {
+        self.0.put(key, data)
+    }
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> crate::backend::BResult<bool> {
+        self.0.put_if_absent(key, data)
+    }
+    fn list(&self, prefix: &str) -> crate::backend::BResult<Vec<crate::backend::ObjectInfo>> {
+        self.0.list(prefix)
+    }
+    fn delete(&self, key: &str) -> crate::backend::BResult<()> {
+        self.0.delete(key)
+    }
+    fn sync(&self) -> crate::backend::BResult<()> {
+        Ok(())
+    }
+}
+
+/// Host B opened the store before host A wrote; then several of B's threads miss A's chunks
+/// at once (a restore or delta-base plan reading page maps). Every one must find its chunk:
+/// the refresh one of them starts must not make the others report it missing (they found
+/// the lock it holds taken, counted no new pack and gave up).
+#[test]
+fn concurrent_misses_on_a_second_host_all_find_the_other_hosts_chunks() {
+    let d = tempfile::tempdir().unwrap();
+    let mem = MemoryBackend::new();
+    let a = Store::init(Arc::new(SlowReads(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::None }).unwrap();
+    let b = Store::open(Arc::new(SlowReads(mem.clone())), &d.path().join("b.redb")).unwrap();
+    let ses = a.session();
+    let ids: Vec<ChunkId> = (0..8u64).map(|i| ses.put(&data(7000 + i, 300 << 10), ChunkKind::Data).unwrap()).collect();
+    ses.commit_ref("r", Ref { roots: ids.clone(), ..Default::default() }).unwrap();
+    assert!(mem.list("packs/").unwrap().len() >= 2, "the chunks span several packs");
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = ids.iter().map(|id| s.spawn(|| b.get(id))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, g) in got.into_iter().enumerate() {
+        assert_eq!(g.unwrap_or_else(|e| panic!("chunk {i} on host B: {e}")), data(7000 + i as u64, 300 << 10));
+    }
+}
+
 #[test]
 fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let d = tempfile::tempdir().unwrap();

@@ -54,7 +54,7 @@ use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
 use crate::qmp::{QmpClient, QmpError};
 use crate::store::format::crc;
-use crate::store::objects::Tree;
+use crate::store::objects::{Ref, Tree};
 use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};
 
@@ -134,19 +134,51 @@ pub struct RestoreReport {
     pub reads: u64,
     /// Of those, reads started before the stream (head start and prefetch).
     pub early_reads: u64,
+    /// This host's copy of the ref (`store/ref_copies.rs`): `used` (planned from it while the
+    /// ref was fetched), `stale` (the ref had changed: planned again), `missing` (none yet:
+    /// kept now), `not-kept` (a local backend).
+    pub ref_copy: String,
     pub vm_status: String,
+}
+
+/// What became of this host's copy of the checkpoint's ref.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RefCopyUse {
+    Used,
+    Stale,
+    Missing,
+    NotKept,
+}
+
+impl RefCopyUse {
+    fn as_str(self) -> &'static str {
+        match self {
+            RefCopyUse::Used => "used",
+            RefCopyUse::Stale => "stale",
+            RefCopyUse::Missing => "missing",
+            RefCopyUse::NotKept => "not-kept",
+        }
+    }
 }
 
 /// Read and check the checkpoint ref.
 pub fn load_checkpoint(store: &Store, name: &str) -> Result<Checkpoint, MemError> {
+    checkpoint_of(name, &fetch_ref(store, name)?)
+}
+
+/// The checkpoint's ref, from the backend.
+fn fetch_ref(store: &Store, name: &str) -> Result<Ref, MemError> {
     if !valid_name(name) {
         return Err(MemError::BadName { name: name.into() });
     }
-    let r = store
+    store
         .get_ref(&ref_name(name))
         .map_err(MemError::store("lookup", name))?
-        .ok_or_else(|| MemError::NotFound { name: name.into() })?;
-    Checkpoint::from_ref(&r).map_err(|source| MemError::Manifest {
+        .ok_or_else(|| MemError::NotFound { name: name.into() })
+}
+
+fn checkpoint_of(name: &str, r: &Ref) -> Result<Checkpoint, MemError> {
+    Checkpoint::from_ref(r).map_err(|source| MemError::Manifest {
         name: name.into(),
         source,
     })
@@ -270,19 +302,84 @@ pub fn restore(
     progress: &dyn Progress,
 ) -> Result<RestoreReport, MemError> {
     let t0 = Instant::now();
-    let ckpt = load_checkpoint(store, name)?;
-    let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
+    if !valid_name(name) {
+        return Err(MemError::BadName { name: name.into() });
+    }
+    let rname = ref_name(name);
     // The target check (a few QMP queries) runs while the plan reads the page maps: neither
     // changes the target, so a restore that fails here still leaves QEMU untouched. A wrong
     // target is reported before a damaged checkpoint, as when they ran one after the other.
-    let (checked, prepared) = std::thread::scope(|s| {
-        let plan = std::thread::Builder::new()
-            .name("strata-plan".into())
-            .spawn_scoped(s, || prepare(store, &ckpt, opts))
-            .expect("spawn restore planner");
-        let checked = check_target(&ckpt, qmp);
-        (checked, plan.join())
-    });
+    let check_and_prepare = |ckpt, qmp: &mut QmpClient| {
+        std::thread::scope(|s| {
+            let plan = std::thread::Builder::new()
+                .name("strata-plan".into())
+                .spawn_scoped(s, || prepare(store, ckpt, opts))
+                .expect("spawn restore planner");
+            let checked = check_target(ckpt, qmp);
+            (checked, plan.join())
+        })
+    };
+    // A copy of the ref that this host wrote or read before (`store/ref_copies.rs`): the
+    // plan and the target check start from it while the backend's ref is fetched, and are
+    // kept only if that ref is the same. Otherwise (another host replaced it) they are done
+    // again from the fetched ref; the guess's early reads end on their own threads.
+    let copy = store
+        .ref_copies()
+        .and_then(|c| c.get(&rname))
+        .and_then(|r| Checkpoint::from_ref(&r).ok().map(|ck| (r, ck)));
+    let fetched_ckpt: Checkpoint;
+    let keep_copy = |r: &Ref| {
+        if let Some(c) = store.ref_copies() {
+            c.put(&rname, r);
+        }
+    };
+    let (_ckpt, ref_copy, loaded_ms, (checked, prepared)) = match &copy {
+        Some((copy_ref, guess)) => {
+            let (fetched, loaded_ms, guessed) = std::thread::scope(|s| {
+                let fetch = s.spawn(|| {
+                    let r = fetch_ref(store, name);
+                    (r, t0.elapsed().as_secs_f64() * 1e3)
+                });
+                let guessed = check_and_prepare(guess, qmp);
+                let (r, ms) = fetch.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (r, ms, guessed)
+            });
+            let fetched = match fetched {
+                Ok(r) => r,
+                Err(e) => {
+                    if matches!(e, MemError::NotFound { .. }) {
+                        if let Some(c) = store.ref_copies() {
+                            c.remove(&rname);
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            if fetched == *copy_ref {
+                (guess, RefCopyUse::Used, loaded_ms, guessed)
+            } else {
+                tracing::info!(
+                    target: TARGET,
+                    name,
+                    copy_generation = copy_ref.generation,
+                    generation = fetched.generation,
+                    "Checkpoint was replaced since this host's copy of its ref; planning again from the store's"
+                );
+                drop(guessed);
+                keep_copy(&fetched);
+                fetched_ckpt = checkpoint_of(name, &fetched)?;
+                (&fetched_ckpt, RefCopyUse::Stale, loaded_ms, check_and_prepare(&fetched_ckpt, qmp))
+            }
+        }
+        None => {
+            let r = fetch_ref(store, name)?;
+            let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
+            fetched_ckpt = checkpoint_of(name, &r)?;
+            keep_copy(&r);
+            let use_ = if store.ref_copies().is_some() { RefCopyUse::Missing } else { RefCopyUse::NotKept };
+            (&fetched_ckpt, use_, loaded_ms, check_and_prepare(&fetched_ckpt, qmp))
+        }
+    };
     checked?;
     let checked_and_planned_ms = t0.elapsed().as_secs_f64() * 1e3;
     let prepared = prepared.map_err(|_| MemError::Panic { what: "restore planner" })??;
@@ -317,8 +414,9 @@ pub fn restore(
             source: last.expect("an error"),
         });
     };
-    tracing::debug!(target: TARGET, name, loaded_ms, checked_and_planned_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
+    tracing::debug!(target: TARGET, name, ref_copy = ref_copy.as_str(), loaded_ms, checked_and_planned_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
     let (conn, mut report) = stream(prepared, conn, opts, progress)?;
+    report.ref_copy = ref_copy.as_str().to_string();
     let _ = conn.shutdown(std::net::Shutdown::Write);
     drop(conn);
     let deadline = Instant::now() + opts.load_timeout;
