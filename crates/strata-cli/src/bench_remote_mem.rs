@@ -573,7 +573,13 @@ struct LiveRow {
     #[serde(flatten)]
     cost: CheckpointCost,
     link_bytes: u64,
+    /// The two directions of `link_bytes`: uploads, and what the checkpoint read back.
+    link_to_storage: u64,
+    link_from_storage: u64,
     codec: String,
+    /// Base chunks read for delta pages (a checkpoint with a base).
+    delta_reads: Option<strata::memory::delta::DeltaReads>,
+    delta_pages: u64,
 }
 
 impl std::ops::Deref for LiveRow {
@@ -609,11 +615,15 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
     let row = |rate: u32, label: &str, r: &SaveReport, link: Link, written: u64| LiveRow {
         cost: CheckpointCost::of(rate, label, r, written),
         link_bytes: link.total(),
+        link_to_storage: link.to_storage,
+        link_from_storage: link.from_storage,
         codec: r.codec.chosen.to_string(),
+        delta_reads: r.delta_reads.clone(),
+        delta_pages: r.delta.as_ref().map_or(0, |d| d.pages),
     };
     let print = |lr: &LiveRow, label: &str| {
         eprintln!(
-            "  {:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  link {:>5.0} MB  codec {}  ({} dirtied)",
+            "  {:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  link {:>5.0} MB ({:.0} up, {:.0} down)  codec {}  ({} dirtied){}",
             lr.rate_mib_s,
             lr.pause_ms,
             lr.total_ms,
@@ -621,8 +631,18 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
             lr.pages_stored,
             lr.pages_deduped,
             mb(lr.link_bytes),
+            mb(lr.link_to_storage),
+            mb(lr.link_from_storage),
             lr.codec,
-            lr.guest_pages_dirtied
+            lr.guest_pages_dirtied,
+            lr.delta_reads.as_ref().map_or(String::new(), |d| format!(
+                "; {} delta pages, base chunks read {} ({} from frames already read), {} frames / {:.1} MB from Redis",
+                lr.delta_pages,
+                d.chunks,
+                d.frame_hits,
+                d.frames_read,
+                mb(d.bytes_read)
+            ))
         )
     };
     for &rate in rates {
@@ -652,11 +672,12 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
     }
     drop(g);
     drop(host);
-    let mut csv = String::from("rate_mib_s,method,pause_ms,total_ms,pages_sent,pages_stored,pages_deduped,zero_pages,stored_bytes,link_bytes,guest_pages_dirtied,codec\n");
+    let mut csv = String::from("rate_mib_s,method,pause_ms,total_ms,pages_sent,pages_stored,pages_deduped,zero_pages,stored_bytes,link_bytes,link_to_storage,link_from_storage,guest_pages_dirtied,codec,delta_pages,base_chunks_read,base_frames_read,base_bytes_read\n");
     for r in &rows {
+        let d = r.delta_reads.clone().unwrap_or_default();
         csv += &format!(
-            "{},{},{:.2},{:.1},{},{},{},{},{},{},{},{}\n",
-            r.rate_mib_s, r.method, r.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped, r.zero_pages, r.stored_bytes, r.link_bytes, r.guest_pages_dirtied, r.codec
+            "{},{},{:.2},{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+            r.rate_mib_s, r.method, r.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped, r.zero_pages, r.stored_bytes, r.link_bytes, r.link_to_storage, r.link_from_storage, r.guest_pages_dirtied, r.codec, r.delta_pages, d.chunks, d.frames_read, d.bytes_read
         );
     }
     let json = serde_json::json!({

@@ -31,7 +31,8 @@
 //! `fuzz/fuzz_targets/checkpoint_delta.rs`; `docs/format-checkpoint.md` has the tables.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -39,7 +40,8 @@ use parking_lot::Mutex;
 use super::error::MemError;
 use super::manifest::{Checkpoint, REF_PREFIX};
 use super::stream::PAGE_SIZE;
-use crate::id::ChunkId;
+use crate::id::{ChunkId, PackId};
+use crate::store::format::crc;
 use crate::store::objects::Tree;
 use crate::store::pack::ChunkKind;
 use crate::store::{Session, Store, StoreError};
@@ -330,6 +332,44 @@ pub struct DeltaSink<'a> {
     pub records: AtomicU64,
     pub attempts: AtomicU64,
     pub skipped_batches: AtomicU64,
+    /// Decompressed frames of base chunks read lately ([`DeltaSink::read_base`]).
+    frames: Mutex<BaseFrames>,
+    reads: BaseReads,
+    /// Backend bytes base reads may cost beyond [`READ_PER_SAVED`] per byte the deltas saved
+    /// (None: no limit; see [`DeltaSink::with_read_budget`]).
+    allowance: Option<u64>,
+    /// Page bytes the deltas kept out of the store (page size minus runs, an upper bound).
+    saved: AtomicU64,
+}
+
+/// Bytes of base frames a save on a network backend may read before its deltas have saved
+/// anything (about 70 frames of pages).
+pub const READ_ALLOWANCE: u64 = 4 << 20;
+/// Past the allowance, base reads may cost this many bytes per byte the deltas saved.
+pub const READ_PER_SAVED: u64 = 2;
+
+/// Frames of base chunks, decompressed, the last [`BASE_FRAMES`] read. A live checkpoint's
+/// dirtied pages lie side by side, and so do their base pages in the base's frames (32 pages
+/// each): read through `Store::get`, every base page fetched and decompressed its whole frame
+/// again, so a second checkpoint read back from Redis about three times the bytes it stored
+/// (`bench live --redis`, session 23).
+#[derive(Default)]
+struct BaseFrames {
+    map: HashMap<(PackId, u64), Arc<Vec<u8>>>,
+    order: VecDeque<(PackId, u64)>,
+}
+
+/// Base frames kept (at most 128 KiB each decompressed: 8 MiB).
+pub const BASE_FRAMES: usize = 64;
+
+/// Base chunks read for deltas, and what they cost.
+#[derive(Default)]
+struct BaseReads {
+    chunks: AtomicU64,
+    over_budget: AtomicU64,
+    frame_hits: AtomicU64,
+    frames_read: AtomicU64,
+    bytes_read: AtomicU64,
 }
 
 /// What a save's deltas amounted to.
@@ -344,6 +384,23 @@ pub struct DeltaOutcome {
     pub records: u64,
     pub attempts: u64,
     pub skipped_batches: u64,
+    pub reads: DeltaReads,
+}
+
+/// Base chunks a save read for its deltas (in `SaveReport`, not in the manifest).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct DeltaReads {
+    /// Base chunks read (pages and delta records).
+    pub chunks: u64,
+    /// Of those, found in a frame read before ([`BASE_FRAMES`]).
+    pub frame_hits: u64,
+    /// Frames read from the backend, and their stored bytes.
+    pub frames_read: u64,
+    pub bytes_read: u64,
+    /// Pages not tried because their base frame was not at hand and the read budget was
+    /// spent, and page bytes the deltas saved (page size minus runs: an upper bound).
+    pub over_budget: u64,
+    pub saved_bytes: u64,
 }
 
 impl<'a> DeltaSink<'a> {
@@ -357,6 +414,77 @@ impl<'a> DeltaSink<'a> {
             records: AtomicU64::new(0),
             attempts: AtomicU64::new(0),
             skipped_batches: AtomicU64::new(0),
+            frames: Mutex::new(BaseFrames::default()),
+            reads: BaseReads::default(),
+            allowance: None,
+            saved: AtomicU64::new(0),
+        }
+    }
+
+    /// Limit what base reads may cost: `allowance` bytes of frames, plus [`READ_PER_SAVED`]
+    /// per byte saved. For network backends, where a base read is a round trip and a frame
+    /// (~56 KB for 32 pages) over the link: a guest that rewrites its pages with new data
+    /// made a second live checkpoint read 48 MB from Redis for 73 delta pages (~0.3 MB
+    /// saved; `bench live --redis`, session 25). Base chunks in frames already read cost
+    /// nothing and are always used.
+    pub fn with_read_budget(mut self, allowance: u64) -> Self {
+        self.allowance = Some(allowance);
+        self
+    }
+
+    fn within_budget(&self) -> bool {
+        self.allowance.is_none_or(|a| {
+            self.reads.bytes_read.load(Ordering::Relaxed) < a + READ_PER_SAVED * self.saved.load(Ordering::Relaxed)
+        })
+    }
+
+    /// Base chunk `id` (a page or a delta record), verified against its id. Its frame is read
+    /// once while it stays among the last [`BASE_FRAMES`]; anything unusual (a chunk not in
+    /// the index or not in a durable pack, a failed read, a checksum or hash mismatch) goes
+    /// through `Store::get`, which refreshes, follows GC and reports damage.
+    /// `Ok(None)`: not read, because the read budget is spent ([`DeltaSink::with_read_budget`]).
+    pub fn read_base(&self, store: &Store, id: &ChunkId) -> Result<Option<Vec<u8>>, StoreError> {
+        let r = &self.reads;
+        let Some((pack, e)) = store.locate(id) else { return store.get(id).map(Some) };
+        let key = (pack, e.frame_off);
+        let cached = self.frames.lock().map.get(&key).cloned();
+        let raw = match cached {
+            Some(f) => {
+                r.chunks.fetch_add(1, Ordering::Relaxed);
+                r.frame_hits.fetch_add(1, Ordering::Relaxed);
+                f
+            }
+            None => {
+                if !self.within_budget() {
+                    r.over_budget.fetch_add(1, Ordering::Relaxed);
+                    return Ok(None);
+                }
+                r.chunks.fetch_add(1, Ordering::Relaxed);
+                let Ok(frame) = store.backend().get_range(&pack.pack_key(), e.frame_off, e.frame_len as u64) else {
+                    return store.get(id).map(Some);
+                };
+                r.frames_read.fetch_add(1, Ordering::Relaxed);
+                r.bytes_read.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                if crc(&frame) != e.frame_crc {
+                    return store.get(id).map(Some);
+                }
+                let Ok(raw) = e.codec.decompress(&frame, e.frame_raw_len as usize) else { return store.get(id).map(Some) };
+                let raw = Arc::new(raw);
+                let mut f = self.frames.lock();
+                if f.map.insert(key, raw.clone()).is_none() {
+                    f.order.push_back(key);
+                    while f.order.len() > BASE_FRAMES {
+                        if let Some(old) = f.order.pop_front() {
+                            f.map.remove(&old);
+                        }
+                    }
+                }
+                raw
+            }
+        };
+        match raw.get(e.off_in_frame as usize..(e.off_in_frame as usize + e.raw_len as usize)) {
+            Some(data) if ChunkId::of(data) == *id => Ok(Some(data.to_vec())),
+            _ => store.get(id).map(Some),
         }
     }
 
@@ -384,6 +512,14 @@ impl<'a> DeltaSink<'a> {
             records: self.records.load(Ordering::Relaxed),
             attempts: self.attempts.load(Ordering::Relaxed),
             skipped_batches: self.skipped_batches.load(Ordering::Relaxed),
+            reads: DeltaReads {
+                chunks: self.reads.chunks.load(Ordering::Relaxed),
+                frame_hits: self.reads.frame_hits.load(Ordering::Relaxed),
+                frames_read: self.reads.frames_read.load(Ordering::Relaxed),
+                bytes_read: self.reads.bytes_read.load(Ordering::Relaxed),
+                over_budget: self.reads.over_budget.load(Ordering::Relaxed),
+                saved_bytes: self.saved.load(Ordering::Relaxed),
+            },
         }
     }
 }
@@ -450,14 +586,23 @@ impl DeltaWorker {
         let warn = |e: &StoreError| {
             tracing::warn!(target: TARGET, base = %sink.base.name, id = %base_id, error = %e, "base page unreadable; page stored whole");
         };
+        // Over the read budget: not an attempt (nothing was compared), the page goes whole.
+        let untried = |w: &mut Self| {
+            w.tried -= 1;
+            sink.attempts.fetch_sub(1, Ordering::Relaxed);
+        };
         // Resolve the base entry to a whole page (a delta record goes one level down).
         let (whole, content) = if base_id.is_zero() {
             (ChunkId::ZERO, vec![0u8; PAGE_SIZE])
         } else {
             match store.chunk_info(&base_id) {
                 Some((_, ChunkKind::Tree)) => {
-                    let rec = match store.get(&base_id).map(|b| Tree::decode(&b)) {
-                        Ok(Ok(t)) if is_record(&t) => parse_record(&t).ok()?,
+                    let rec = match sink.read_base(store, &base_id).map(|b| b.map(|b| Tree::decode(&b))) {
+                        Ok(Some(Ok(t))) if is_record(&t) => parse_record(&t).ok()?,
+                        Ok(None) => {
+                            untried(self);
+                            return None;
+                        }
                         Ok(_) => return None,
                         Err(e) => {
                             warn(&e);
@@ -473,8 +618,12 @@ impl DeltaWorker {
                     let base_page = if rec.base.is_zero() {
                         vec![0u8; PAGE_SIZE]
                     } else {
-                        match store.get(&rec.base) {
-                            Ok(p) => p,
+                        match sink.read_base(store, &rec.base) {
+                            Ok(Some(p)) => p,
+                            Ok(None) => {
+                                untried(self);
+                                return None;
+                            }
                             Err(e) => {
                                 warn(&e);
                                 return None;
@@ -483,8 +632,12 @@ impl DeltaWorker {
                     };
                     (rec.base, base_page)
                 }
-                Some(_) => match store.get(&base_id) {
-                    Ok(c) if c.len() == PAGE_SIZE => (base_id, c),
+                Some(_) => match sink.read_base(store, &base_id) {
+                    Ok(Some(c)) if c.len() == PAGE_SIZE => (base_id, c),
+                    Ok(None) => {
+                        untried(self);
+                        return None;
+                    }
                     Ok(_) => return None,
                     Err(e) => {
                         warn(&e);
@@ -526,6 +679,7 @@ impl DeltaWorker {
         drop(t);
         sink.pages.fetch_add(1, Ordering::Relaxed);
         sink.bytes.fetch_add(enc_len as u64, Ordering::Relaxed);
+        sink.saved.fetch_add(PAGE_SIZE.saturating_sub(enc_len) as u64, Ordering::Relaxed);
         if let Some(tree) = tree {
             self.pending.push((rid, tree));
         }
@@ -669,5 +823,61 @@ mod tests {
         w.batch_end();
         assert!(w.batch_start(&sink));
         assert_eq!(sink.skipped_batches.load(Ordering::Relaxed), 3);
+    }
+
+    /// Base pages that share a frame are read from the backend once, and every one is still
+    /// verified: a damaged frame goes through `Store::get`, which reports it.
+    #[test]
+    fn base_pages_sharing_a_frame_are_read_once_and_verified() {
+        use crate::backend::memory::MemoryBackend;
+        use crate::backend::Backend;
+        use crate::codec::Codec;
+        use crate::store::{InitOptions, Store};
+        let d = tempfile::tempdir().unwrap();
+        let mem = MemoryBackend::new();
+        let store = Store::init(std::sync::Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::Zstd(1) }).unwrap();
+        let pages: Vec<Vec<u8>> = (0..64u32).map(|i| (0..PAGE_SIZE).map(|b| ((b as u32 * 7 + i) % 251) as u8).collect()).collect();
+        let ids: Vec<ChunkId> = pages.iter().map(|p| ChunkId::of(p)).collect();
+        let ses = store.session();
+        for half in [0..32, 32..64] {
+            let items: Vec<(ChunkId, &[u8])> = half.map(|i| (ids[i], &pages[i][..])).collect();
+            ses.put_frame(&items, ChunkKind::Data, Codec::Zstd(1)).unwrap();
+        }
+        ses.commit_ref("vm/base", crate::store::objects::Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+        drop(ses);
+        drop(store);
+        // Reopened, so every read goes to the backend (no pack buffer of the writer's).
+        let store = Store::open(std::sync::Arc::new(mem.clone()), &d.path().join("m2.redb")).unwrap();
+        let base = Base { name: "base".into(), blocks: Vec::new() };
+        let sink = DeltaSink::new(&base);
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(sink.read_base(&store, id).unwrap(), Some(pages[i].clone()), "page {i}");
+        }
+        let r = sink.outcome().reads;
+        assert_eq!((r.chunks, r.frames_read, r.frame_hits), (64, 2, 62), "two frames of 32 pages");
+        // Damage the second frame in the pack: its pages are no longer served from the cache
+        // of a fresh sink, and the store's read reports the damage.
+        let (pack, e) = store.locate(&ids[40]).unwrap();
+        let key = pack.pack_key();
+        let mut bytes = mem.get(&key).unwrap();
+        bytes[(e.frame_off + 8) as usize] ^= 0x55;
+        mem.put(&key, &bytes).unwrap();
+        let sink = DeltaSink::new(&base);
+        assert_eq!(sink.read_base(&store, &ids[1]).unwrap(), Some(pages[1].clone()), "the first frame is intact");
+        let err = sink.read_base(&store, &ids[40]).unwrap_err();
+        assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+
+        // With a read budget of one frame and nothing saved, the second frame is not read,
+        // but pages of the frame already read still are.
+        let (_, e0) = store.locate(&ids[0]).unwrap();
+        let sink = DeltaSink::new(&base).with_read_budget(e0.frame_len as u64);
+        assert_eq!(sink.read_base(&store, &ids[0]).unwrap(), Some(pages[0].clone()));
+        assert_eq!(sink.read_base(&store, &ids[40]).unwrap(), None, "over budget: not read");
+        assert_eq!(sink.read_base(&store, &ids[5]).unwrap(), Some(pages[5].clone()), "a frame at hand costs nothing");
+        // Savings raise the budget.
+        sink.saved.fetch_add(1 << 20, Ordering::Relaxed);
+        assert!(sink.read_base(&store, &ids[40]).is_err(), "within budget again: read (and found damaged)");
+        let r = sink.outcome().reads;
+        assert_eq!((r.chunks, r.frames_read, r.frame_hits, r.over_budget), (3, 2, 1, 1));
     }
 }

@@ -290,7 +290,15 @@ pub fn ingest<R: Read>(
         next_flush: AtomicU64::new(session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every),
         flush_every: opts.flush_every,
         flush_tx: Mutex::new(None),
-        delta: opts.base.as_deref().map(DeltaSink::new),
+        // On a network backend base reads cross the link: they get a budget (`delta.rs`).
+        delta: opts.base.as_deref().map(|b| {
+            let sink = DeltaSink::new(b);
+            if session.store().backend().capabilities().network {
+                sink.with_read_budget(super::delta::READ_ALLOWANCE)
+            } else {
+                sink
+            }
+        }),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);

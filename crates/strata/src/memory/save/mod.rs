@@ -127,6 +127,8 @@ pub struct SaveReport {
     pub codec: CodecReport,
     /// Base checkpoint and delta pages (absent without a base).
     pub delta: Option<DeltaMeta>,
+    /// What computing the deltas read from the store (absent without a base).
+    pub delta_reads: Option<super::delta::DeltaReads>,
     /// Where the time went.
     pub stages: SaveStages,
 }
@@ -621,6 +623,7 @@ fn save_inner(
         unique_pages: m.stats.unique_pages,
         codec: m.codec.clone(),
         delta: m.delta.clone(),
+        delta_reads: ingested.delta.as_ref().map(|d| d.reads.clone()),
         stages: SaveStages {
             setup_ms: timing.setup_ms,
             stream_ms: timing.migrate_ms,
