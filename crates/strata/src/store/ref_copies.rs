@@ -156,13 +156,7 @@ impl RefCopies {
     }
 
     fn write(&self, path: &Path, raw: &[u8]) -> std::io::Result<()> {
-        std::fs::create_dir_all(&self.dir)?;
-        let tmp = self.dir.join(format!(".tmp-{}-{:x}", std::process::id(), rand::random::<u64>()));
-        let r = std::fs::write(&tmp, raw).and_then(|_| std::fs::rename(&tmp, path));
-        if r.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        r
+        super::tree_cache::write_whole(&self.dir, path, raw)
     }
 
     /// Past the cap, delete the oldest quarter (by mtime).

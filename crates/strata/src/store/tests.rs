@@ -244,9 +244,19 @@ fn full_backend_is_reported_and_poisons() {
     assert!(e.to_string().contains("out of space"), "{e}");
 }
 
-/// A memory backend that says it is a network backend, with slow puts (a link).
+/// A memory backend that says it is a network backend, with slow puts (a link), and with
+/// slow reads too when made by [`SlowNetwork::slow_reads`].
 #[derive(Debug, Clone)]
-struct SlowNetwork(MemoryBackend);
+struct SlowNetwork(MemoryBackend, u64);
+
+impl SlowNetwork {
+    fn new(mem: MemoryBackend) -> SlowNetwork {
+        SlowNetwork(mem, 0)
+    }
+    fn slow_reads(mem: MemoryBackend, get_ms: u64) -> SlowNetwork {
+        SlowNetwork(mem, get_ms)
+    }
+}
 
 impl Backend for SlowNetwork {
     fn name(&self) -> String {
@@ -256,42 +266,11 @@ impl Backend for SlowNetwork {
         crate::backend::Capabilities { network: true, ..self.0.capabilities() }
     }
     fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
+        std::thread::sleep(std::time::Duration::from_millis(self.1));
         self.0.get(key)
     }
     fn put(&self, key: &str, data: &[u8]) -> crate::backend::BResult<()> {
         std::thread::sleep(std::time::Duration::from_millis(20));
-        self.0.put(key, data)
-    }
-    fn put_if_absent(&self, key: &str, data: &[u8]) -> crate::backend::BResult<bool> {
-        self.0.put_if_absent(key, data)
-    }
-    fn list(&self, prefix: &str) -> crate::backend::BResult<Vec<crate::backend::ObjectInfo>> {
-        self.0.list(prefix)
-    }
-    fn delete(&self, key: &str) -> crate::backend::BResult<()> {
-        self.0.delete(key)
-    }
-    fn sync(&self) -> crate::backend::BResult<()> {
-        Ok(())
-    }
-}
-
-/// A network backend whose reads take a while (pack tails over a link).
-#[derive(Debug, Clone)]
-struct SlowReads(MemoryBackend);
-
-impl Backend for SlowReads {
-    fn name(&self) -> String {
-        "slow-reads".into()
-    }
-    fn capabilities(&self) -> crate::backend::Capabilities {
-        crate::backend::Capabilities { network: true, ..self.0.capabilities() }
-    }
-    fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
-        std::thread::sleep(std::time::Duration::from_millis(30));
-        self.0.get(key)
-    }
-    fn put(&self, key: &str, data: &[u8]) -> crate::backend::BResult<()> {
         self.0.put(key, data)
     }
     fn put_if_absent(&self, key: &str, data: &[u8]) -> crate::backend::BResult<bool> {
@@ -316,8 +295,8 @@ impl Backend for SlowReads {
 fn concurrent_misses_on_a_second_host_all_find_the_other_hosts_chunks() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let a = Store::init(Arc::new(SlowReads(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::None }).unwrap();
-    let b = Store::open(Arc::new(SlowReads(mem.clone())), &d.path().join("b.redb")).unwrap();
+    let a = Store::init(Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)), &d.path().join("a.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::None }).unwrap();
+    let b = Store::open(Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)), &d.path().join("b.redb")).unwrap();
     let ses = a.session();
     let ids: Vec<ChunkId> = (0..8u64).map(|i| ses.put(&data(7000 + i, 300 << 10), ChunkKind::Data).unwrap()).collect();
     ses.commit_ref("r", Ref { roots: ids.clone(), ..Default::default() }).unwrap();
@@ -335,7 +314,7 @@ fn concurrent_misses_on_a_second_host_all_find_the_other_hosts_chunks() {
 fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let b = SlowNetwork(mem.clone());
+    let b = SlowNetwork::new(mem.clone());
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
     assert_eq!(s.unsent_bytes(), 0);
@@ -378,7 +357,7 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     }
     // Another host, cold (no metadata cache), finds every chunk from the packs' tails; check
     // sees no orphan, and its gc keeps everything the ref holds.
-    let other = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("other.redb")).unwrap();
+    let other = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("other.redb")).unwrap();
     assert_eq!(other.get(&ids[0]).unwrap(), data(1000, 64 << 10));
     let rep = other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
     assert!(rep.problems.is_empty() && rep.packs == packs, "{rep:?}");
@@ -401,7 +380,7 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let s = Store::init(
-        Arc::new(SlowNetwork(mem.clone())),
+        Arc::new(SlowNetwork::new(mem.clone())),
         &d.path().join("m.redb"),
         InitOptions { pack_size: 16 << 20, default_codec: Codec::None },
     )
@@ -532,7 +511,7 @@ fn chunks_stay_readable_and_flushable_while_their_pack_is_sealed() {
 fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let s = Store::init(Arc::new(SlowNetwork(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let s = Store::init(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
     // 3000 chunks of 64 bytes in one frame each: a ~3000-entry table, well over 64 KiB raw,
     // and over PACK_TAIL_READ compressed (ids are random).
@@ -545,7 +524,7 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let bytes = mem.get(&big.key).unwrap();
     let trailer_off = u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
     assert!(big.size - trailer_off > crate::store::pack::PACK_TAIL_READ, "table of {} bytes fits one read", big.size - trailer_off);
-    let other = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("b.redb")).unwrap();
+    let other = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("b.redb")).unwrap();
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(other.get(id).unwrap(), data(i as u64, 64));
     }
@@ -554,7 +533,7 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let mut bad = bytes.clone();
     bad[trailer_off as usize + 100] ^= 0x40;
     mem.put(&big.key, &bad).unwrap();
-    let third = Store::open(Arc::new(SlowNetwork(mem.clone())), &d.path().join("c.redb")).unwrap();
+    let third = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("c.redb")).unwrap();
     let in_big = ids.iter().filter(|id| matches!(third.get(id), Err(StoreError::ChunkMissing { .. }))).count();
     assert!(in_big > 1000, "{in_big} chunks invisible");
     let rep = third.check(CheckOptions::default(), &NoProgress).unwrap();
@@ -571,7 +550,7 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
 fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let s = Store::init(Arc::new(SlowNetwork(mem.clone())), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
+    let s = Store::init(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
     let mut ids = Vec::new();
     let t = std::time::Instant::now();

@@ -115,13 +115,7 @@ impl TreeCache {
     }
 
     fn write(&self, path: &Path, raw: &[u8]) -> std::io::Result<()> {
-        std::fs::create_dir_all(&self.dir)?;
-        let tmp = self.dir.join(format!(".tmp-{}-{:x}", std::process::id(), rand::random::<u64>()));
-        let r = std::fs::write(&tmp, raw).and_then(|_| std::fs::rename(&tmp, path));
-        if r.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        r
+        write_whole(&self.dir, path, raw)
     }
 
     fn entries(&self) -> Vec<(SystemTime, u64, PathBuf)> {
@@ -159,6 +153,18 @@ impl TreeCache {
         self.used.store(used, Ordering::Relaxed);
         tracing::debug!(target: TARGET, dropped, used, "Tree cache trimmed");
     }
+}
+
+/// Write `raw` to `path` in `dir` through a temporary name and a rename, without fsync: a
+/// crash can lose the file, never expose part of it. Shared with `ref_copies.rs`.
+pub(super) fn write_whole(dir: &Path, path: &Path, raw: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tmp-{}-{:x}", std::process::id(), rand::random::<u64>()));
+    let r = std::fs::write(&tmp, raw).and_then(|_| std::fs::rename(&tmp, path));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
 }
 
 #[cfg(test)]
