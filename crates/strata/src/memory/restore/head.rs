@@ -153,7 +153,9 @@ pub(super) fn pick_runs(mut runs: Vec<(PackId, u64, u64)>, max_bytes: u64) -> Ve
 
 /// Locate the first pages and start reading the frames that hold them (see the module doc).
 pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Head {
+    let t0 = std::time::Instant::now();
     let ids = first_pages(store, ckpt);
+    let leaves_ms = t0.elapsed().as_secs_f64() * 1e3;
     if ids.is_empty() {
         return Head::none();
     }
@@ -165,6 +167,7 @@ pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> H
             }
         }
     });
+    let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     let max = HEAD_BYTES.min(ckpt.manifest.stats.stored_bytes / 4);
     let runs = pick_runs(runs_of(frames, read_bytes), max);
     let handles = runs
@@ -177,6 +180,7 @@ pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> H
                 .ok()
         })
         .collect::<Vec<_>>();
+    tracing::debug!(target: TARGET, leaves_ms, located_ms, started_ms = t0.elapsed().as_secs_f64() * 1e3, pages = ids.len(), "restore head start");
     if handles.len() != runs.len() {
         // No thread for some run: no head start (the handles' reads just end).
         return Head::none();
