@@ -15,6 +15,10 @@
 //! Best effort: a leaf that cannot be read or a page not in the index only shortens the head
 //! (the full plan reports it). A plan that fails drops the handles; the threads end with
 //! their reads, as [`prefetch`]'s do.
+//!
+//! On a host without the checkpoint's page maps (another host saved it; `bench save-restore
+//! --remote --cold-maps`) every leaf is a GET: the leaves the head start needs (enough for
+//! [`HEAD_PAGES`], at most [`HEAD_LEAVES`]) are then fetched together, not one after another.
 
 use super::*;
 
@@ -83,34 +87,52 @@ pub(super) fn add_to_run(job: &mut Job, off: u64, in_frame: u32, u: u32, f: &Fra
     job.frames.push(FramePlan::new(off, f, in_frame, u));
 }
 
-/// A tree chunk from this host's copy or the store (kept for the full plan's map reads).
-fn tree(store: &Store, id: &ChunkId) -> Option<Tree> {
+/// A tree chunk from this host's copy or the store (kept for the full plan's map reads), and
+/// whether it was local.
+fn tree(store: &Store, id: &ChunkId) -> Option<(Tree, bool)> {
     let cache = store.tree_cache();
-    let raw = match cache.and_then(|c| c.get(id)) {
-        Some(r) => r,
+    let (raw, local) = match cache.and_then(|c| c.get(id)) {
+        Some(r) => (r, true),
         None => {
             let r = store.get(id).ok()?;
             if let Some(c) = cache {
                 c.put(id, &r);
             }
-            r
+            (r, false)
         }
     };
-    Tree::decode(&raw).ok()
+    Tree::decode(&raw).ok().map(|t| (t, local))
 }
 
-/// The first non-zero page ids of the checkpoint's maps, in ramblock and page order.
+/// The first non-zero page ids of the checkpoint's maps, in ramblock and page order. Local
+/// leaves are read one by one until [`HEAD_PAGES`] are found; if the first root came from the
+/// backend, the first leaves that could hold them are fetched together.
 fn first_pages(store: &Store, ckpt: &Checkpoint) -> Vec<ChunkId> {
+    let Some((first, local)) = ckpt.map_roots.first().and_then(|r| tree(store, r)) else { return Vec::new() };
+    let tops = std::iter::once(Some(first)).chain(ckpt.map_roots[1..].iter().map(|r| tree(store, r).map(|(t, _)| t)));
     let mut ids = Vec::new();
+    if !local {
+        let want = HEAD_PAGES.div_ceil(LEAF_IDS).min(HEAD_LEAVES);
+        let mut leaves: Vec<ChunkId> = Vec::new();
+        for top in tops.map_while(|t| t) {
+            leaves.extend(top.children.iter().filter(|l| !l.is_zero()).take(want - leaves.len()));
+            if leaves.len() == want {
+                break;
+            }
+        }
+        for t in par_map(&leaves, want, |leaf| tree(store, leaf).map(|(t, _)| t).ok_or(())).unwrap_or_default() {
+            ids.extend(t.children.iter().filter(|id| !id.is_zero()));
+        }
+        return ids;
+    }
     let mut leaves = 0;
-    for root in &ckpt.map_roots {
-        let Some(top) = tree(store, root) else { return ids };
+    for top in tops.map_while(|t| t) {
         for leaf in top.children.iter().filter(|l| !l.is_zero()) {
             if leaves == HEAD_LEAVES || ids.len() >= HEAD_PAGES {
                 return ids;
             }
             leaves += 1;
-            let Some(t) = tree(store, leaf) else { return ids };
+            let Some((t, _)) = tree(store, leaf) else { return ids };
             ids.extend(t.children.iter().filter(|id| !id.is_zero()));
         }
     }
