@@ -19,6 +19,11 @@
 //! On a host without the checkpoint's page maps (another host saved it; `bench save-restore
 //! --remote --cold-maps`) every leaf is a GET: the leaves the head start needs (enough for
 //! [`HEAD_PAGES`], at most [`HEAD_LEAVES`]) are then fetched together, not one after another.
+//! And the maps cross the link beside the head's reads, so both end together, and the link
+//! then idled while the plan looked up every page and cut its reads (~35-45 ms of a 512 MiB
+//! restore, session 26). So there the head has a **second stage** ([`Head::extend`]): as soon
+//! as the maps are in, the next [`HEAD_PAGES`] pages are located and up to [`HEAD_READS`] more
+//! runs (another [`HEAD_BYTES`]) start, before the full plan's lookups.
 
 use super::*;
 
@@ -39,17 +44,51 @@ pub(super) const HEAD_READS: usize = FETCHERS;
 pub(super) struct Head {
     runs: Vec<(PackId, u64, u64)>,
     handles: Vec<Early>,
+    /// Non-zero pages (from the first) whose frames the head looked for.
+    pub(super) pages: usize,
+    /// The first map root was not local: the maps come over the link.
+    pub(super) remote_maps: bool,
 }
 
 impl Head {
     pub(super) fn none() -> Head {
-        Head { runs: Vec::new(), handles: Vec::new() }
+        Head { runs: Vec::new(), handles: Vec::new(), pages: 0, remote_maps: false }
     }
 
-    /// Runs with no reads behind them (tests of the plan's bookkeeping).
+    /// Runs whose reads return nothing at once (tests of the plan's bookkeeping).
     #[cfg(test)]
     pub(super) fn with_runs(runs: Vec<(PackId, u64, u64)>) -> Head {
-        Head { runs, handles: Vec::new() }
+        let handles = runs.iter().map(|_| std::thread::spawn(|| Ok(Vec::new()))).collect();
+        Head { runs, handles, pages: 0, remote_maps: false }
+    }
+
+    #[cfg(test)]
+    pub(super) fn runs(&self) -> (&[(PackId, u64, u64)], usize) {
+        (&self.runs, self.handles.len())
+    }
+
+    /// The second stage (module doc): start reads of runs covering those of `frames` that lie
+    /// outside every run already started, at most `max_bytes` in [`HEAD_READS`] runs. Returns
+    /// how many started.
+    pub(super) fn extend(&mut self, store: &Store, frames: Vec<(PackId, u64, u32)>, read_bytes: u64, max_bytes: u64) -> usize {
+        // Frames no run holds, grouped by the gap between started runs they lie in, so that no
+        // new run spans a started one.
+        let mut gaps: std::collections::BTreeMap<(PackId, usize), Vec<(PackId, u64, u32)>> = Default::default();
+        for f in frames.into_iter().filter(|&(pack, off, _)| self.claim(pack, off).is_none()) {
+            let k = self.runs.partition_point(|r| (r.0, r.1) <= (f.0, f.1));
+            gaps.entry((f.0, k)).or_default().push(f);
+        }
+        let fresh: Vec<_> = gaps.into_values().flat_map(|g| runs_of(g, read_bytes)).collect();
+        let picked = pick_runs(fresh, max_bytes);
+        let mut started = 0;
+        for &(pack, start, end) in &picked {
+            let Some(h) = start_read(store, pack, start, end) else { break };
+            let i = self.runs.partition_point(|r| *r < (pack, start, end));
+            self.runs.insert(i, (pack, start, end));
+            self.handles.insert(i, h);
+            started += 1;
+        }
+        started
     }
 
     /// The run that holds the frame at `off` in `pack`, if any.
@@ -104,11 +143,12 @@ fn tree(store: &Store, id: &ChunkId) -> Option<(Tree, bool)> {
     Tree::decode(&raw).ok().map(|t| (t, local))
 }
 
-/// The first non-zero page ids of the checkpoint's maps, in ramblock and page order. Local
-/// leaves are read one by one until [`HEAD_PAGES`] are found; if the first root came from the
-/// backend, the first leaves that could hold them are fetched together.
-fn first_pages(store: &Store, ckpt: &Checkpoint) -> Vec<ChunkId> {
-    let Some((first, local)) = ckpt.map_roots.first().and_then(|r| tree(store, r)) else { return Vec::new() };
+/// The first non-zero page ids of the checkpoint's maps, in ramblock and page order, and
+/// whether the first map root came from the backend. Local leaves are read one by one until
+/// [`HEAD_PAGES`] are found; if the first root came from the backend, the first leaves that
+/// could hold them are fetched together.
+fn first_pages(store: &Store, ckpt: &Checkpoint) -> (Vec<ChunkId>, bool) {
+    let Some((first, local)) = ckpt.map_roots.first().and_then(|r| tree(store, r)) else { return (Vec::new(), false) };
     let tops = std::iter::once(Some(first)).chain(ckpt.map_roots[1..].iter().map(|r| tree(store, r).map(|(t, _)| t)));
     let mut ids = Vec::new();
     if !local {
@@ -123,20 +163,20 @@ fn first_pages(store: &Store, ckpt: &Checkpoint) -> Vec<ChunkId> {
         for t in par_map(&leaves, want, |leaf| tree(store, leaf).map(|(t, _)| t).ok_or(())).unwrap_or_default() {
             ids.extend(t.children.iter().filter(|id| !id.is_zero()));
         }
-        return ids;
+        return (ids, true);
     }
     let mut leaves = 0;
     for top in tops.map_while(|t| t) {
         for leaf in top.children.iter().filter(|l| !l.is_zero()) {
             if leaves == HEAD_LEAVES || ids.len() >= HEAD_PAGES {
-                return ids;
+                return (ids, false);
             }
             leaves += 1;
-            let Some((t, _)) = tree(store, leaf) else { return ids };
+            let Some((t, _)) = tree(store, leaf) else { return (ids, false) };
             ids.extend(t.children.iter().filter(|id| !id.is_zero()));
         }
     }
-    ids
+    (ids, false)
 }
 
 /// Runs of whole frames (sorted by pack and offset) covering `frames`, cut as
@@ -176,7 +216,7 @@ pub(super) fn pick_runs(mut runs: Vec<(PackId, u64, u64)>, max_bytes: u64) -> Ve
 /// Locate the first pages and start reading the frames that hold them (see the module doc).
 pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Head {
     let t0 = std::time::Instant::now();
-    let ids = first_pages(store, ckpt);
+    let (ids, remote_maps) = first_pages(store, ckpt);
     let leaves_ms = t0.elapsed().as_secs_f64() * 1e3;
     if ids.is_empty() {
         return Head::none();
@@ -192,20 +232,20 @@ pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> H
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     let max = HEAD_BYTES.min(ckpt.manifest.stats.stored_bytes / 4);
     let runs = pick_runs(runs_of(frames, read_bytes), max);
-    let handles = runs
-        .iter()
-        .filter_map(|&(pack, start, end)| {
-            let (store, key) = (store.clone(), pack.pack_key());
-            std::thread::Builder::new()
-                .name("strata-head".into())
-                .spawn(move || store.backend().get_range(&key, start, end - start))
-                .ok()
-        })
-        .collect::<Vec<_>>();
-    tracing::debug!(target: TARGET, leaves_ms, located_ms, started_ms = t0.elapsed().as_secs_f64() * 1e3, pages = ids.len(), "restore head start");
+    let handles = runs.iter().filter_map(|&(pack, start, end)| start_read(store, pack, start, end)).collect::<Vec<_>>();
+    tracing::debug!(target: TARGET, remote_maps, leaves_ms, located_ms, started_ms = t0.elapsed().as_secs_f64() * 1e3, pages = ids.len(), "restore head start");
     if handles.len() != runs.len() {
         // No thread for some run: no head start (the handles' reads just end).
         return Head::none();
     }
-    Head { runs, handles }
+    Head { runs, handles, pages: ids.len(), remote_maps }
+}
+
+/// Read `[start, end)` of `pack` on a thread of its own.
+fn start_read(store: &Store, pack: PackId, start: u64, end: u64) -> Option<Early> {
+    let (store, key) = (store.clone(), pack.pack_key());
+    std::thread::Builder::new()
+        .name("strata-head".into())
+        .spawn(move || store.backend().get_range(&key, start, end - start))
+        .ok()
 }

@@ -201,9 +201,9 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         std::thread::spawn(move || load_tail(&store, &ckpt))
     };
     // The first reads start now, from the first leaves only (`head.rs`).
-    let head = head_start(store, ckpt, read_size(m.stats.stored_bytes, read_bytes));
+    let head_read_bytes = read_size(m.stats.stored_bytes, read_bytes);
+    let mut head = head_start(store, ckpt, head_read_bytes);
     let head_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let mut head_jobs = head.jobs();
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
@@ -237,6 +237,21 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             }
         }
     }
+    // Maps that came over the link: the head's second stage starts now (`head.rs`).
+    let mut head2_reads = 0;
+    if head.remote_maps && head.pages > 0 {
+        let next = &ids[head.pages.min(ids.len())..(head.pages + HEAD_PAGES).min(ids.len())];
+        let mut frames = Vec::with_capacity(next.len());
+        store.locate_many(next, |_, hit| {
+            if let Some((pack, e)) = hit {
+                if e.kind == ChunkKind::Data {
+                    frames.push((pack, e.frame_off, e.frame_len));
+                }
+            }
+        });
+        head2_reads = head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
+    }
+    let mut head_jobs = head.jobs();
     // Locate every page (one index lock per batch, not per page); a missing chunk is reported
     // now, before QEMU is touched. Sorting the pages by their place in the packs groups the
     // pages that share a chunk (one chunk, one place) and orders the reads, with no sort by id.
@@ -380,6 +395,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         name,
         head_ms,
         head_reads,
+        head2_reads,
         maps_ms,
         map_trees_local,
         listed_ms,

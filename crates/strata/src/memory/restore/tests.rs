@@ -309,3 +309,24 @@ fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
     assert_eq!(pages, 480);
     assert_eq!(seen.len(), 120);
 }
+
+#[test]
+fn a_second_head_stage_reads_only_outside_the_first_and_keeps_runs_disjoint() {
+    let d = tempfile::tempdir().unwrap();
+    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let (a, b) = (PackId([1; 16]), PackId([2; 16]));
+    let mut head = Head::with_runs(vec![(a, 1000, 2000)]);
+    // Two frames the first stage reads, one before and one after it in the same pack (close
+    // enough that one read would span all three), and one in another pack.
+    let frames = vec![(a, 1000, 500), (a, 1500, 500), (a, 2000, 1000), (b, 32, 100), (a, 100, 800)];
+    assert_eq!(head.extend(&store, frames, 1 << 20, HEAD_BYTES), 3);
+    let (runs, handles) = head.runs();
+    assert_eq!(runs, &[(a, 100, 900), (a, 1000, 2000), (a, 2000, 3000), (b, 32, 132)]);
+    assert_eq!(handles, 4, "one read per run, in the runs' order");
+    assert_eq!(head.claim(a, 2000), Some(2));
+    assert_eq!(head.claim(a, 1500), Some(1));
+    assert_eq!(head.claim(a, 100), Some(0));
+    // Nothing new: nothing starts.
+    assert_eq!(head.extend(&store, vec![(a, 1500, 500), (b, 32, 100)], 1 << 20, HEAD_BYTES), 0);
+    assert_eq!(head.extend(&store, vec![(b, 500, 100)], 1 << 20, 0), 0, "no bytes allowed");
+}
