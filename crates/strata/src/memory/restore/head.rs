@@ -40,6 +40,9 @@ pub(super) const HEAD_BYTES: u64 = 8 << 20;
 /// Reads started by the head start at most: one per fetcher, as the stream keeps in flight.
 pub(super) const HEAD_READS: usize = FETCHERS;
 
+/// A frame: its pack, offset and stored length.
+type Frame = (PackId, u64, u32);
+
 /// The runs of frames the head start is reading, sorted by pack and offset.
 pub(super) struct Head {
     runs: Vec<(PackId, u64, u64)>,
@@ -70,10 +73,10 @@ impl Head {
     /// The second stage (module doc): start reads of runs covering those of `frames` that lie
     /// outside every run already started, at most `max_bytes` in [`HEAD_READS`] runs. Returns
     /// how many started.
-    pub(super) fn extend(&mut self, store: &Store, frames: Vec<(PackId, u64, u32)>, read_bytes: u64, max_bytes: u64) -> usize {
+    pub(super) fn extend(&mut self, store: &Store, frames: Vec<Frame>, read_bytes: u64, max_bytes: u64) -> usize {
         // Frames no run holds, grouped by the gap between started runs they lie in, so that no
         // new run spans a started one.
-        let mut gaps: std::collections::BTreeMap<(PackId, usize), Vec<(PackId, u64, u32)>> = Default::default();
+        let mut gaps: std::collections::BTreeMap<(PackId, usize), Vec<Frame>> = Default::default();
         for f in frames.into_iter().filter(|&(pack, off, _)| self.claim(pack, off).is_none()) {
             let k = self.runs.partition_point(|r| (r.0, r.1) <= (f.0, f.1));
             gaps.entry((f.0, k)).or_default().push(f);
