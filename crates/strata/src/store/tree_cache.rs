@@ -67,6 +67,11 @@ impl TreeCache {
         self.dir.join(id.to_hex())
     }
 
+    /// Whether a copy of tree `id` is here (not verified: [`TreeCache::get`] does that).
+    pub fn contains(&self, id: &ChunkId) -> bool {
+        self.path(id).exists()
+    }
+
     /// The tree's raw bytes, if a verified copy is here.
     pub fn get(&self, id: &ChunkId) -> Option<Vec<u8>> {
         let path = self.path(id);

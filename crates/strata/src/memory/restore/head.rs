@@ -23,7 +23,9 @@
 //! then idled while the plan looked up every page and cut its reads (~35-45 ms of a 512 MiB
 //! restore, session 26). So there the head has a **second stage** ([`Head::extend`]): as soon
 //! as the maps are in, the next [`HEAD_PAGES`] pages are located and up to [`HEAD_READS`] more
-//! runs (another [`HEAD_BYTES`]) start, before the full plan's lookups.
+//! runs (another [`HEAD_BYTES`]) start, before the full plan's lookups. For that stage to
+//! start while the first one's reads still fill the link, the plan reads the maps on a thread
+//! of its own from its first moment, beside the head start (session 27).
 
 use super::*;
 

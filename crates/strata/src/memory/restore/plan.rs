@@ -200,21 +200,57 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         let (store, ckpt) = (store.clone(), ckpt.clone());
         std::thread::spawn(move || load_tail(&store, &ckpt))
     };
+    let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
+    // Maps that will cross the link are read from now on, on a thread of their own beside the
+    // head start: they then get the link to themselves until the head's reads begin
+    // (`head.rs`). Local ones are read after it, on this thread: read beside it on a busy
+    // host they only delayed its reads (session 27: QEMU connected ~20-30 ms later).
+    let local_maps = ckpt.map_roots.first().is_none_or(|r| store.tree_cache().is_some_and(|c| c.contains(r)));
+    let remote_reader = if local_maps {
+        None
+    } else {
+        let (store, roots) = (store.clone(), ckpt.map_roots.clone());
+        Some(
+            std::thread::Builder::new()
+                .name("strata-maps".into())
+                .spawn(move || read_maps(&store, &roots, MAP_READERS))
+                .map_err(|_| MemError::Panic { what: "map reader" })?,
+        )
+    };
     // The first reads start now, from the first leaves only (`head.rs`).
     let head_read_bytes = read_size(m.stats.stored_bytes, read_bytes);
     let mut head = head_start(store, ckpt, head_read_bytes);
     let head_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let maps = match remote_reader {
+        Some(r) => r.join().map_err(|_| MemError::Panic { what: "map reader" })?,
+        None => read_maps(store, &ckpt.map_roots, MAP_READERS),
+    };
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
-    let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
-    let maps = read_maps(store, &ckpt.map_roots, MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
+    let maps = maps.map_err(|(bi, source)| MemError::MetaDamaged {
         name: name.clone(),
         what: format!("page map of ramblock '{}'", m.blocks[bi].name),
         source,
     })?;
     let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
     let map_trees_local = store.tree_cache().map_or(0, |c| c.counters().0) - hits0;
+    // Maps that came over the link: the head's second stage starts now (`head.rs`).
+    let mut head2_reads = 0;
+    if head.remote_maps && head.pages > 0 {
+        let next: Vec<ChunkId> =
+            maps.iter().flatten().filter(|id| !id.is_zero()).skip(head.pages).take(HEAD_PAGES).copied().collect();
+        let mut frames = Vec::with_capacity(next.len());
+        store.locate_many(&next, |_, hit| {
+            if let Some((pack, e)) = hit {
+                if e.kind == ChunkKind::Data {
+                    frames.push((pack, e.frame_off, e.frame_len));
+                }
+            }
+        });
+        head2_reads = head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
+    }
+    let head2_ms = t0.elapsed().as_secs_f64() * 1e3;
     for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
         if map.len() as u64 != b.pages() {
             return Err(MemError::MetaDamaged {
@@ -236,20 +272,6 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                 pages.push((bi as u32, p as u32));
             }
         }
-    }
-    // Maps that came over the link: the head's second stage starts now (`head.rs`).
-    let mut head2_reads = 0;
-    if head.remote_maps && head.pages > 0 {
-        let next = &ids[head.pages.min(ids.len())..(head.pages + HEAD_PAGES).min(ids.len())];
-        let mut frames = Vec::with_capacity(next.len());
-        store.locate_many(next, |_, hit| {
-            if let Some((pack, e)) = hit {
-                if e.kind == ChunkKind::Data {
-                    frames.push((pack, e.frame_off, e.frame_len));
-                }
-            }
-        });
-        head2_reads = head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
     }
     let mut head_jobs = head.jobs();
     // Locate every page (one index lock per batch, not per page); a missing chunk is reported
@@ -396,6 +418,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         head_ms,
         head_reads,
         head2_reads,
+        head2_ms,
         maps_ms,
         map_trees_local,
         listed_ms,
