@@ -203,9 +203,11 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
     // Maps that will cross the link are read from now on, on a thread of their own beside the
     // head start: they then get the link to themselves until the head's reads begin
-    // (`head.rs`). Local ones are read after it, on this thread: read beside it on a busy
-    // host they only delayed its reads (session 27: QEMU connected ~20-30 ms later).
-    let local_maps = ckpt.map_roots.first().is_none_or(|r| store.tree_cache().is_some_and(|c| c.contains(r)));
+    // (`head.rs`). Local ones (a local backend, or this host's tree cache has them) are read
+    // after it, on this thread: read beside it on a busy host they only delayed its reads
+    // (session 27: QEMU connected ~20-30 ms later).
+    let local_maps = !store.backend().capabilities().network
+        || ckpt.map_roots.first().is_none_or(|r| store.tree_cache().is_some_and(|c| c.contains(r)));
     let remote_reader = if local_maps {
         None
     } else {
