@@ -163,7 +163,7 @@ pub(super) fn run(
         let rx = std::thread::Builder::new()
             .name("strata-mem-parse".into())
             .spawn_scoped(s, || {
-                receive(
+                let r = receive(
                     listener,
                     &conn,
                     opts.connect_timeout,
@@ -171,22 +171,23 @@ pub(super) fn run(
                     chooser,
                     &opts.ingest,
                     progress,
-                )
+                );
+                if r.is_ok() {
+                    // Every page is in the store: the last data pack starts uploading now, not
+                    // after QEMU has said "completed" or the page maps are written (best
+                    // effort; a failure here shows again at the commit's flush).
+                    if let Err(e) = store.seal_for_upload() {
+                        tracing::debug!(target: TARGET, error = %e, "early seal of the last pack failed");
+                    }
+                }
+                r
             })
             .expect("spawn parse thread");
         let src = wait_source(qmp, &conn, &sock, &rx, name);
         if src.is_err() {
             conn.shutdown();
         }
-        let rx = rx.join();
-        if matches!(rx, Ok(Ok(_))) {
-            // Every page is in the store: the last data pack starts uploading now, not after
-            // the page maps (best effort; a failure here shows again at the commit's flush).
-            if let Err(e) = store.seal_for_upload() {
-                tracing::debug!(target: TARGET, error = %e, "early seal of the last pack failed");
-            }
-        }
-        (src, rx)
+        (src, rx.join())
     });
     let migrate_ms = t_migrate.elapsed().as_secs_f64() * 1e3;
     let (src, rx) = outcome;
@@ -331,12 +332,12 @@ fn wait_source<T>(
             // The pipeline ended before QEMU said "completed": either it failed (cancel the
             // migration so QEMU resumes/unblocks) or the stream ended and QEMU is about to
             // report completion.
-            for _ in 0..100 {
+            for _ in 0..1000 {
                 match qmp.query_migrate() {
                     Ok(i) if i.status == "completed" => return Ok(Some(i)),
                     Ok(i) if i.status == "failed" || i.status == "cancelled" => break,
                     Err(QmpError::Closed { .. }) => return Err(died(0)),
-                    _ => std::thread::sleep(Duration::from_millis(10)),
+                    _ => std::thread::sleep(Duration::from_millis(1)),
                 }
             }
             let _ = qmp.migrate_cancel();
@@ -345,6 +346,13 @@ fn wait_source<T>(
             // ended correctly is complete whatever QEMU reports late.
             return Ok(None);
         }
-        std::thread::sleep(Duration::from_millis(10));
+        // Poll QEMU every 10 ms, but look at the receiver every 1 ms: the commit waits for
+        // this loop, and the stream's end is when QEMU is about to say "completed".
+        for _ in 0..10 {
+            if rx.is_finished() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

@@ -465,15 +465,19 @@ fn save_inner(
     let t_maps = Instant::now();
     // The page maps are written on a helper thread while this one counts pages (sorting
     // instead of hashing: 200k+ ids per GiB).
+    let mut kept: Vec<(ChunkId, Vec<u8>)> = Vec::new();
+    let keeping = store.tree_cache().is_some();
     let (map_roots, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
         let maps = &ingested.maps;
+        let kept = &mut kept;
         let writer = s.spawn(move || -> Result<Vec<ChunkId>, MemError> {
             maps.iter()
                 .map(|ids| {
-                    // This host keeps a copy, so restoring here needs no map from the link.
+                    // This host keeps a copy, so restoring here needs no map from the link:
+                    // collected here, written to the tree cache beside the commit below.
                     let mut keep = |id: ChunkId, raw: &[u8]| {
-                        if let Some(c) = ses.store().tree_cache() {
-                            c.put(&id, raw)
+                        if keeping {
+                            kept.push((id, raw.to_vec()))
                         }
                     };
                     write_map_with(ses, ids, &mut keep).map_err(MemError::store("page map write", name))
@@ -581,6 +585,21 @@ fn save_inner(
         generation: 0,
     };
     let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;
+    // The tree cache's copies (one file per tree: ~8 ms for a 128 MiB guest's 31, session 28)
+    // are written while the commit waits on the link, and joined before the save returns, so
+    // a restore on this host right after finds them. Best effort, as the cache is.
+    let copies = (!kept.is_empty())
+        .then(|| {
+            let store = store.clone();
+            std::thread::Builder::new().name("strata-tree-copy".into()).spawn(move || {
+                if let Some(c) = store.tree_cache() {
+                    for (id, raw) in &kept {
+                        c.put(id, raw);
+                    }
+                }
+            })
+        })
+        .and_then(|r| r.ok());
     let t_ref = Instant::now();
     // Without --replace the name must still be free: checked at the start, and again by the
     // commit, under the lease, while the last packs flush.
@@ -594,6 +613,9 @@ fn save_inner(
         e => MemError::store("commit", name)(e),
     })?;
     let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
+    if let Some(h) = copies {
+        let _ = h.join();
+    }
     if let Some(bps) = chooser.measured_bps() {
         remember_speed(store.local_dir(), &location, bps);
     }
