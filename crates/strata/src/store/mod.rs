@@ -10,9 +10,8 @@
 //! On a network backend (an acknowledged put is durable) a pack is also sealed early, while
 //! fewer than [`EARLY_SEAL_UPLOADS`] packs are uploading (at least [`EARLY_SEAL_BYTES`], or
 //! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, ramping up to it from
-//! [`EARLY_SEAL_FIRST_BYTES`] after each ref commit, or, while one upload is in flight that
-//! should end within [`LEAD_SEAL`], at least [`LEAD_SEAL_MIN_BYTES`] and a third of it), and
-//! its index object follows its put at once, so a flush waits only for uploads still running.
+//! [`EARLY_SEAL_FIRST_BYTES`] after each ref commit), and its index object
+//! follows its put at once, so a flush waits only for uploads still running.
 //!
 //! Failure policy (as in fjall): any failed backend write or sync on the commit path poisons
 //! the store; writes then fail until it is reopened, because after a failed fsync nobody knows
@@ -53,7 +52,7 @@ use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
 pub use read::LOCATE_BATCH;
-pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS, LEAD_SEAL, LEAD_SEAL_MIN_BYTES};
+pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]

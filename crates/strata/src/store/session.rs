@@ -38,18 +38,6 @@ pub const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
 pub const EARLY_SEAL_UPLOADS: usize = 2;
-/// While one upload is in flight and nothing else is queued, the open pack is also sealed
-/// when that upload should end within this long (at the speed earlier uploads ran at), so
-/// the next PUT is under way before the link falls idle: a serial writer left the link idle
-/// for 3.4-5.5 ms at each pack boundary (server reply, next request), ~10% of an idle guest's
-/// 0.2 s save (session 28, link trace of a 512 MiB idle guest). Only if the upload is at
-/// least [`LEAD_SEAL_MIN_BYTES`] (a small one's speed is mostly its latency) and the open pack
-/// holds that much too and a third of the upload's size: a producer slower than the link
-/// would otherwise cut ever smaller packs, paying the server's per-object work for a link it
-/// cannot fill anyway.
-pub const LEAD_SEAL: std::time::Duration = std::time::Duration::from_millis(8);
-/// Smallest upload, and smallest pack, of a [`LEAD_SEAL`].
-pub const LEAD_SEAL_MIN_BYTES: u64 = 1 << 20;
 
 /// A frame its caller compressed already (a memory save's codec sample): the ids of the
 /// chunks joined into it, in order, and the stored bytes under the frame's codec (None: the
@@ -237,12 +225,7 @@ impl Store {
             let (early, idle) = match self.inner.early_seal.then(|| sh.uploads.pending()) {
                 None => (false, false),
                 Some(0) => (len >= open.idle_seal_at, true),
-                Some(n) => {
-                    let lead = || {
-                        len >= LEAD_SEAL_MIN_BYTES && sh.uploads.ends_within(LEAD_SEAL).is_some_and(|size| size >= LEAD_SEAL_MIN_BYTES && 3 * len >= size)
-                    };
-                    (n < EARLY_SEAL_UPLOADS && len >= EARLY_SEAL_BYTES || n == 1 && lead(), false)
-                }
+                Some(n) => (n < EARLY_SEAL_UPLOADS && len >= EARLY_SEAL_BYTES, false),
             };
             if early && idle {
                 open.idle_seal_at = (open.idle_seal_at * 2).min(EARLY_SEAL_IDLE_BYTES);

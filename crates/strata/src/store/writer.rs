@@ -141,9 +141,6 @@ struct MeterState {
     /// Their bytes (counted from when their trailer is encoded).
     pending_bytes: u64,
     inflight: usize,
-    /// When the newest upload started, and its size: with one upload in flight, when it
-    /// should end (see [`UploadMeter::ends_within`]).
-    newest: Option<(std::time::Instant, u64)>,
     busy_since: Option<std::time::Instant>,
     busy: std::time::Duration,
     bytes: u64,
@@ -171,28 +168,12 @@ impl UploadMeter {
         m.pending = m.pending.saturating_sub(1);
         m.pending_bytes = m.pending_bytes.saturating_sub(size);
     }
-    fn start(&self, size: u64) {
+    fn start(&self) {
         let mut m = self.inner.lock();
-        let now = std::time::Instant::now();
         if m.inflight == 0 {
-            m.busy_since = Some(now);
+            m.busy_since = Some(std::time::Instant::now());
         }
         m.inflight += 1;
-        m.newest = Some((now, size));
-    }
-    /// Is exactly one pack sealed and not yet uploaded, already uploading, and due to end
-    /// within `lead` at the speed finished uploads ran at? `None` while that speed is unknown
-    /// (no upload finished yet) or another pack is queued. The upload's own size comes back
-    /// too, so the caller can weigh what it would seal next against it.
-    pub(crate) fn ends_within(&self, lead: std::time::Duration) -> Option<u64> {
-        let m = self.inner.lock();
-        if m.pending != 1 || m.inflight != 1 || m.bytes == 0 || m.busy.is_zero() {
-            return None;
-        }
-        let (started, size) = m.newest?;
-        let rate = m.bytes as f64 / m.busy.as_secs_f64();
-        let left = size as f64 / rate - started.elapsed().as_secs_f64();
-        (left <= lead.as_secs_f64()).then_some(size)
     }
     fn end(&self, size: u64, ok: bool) {
         let mut m = self.inner.lock();
@@ -290,7 +271,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 let network = sh.backend.capabilities().network;
                 let size = bytes.len() as u64;
                 let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
-                    sh2.uploads.start(size);
+                    sh2.uploads.start();
                     let t0 = std::time::Instant::now();
                     let r = sh2.backend.put_shared(&id.pack_key(), &bytes);
                     sh2.uploads.end(size, r.is_ok());
@@ -464,36 +445,4 @@ pub(crate) fn refresh_index(sh: &Shared) -> Result<usize> {
     }
     tracing::debug!(target: "strata::store", packs = n, "index refreshed from the backend");
     Ok(n)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::UploadMeter;
-    use std::time::Duration;
-
-    /// The lead seal's clock: with one upload in flight and nothing queued, it says when that
-    /// upload should end at the speed of the finished ones, and nothing otherwise.
-    #[test]
-    fn the_meter_predicts_when_the_only_upload_ends() {
-        let m = UploadMeter::default();
-        m.sealed();
-        m.start(1 << 20);
-        assert_eq!(m.ends_within(Duration::from_secs(100)), None, "no finished upload: no speed yet");
-        std::thread::sleep(Duration::from_millis(10));
-        m.end(1 << 20, true);
-        // At most 1 MiB per 10 ms: a 64 MiB upload has at least 0.6 s to go.
-        m.sealed();
-        m.start(64 << 20);
-        assert_eq!(m.ends_within(Duration::from_millis(1)), None);
-        assert_eq!(m.ends_within(Duration::from_secs(100)), Some(64 << 20));
-        // Another pack queued behind it: that one keeps the link busy, no lead.
-        m.sealed();
-        assert_eq!(m.ends_within(Duration::from_secs(100)), None);
-        m.start(1 << 20);
-        assert_eq!(m.ends_within(Duration::from_secs(100)), None, "two in flight");
-        m.end(1 << 20, true);
-        m.end(64 << 20, true);
-        assert_eq!(m.pending(), 0);
-        assert_eq!(m.ends_within(Duration::from_secs(100)), None, "nothing in flight");
-    }
 }
