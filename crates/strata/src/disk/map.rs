@@ -20,11 +20,11 @@ pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {
 
 /// [`write_map`], handing every tree chunk written (id, raw bytes) to `each` (a memory save
 /// keeps its page maps in the store's tree cache).
-pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(ChunkId, &[u8])) -> Result<ChunkId> {
+pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(ChunkId, Vec<u8>)) -> Result<ChunkId> {
     let mut put = |t: Tree| -> Result<ChunkId> {
         let raw = t.encode();
         let id = ses.put(&raw, ChunkKind::Tree)?;
-        each(id, &raw);
+        each(id, raw);
         Ok(id)
     };
     let mut leaves = Vec::with_capacity(blocks.len().div_ceil(LEAF_IDS));

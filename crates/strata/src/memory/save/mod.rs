@@ -4,7 +4,8 @@
 //! The sequence, and why each step is there:
 //! 1. Refuse early, before the guest is touched: a bad or taken name, a migration already
 //!    running, or capabilities strata cannot store (xbzrle, compress, postcopy, block, ...:
-//!    `qmp::caps` names each with the fix).
+//!    `qmp::caps` names each with the fix). The name's lease is taken meanwhile and waited
+//!    for only at step 5 (a save losing it to another host fails there, nothing visible).
 //! 2. A starting Speed_Transfer for the codec choice (`codec_choice`: a speed this host
 //!    remembered for the backend, 1 Gbit/s on a network backend, or a probe of a local disk;
 //!    the save's own pack uploads then measure it), and remember QEMU's `max-bandwidth` and
@@ -53,10 +54,12 @@ use crate::store::{Session, Store};
 
 const TARGET: &str = "strata::memory";
 
+mod counts;
 mod migrate;
 #[cfg(test)]
 mod tests;
 
+use counts::count_pages;
 use migrate::run;
 
 /// How to save.
@@ -153,6 +156,49 @@ pub struct SaveStages {
     pub commit_ref_ms: f64,
 }
 
+/// Resumes the guest when dropped armed (a save that failed after pausing it).
+struct ResumeOnError<'a> {
+    qmp: &'a mut QmpClient,
+    armed: bool,
+}
+
+impl Drop for ResumeOnError<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Ok(s) = self.qmp.query_status() {
+                if !s.running && s.status != "shutdown" {
+                    let _ = self.qmp.cont();
+                }
+            }
+        }
+    }
+}
+
+type LeaseResult = Result<Option<crate::store::lease::LeaseGuard>, crate::store::StoreError>;
+
+/// The save's lease, being taken on a helper thread. Dropped on any path (a failed save), it
+/// waits for the attempt, so a lease it won is released before `save` returns and a retry
+/// right after does not find it held.
+struct PendingLease(Option<std::thread::JoinHandle<LeaseResult>>);
+
+impl PendingLease {
+    /// The lease (None: the store needs none); `Err(None)` if the helper panicked.
+    fn wait(&mut self) -> Result<Option<crate::store::lease::LeaseGuard>, Option<crate::store::StoreError>> {
+        match self.0.take().map(|h| h.join()) {
+            Some(Ok(r)) => r.map_err(Some),
+            Some(Err(_)) | None => Err(None),
+        }
+    }
+}
+
+impl Drop for PendingLease {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -247,32 +293,36 @@ fn save_inner(
             .name("strata-zstd-warm".into())
             .spawn(move || crate::codec::prewarm_zstd(&levels, per_level));
     }
-    // One writer per checkpoint name, across hosts (docs/backends.md), from before the first page.
-    // The lease and the existence check are backend round trips: they run beside the read-only
-    // QMP queries below, and both finish before QEMU is changed or sends a page.
-    let pre = {
+    // One writer per checkpoint name, across hosts (docs/backends.md). The lease and the
+    // listing are backend round trips run beside the read-only QMP queries below. The listing
+    // (is the name taken, could any checkpoint be a delta base) is waited for before QEMU is
+    // changed; the lease only before the commit, since the pages a save stores are invisible
+    // until its ref is written and the commit takes the name under the lease anyway: a save
+    // whose lease is held elsewhere fails there, with nothing visible (session 29: the lease
+    // took 3.8-5.8 ms, the QMP queries 2.7-4.2, and the save waited for the difference).
+    let mut lease = PendingLease(Some({
         let (store, rname) = (store.clone(), rname.clone());
         std::thread::Builder::new()
             .name("strata-save-lease".into())
-            .spawn(move || -> Result<(Option<crate::store::lease::LeaseGuard>, bool, bool), (&'static str, crate::store::StoreError)> {
-                // One listing answers both whether the name is taken (the commit checks again
-                // under the lease) and whether any checkpoint could be a delta base (else the
-                // ramblock query and the base search are skipped); it runs beside the lease.
+            .spawn(move || {
                 let t = Instant::now();
-                let (lease, lease_ms, refs, list_ms) = std::thread::scope(|s| {
-                    let refs = s.spawn(|| (store.list_refs(REF_PREFIX), t.elapsed().as_secs_f64() * 1e3));
-                    let lease = store.lease_if_needed(&rname);
-                    let lease_ms = t.elapsed().as_secs_f64() * 1e3;
-                    let (refs, list_ms) = refs.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                    (lease, lease_ms, refs, list_ms)
-                });
-                tracing::debug!(target: TARGET, lease_ms, list_ms, "save: lease taken and refs listed");
-                let lease = lease.map_err(|e| ("lease", e))?;
-                let refs = refs.map_err(|e| ("list", e))?;
-                let exists = refs.iter().any(|r| *r == rname);
-                Ok((lease, exists, !refs.is_empty()))
+                let lease = store.lease_if_needed(&rname);
+                tracing::debug!(target: TARGET, lease_ms = t.elapsed().as_secs_f64() * 1e3, "save: lease taken");
+                lease
             })
             .map_err(|_| MemError::Panic { what: "lease" })?
+    }));
+    let listing = {
+        let (store, rname) = (store.clone(), rname.clone());
+        std::thread::Builder::new()
+            .name("strata-save-list".into())
+            .spawn(move || -> Result<(bool, bool), crate::store::StoreError> {
+                let t = Instant::now();
+                let refs = store.list_refs(REF_PREFIX)?;
+                tracing::debug!(target: TARGET, list_ms = t.elapsed().as_secs_f64() * 1e3, "save: refs listed");
+                Ok((refs.contains(&rname), !refs.is_empty()))
+            })
+            .map_err(|_| MemError::Panic { what: "ref listing" })?
     };
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
@@ -319,10 +369,10 @@ fn save_inner(
         Ok((status, machine, version, local, cmdline, caps, params))
     })();
     let qmp_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (_lease, exists, any_checkpoint) = pre
+    let (exists, any_checkpoint) = listing
         .join()
-        .map_err(|_| MemError::Panic { what: "lease" })?
-        .map_err(|(op, e)| MemError::store(op, name)(e))?;
+        .map_err(|_| MemError::Panic { what: "ref listing" })?
+        .map_err(|e| MemError::store("list", name)(e))?;
     if exists && !opts.replace {
         return Err(MemError::Exists { name: name.into() });
     }
@@ -430,21 +480,13 @@ fn save_inner(
         run(store, qmp, name, opts, &chooser, status.running, progress, t0)
     })();
     restorer.put_back(qmp);
-    let (ingested, timing) = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if status.running {
-                // A failed save must not leave a running desktop paused.
-                if let Ok(s) = qmp.query_status() {
-                    if !s.running && s.status != "shutdown" {
-                        let _ = qmp.cont();
-                    }
-                }
-            }
-            return Err(e);
-        }
-    };
-    let vm_status = qmp
+    // A failed save must not leave a running desktop paused: from here until the ref is
+    // committed, an error resumes the guest (a stream cut, or a commit refused: store full,
+    // the name's lease held by another host).
+    let mut resume = ResumeOnError { qmp, armed: status.running };
+    let (ingested, timing) = result?;
+    let vm_status = resume
+        .qmp
         .query_status()
         .map(|s| s.status)
         .unwrap_or_else(|_| "unknown".into());
@@ -463,62 +505,70 @@ fn save_inner(
         });
     }
     let t_maps = Instant::now();
-    // The page maps are written on a helper thread while this one counts pages (sorting
-    // instead of hashing: 200k+ ids per GiB).
+    // The page maps and the device-state tail are written on two helper threads while this
+    // one counts pages; all three are CPU work on a host whose link is still busy with the
+    // last data packs, so they overlap instead of adding up (session 29: 4-8 ms in series).
     let mut kept: Vec<(ChunkId, Vec<u8>)> = Vec::new();
     let keeping = store.tree_cache().is_some();
-    let (map_roots, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
+    let tail = &ingested.info.tail;
+    let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
         let maps = &ingested.maps;
         let kept = &mut kept;
-        let writer = s.spawn(move || -> Result<Vec<ChunkId>, MemError> {
-            maps.iter()
+        let writer = s.spawn(move || -> Result<(Vec<ChunkId>, f64), MemError> {
+            let t = Instant::now();
+            let roots = maps
+                .iter()
                 .map(|ids| {
                     // This host keeps a copy, so restoring here needs no map from the link:
                     // collected here, written to the tree cache beside the commit below.
-                    let mut keep = |id: ChunkId, raw: &[u8]| {
+                    let mut keep = |id: ChunkId, raw: Vec<u8>| {
                         if keeping {
-                            kept.push((id, raw.to_vec()))
+                            kept.push((id, raw))
                         }
                     };
                     write_map_with(ses, ids, &mut keep).map_err(MemError::store("page map write", name))
                 })
-                .collect()
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((roots, t.elapsed().as_secs_f64() * 1e3))
         });
-        let mut blocks = Vec::with_capacity(maps.len());
-        let mut all: Vec<ChunkId> = Vec::new();
-        let (mut zero_pages, mut data_pages) = (0u64, 0u64);
-        for (b, ids) in layout.blocks.iter().zip(maps) {
-            let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
-            let z = ids.len() as u64 - uniq.len() as u64;
-            zero_pages += z;
-            data_pages += uniq.len() as u64;
-            uniq.sort_unstable();
-            uniq.dedup();
-            all.extend_from_slice(&uniq);
-            blocks.push(BlockMeta {
+        let tail_writer = s.spawn(move || -> Result<(ChunkId, f64), MemError> {
+            let t = Instant::now();
+            let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
+            for piece in tail.chunks(TAIL_CHUNK) {
+                pieces.push(
+                    ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3))
+                        .map_err(MemError::store("tail write", name))?,
+                );
+            }
+            let root = ses
+                .put_tree(&tail_tree(pieces, tail.len() as u64))
+                .map_err(MemError::store("tail write", name))?;
+            Ok((root, t.elapsed().as_secs_f64() * 1e3))
+        });
+        let t_count = Instant::now();
+        let counts = count_pages(maps);
+        let blocks: Vec<BlockMeta> = layout
+            .blocks
+            .iter()
+            .zip(&counts.per_block)
+            .map(|(b, &(zero_pages, unique_pages))| BlockMeta {
                 name: b.name.clone(),
                 used_len: b.used_len,
-                zero_pages: z,
-                unique_pages: uniq.len() as u64,
-            });
-        }
-        all.sort_unstable();
-        all.dedup();
+                zero_pages,
+                unique_pages,
+            })
+            .collect();
+        let (zero_pages, data_pages, all) = (counts.zero, counts.data, counts.unique);
+        let count_ms = t_count.elapsed().as_secs_f64() * 1e3;
         let roots = writer.join().map_err(|_| MemError::Panic { what: "page map writer" });
-        (roots, blocks, all.len() as u64, zero_pages, data_pages)
+        let tail_root = tail_writer.join().map_err(|_| MemError::Panic { what: "tail writer" });
+        if let (Ok(Ok((_, maps_ms))), Ok(Ok((_, tail_ms)))) = (&roots, &tail_root) {
+            tracing::debug!(target: TARGET, maps_ms, tail_ms, count_ms, "save: page maps and tail written");
+        }
+        (roots, tail_root, blocks, all, zero_pages, data_pages)
     });
-    let map_roots = map_roots??;
-    let tail = &ingested.info.tail;
-    let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
-    for piece in tail.chunks(TAIL_CHUNK) {
-        pieces.push(
-            ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3))
-                .map_err(MemError::store("tail write", name))?,
-        );
-    }
-    let tail_root = ses
-        .put_tree(&tail_tree(pieces, tail.len() as u64))
-        .map_err(MemError::store("tail write", name))?;
+    let map_roots = map_roots??.0;
+    let tail_root = tail_root??.0;
     let delta_meta = ingested.delta.as_ref().map(|d| DeltaMeta {
         base: d.base.clone(),
         pages: d.pages,
@@ -601,6 +651,10 @@ fn save_inner(
         })
         .and_then(|r| r.ok());
     let t_ref = Instant::now();
+    let _lease = lease.wait().map_err(|e| match e {
+        Some(e) => MemError::store("lease", name)(e),
+        None => MemError::Panic { what: "lease" },
+    })?;
     // Without --replace the name must still be free: checked at the start, and again by the
     // commit, under the lease, while the last packs flush.
     let committed = if opts.replace {
@@ -612,6 +666,7 @@ fn save_inner(
         crate::store::StoreError::RefExists { .. } => MemError::Exists { name: name.into() },
         e => MemError::store("commit", name)(e),
     })?;
+    resume.armed = false;
     let commit_ref_ms = t_ref.elapsed().as_secs_f64() * 1e3;
     if let Some(h) = copies {
         let _ = h.join();

@@ -20,3 +20,51 @@ fn pause_is_stop_to_resume() {
     assert!((pause_from_events(&evs).unwrap() - 2.5).abs() < 1e-6);
     assert_eq!(pause_from_events(&evs[..2]), None);
 }
+
+/// `count_pages` agrees with sorting whole ids, including ids that share their first 8 bytes
+/// (the only case where it compares whole ids) within one block and across blocks.
+#[test]
+fn page_counts_match_sorting_whole_ids() {
+    let id = |prefix: u8, rest: u8| {
+        let mut b = [0u8; 32];
+        b[0] = prefix;
+        b[31] = rest;
+        ChunkId(b)
+    };
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let maps: Vec<Vec<ChunkId>> = (0..3)
+        .map(|_| {
+            (0..4000)
+                .map(|_| match next() % 4 {
+                    0 => ChunkId::ZERO,
+                    // Few prefixes, several tails: many equal prefixes with different ids.
+                    1 => id((next() % 5) as u8 + 1, (next() % 7) as u8),
+                    _ => ChunkId::of(&next().to_le_bytes()),
+                })
+                .collect()
+        })
+        .collect();
+    let c = count_pages(&maps);
+    let mut all: Vec<ChunkId> = Vec::new();
+    for (b, ids) in maps.iter().enumerate() {
+        let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
+        let zero = ids.len() - uniq.len();
+        uniq.sort_unstable();
+        uniq.dedup();
+        assert_eq!(c.per_block[b], (zero as u64, uniq.len() as u64), "block {b}");
+        all.extend(uniq);
+    }
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(c.unique, all.len() as u64);
+    assert_eq!(c.zero + c.data, 12_000);
+    assert_eq!(c.zero, c.per_block.iter().map(|p| p.0).sum::<u64>());
+    // Repeats across blocks count once overall but once in each block.
+    assert!(c.per_block.iter().map(|p| p.1).sum::<u64>() > c.unique);
+}
