@@ -13,9 +13,11 @@ else
   export RUSTC_BOOTSTRAP=1; fuzz=(cargo fuzz); san=(-s none)
 fi
 
-# Seed corpora from a real store built by the strata binary.
-cargo build -q --release -p strata-cli
-bin=target/release/strata
+# Seed corpora from a real store built by the strata binary: the one `cargo test` built
+# (scripts/test.sh runs this right after it), else a dev build. A release build here cost CI
+# ~5 minutes for a 3 MB import.
+bin=target/debug/strata
+[ -x "$bin" ] || cargo build -q -p strata-cli
 seed=$(mktemp -d); trap 'rm -rf "$seed"' EXIT
 "$bin" --store "$seed/s" init --pack-size 64K >/dev/null
 head -c 3000000 /usr/bin/bash > "$seed/img" 2>/dev/null || head -c 3000000 /dev/urandom > "$seed/img"
