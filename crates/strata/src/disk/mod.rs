@@ -58,15 +58,81 @@ const SAMPLE: usize = 16 << 10;
 /// 1/8, else none. Barely compressible blocks stored raw are read 4 KiB at a time through
 /// verified piece reads (`store/slice.rs`) instead of a whole-block decompression per random
 /// read; ZFS draws its line at the same 12.5%.
+///
+/// The trial compression is skipped when the sample's bytes look uniform (Shannon entropy
+/// above [`UNIFORM_BITS`] per byte): encrypted data (a BitLocker or LUKS guest writes nothing
+/// else) and already-compressed media. The histogram costs a fraction of the LZ4 pass; the
+/// trial was 11% of all CPU samples under sustained incompressible writes (`docs/results`,
+/// `bench io`, session 32). btrfs's compression heuristic makes the same check.
 pub(crate) fn block_codec(data: &[u8], codec: Codec) -> Codec {
     if codec == Codec::None {
         return codec;
     }
     let s = &data[..data.len().min(SAMPLE)];
+    if sampled_entropy(s) > UNIFORM_BITS {
+        return Codec::None;
+    }
     match codec.compress(s) {
         Some(z) if z.len() <= s.len() - s.len() / 8 => codec,
         _ => Codec::None,
     }
+}
+
+/// Bits per byte above which a sample counts as uniform (see [`block_codec`]). 4 KiB of
+/// uniform random bytes measure 7.95 (the histogram of a finite sample is never flat). The
+/// line is drawn high because byte entropy does not see LZ4's matches: of 304 blocks of this
+/// machine's files at 7.5 bits or more, 11 still shrank by 1/8 (jars, some `.gz`), but 1 of
+/// 226 at 7.9 or more (session 33, `docs/disks.md`). fio's buffers measure 7.53-7.9, so
+/// `bench io` mostly still pays the trial.
+const UNIFORM_BITS: f64 = 7.9;
+
+/// [`byte_entropy`] of four 1 KiB runs spread over `s` (a histogram of the whole 16 KiB sample
+/// cost a third of the LZ4 pass it saves). Runs, not scattered bytes: fio's buffers, for one,
+/// have a 256-byte structure that 64 runs of 64 bytes at a 256-byte stride mistook for lower
+/// entropy (7.56 bits against 7.85 for 4 KiB in one piece). 4 KiB of uniform bytes measure
+/// ~7.95.
+fn sampled_entropy(s: &[u8]) -> f64 {
+    const RUN: usize = 1024;
+    const RUNS: usize = 4;
+    if s.len() <= RUN * RUNS {
+        return byte_entropy(&[s]);
+    }
+    let stride = s.len() / RUNS;
+    let parts: [&[u8]; RUNS] = std::array::from_fn(|i| &s[i * stride..i * stride + RUN]);
+    byte_entropy(&parts)
+}
+
+/// Shannon entropy of the byte histogram of `parts` together, in bits per byte (0 if empty).
+fn byte_entropy(parts: &[&[u8]]) -> f64 {
+    // Four histograms filled in turn, so consecutive equal bytes do not stall on one counter.
+    let mut h = [[0u32; 256]; 4];
+    let mut total = 0usize;
+    for s in parts {
+        total += s.len();
+        let mut quads = s.chunks_exact(4);
+        for q in &mut quads {
+            h[0][q[0] as usize] += 1;
+            h[1][q[1] as usize] += 1;
+            h[2][q[2] as usize] += 1;
+            h[3][q[3] as usize] += 1;
+        }
+        for &b in quads.remainder() {
+            h[0][b as usize] += 1;
+        }
+    }
+    if total == 0 {
+        return 0.0;
+    }
+    let n = total as f64;
+    let mut bits = 0.0;
+    for i in 0..256 {
+        let c = (h[0][i] + h[1][i] + h[2][i] + h[3][i]) as f64;
+        if c > 0.0 {
+            let p = c / n;
+            bits -= p * p.log2();
+        }
+    }
+    bits
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -368,6 +434,67 @@ mod tests {
     use super::*;
     use crate::progress::NoProgress;
     use crate::store::InitOptions;
+
+    #[test]
+    fn byte_entropy_tells_uniform_bytes_from_compressible_ones() {
+        assert_eq!(byte_entropy(&[]), 0.0);
+        assert_eq!(byte_entropy(&[&[], &[]]), 0.0);
+        assert_eq!(byte_entropy(&[&[7u8; 4096]]), 0.0);
+        let all: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+        assert!((byte_entropy(&[&all]) - 8.0).abs() < 1e-9);
+        assert!((byte_entropy(&[&all[..1000], &all[1000..]]) - 8.0).abs() < 1e-9, "parts count together");
+        let two: Vec<u8> = (0..4097u32).map(|i| (i % 2) as u8).collect();
+        assert!((byte_entropy(&[&two]) - 1.0).abs() < 1e-3);
+        let random: Vec<u8> = (0..SAMPLE).map(|_| rand::random::<u8>()).collect();
+        assert!(byte_entropy(&[&random]) > 7.9);
+        let text = b"The quick brown fox jumps over the lazy dog; 0123456789.\n".repeat(300);
+        assert!(byte_entropy(&[&text]) < 5.5);
+        // The spread sample sees what the whole does.
+        assert!(sampled_entropy(&random) > 7.9);
+        assert!(sampled_entropy(&text[..SAMPLE]) < 5.5);
+        assert_eq!(sampled_entropy(&text[..100]), byte_entropy(&[&text[..100]]));
+        let mut half = random.clone();
+        half[SAMPLE / 2..].fill(0);
+        let h = sampled_entropy(&half);
+        assert!(h > 4.5 && h < 5.2, "both halves seen: {h}");
+    }
+
+    #[test]
+    fn blocks_are_stored_raw_only_when_they_would_not_shrink_by_an_eighth() {
+        let random: Vec<u8> = (0..DEFAULT_BLOCK).map(|_| rand::random::<u8>()).collect();
+        assert_eq!(block_codec(&random, Codec::Lz4), Codec::None);
+        // The check is seen, and its known cost: 8 KiB twice over is half LZ4's size, but the
+        // four sampled runs hold every byte value equally often, so no trial runs.
+        let mut r = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            r ^= r << 13;
+            r ^= r >> 7;
+            r ^= r << 17;
+            r
+        };
+        let mut x: Vec<u8> = (0..8192).map(|_| next() as u8).collect();
+        for run in [0, 4096] {
+            let mut v: Vec<u8> = (0..1024u32).map(|i| i as u8).collect();
+            for i in (1..v.len()).rev() {
+                v.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            x[run..run + 1024].copy_from_slice(&v);
+        }
+        let mut twice = [x.clone(), x].concat();
+        twice.extend_from_slice(&random[SAMPLE..]);
+        assert!((sampled_entropy(&twice[..SAMPLE]) - 8.0).abs() < 1e-9);
+        assert!(Codec::Lz4.compress(&twice[..SAMPLE]).unwrap().len() < SAMPLE * 5 / 8);
+        assert_eq!(block_codec(&twice, Codec::Lz4), Codec::None, "uniform-looking samples skip the trial");
+        // Not uniform, and no repeats for LZ4: the trial decides (raw).
+        let six: Vec<u8> = (0..DEFAULT_BLOCK).map(|_| rand::random::<u8>() & 0x3f).collect();
+        assert!(sampled_entropy(&six[..SAMPLE]) < UNIFORM_BITS);
+        assert_eq!(block_codec(&six, Codec::Lz4), Codec::None);
+        // ... but zstd's entropy coder saves two bits in eight.
+        assert_eq!(block_codec(&six, Codec::Zstd(1)), Codec::Zstd(1));
+        let text = b"The quick brown fox jumps over the lazy dog; 0123456789.\n".repeat(1200);
+        assert_eq!(block_codec(&text[..DEFAULT_BLOCK as usize], Codec::Lz4), Codec::Lz4);
+        assert_eq!(block_codec(&text, Codec::None), Codec::None);
+    }
 
     #[test]
     fn sparse_files_import_without_reading_holes() {

@@ -131,6 +131,15 @@ impl Read for Stream {
     }
 }
 
+impl super::transmission::Source for Stream {
+    fn read_append(&mut self, v: &mut Vec<u8>, n: usize) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.take(n as u64).read_to_end(v),
+            Stream::Tcp(s) => s.take(n as u64).read_to_end(v),
+        }
+    }
+}
+
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
