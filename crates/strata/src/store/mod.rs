@@ -149,15 +149,16 @@ pub(crate) struct Shared {
     pub poison: Mutex<Option<String>>,
     pub stats: Stats,
     pub uploads: writer::UploadMeter,
-    /// Buffers of packs that became durable, for the next open packs (at most
+    /// Buffers of packs whose put finished, for the next open packs (at most
     /// [`SPARE_PACK_BUFFERS`], dropped when the last session ends): a fresh 16 MiB buffer
     /// costs ~4,000 page faults as it fills, a quarter of a memory save's pool CPU before
     /// buffers were reused.
     pub spare_packs: Mutex<Vec<Vec<u8>>>,
 }
 
-/// Pack buffers kept for reuse (each the size of a full pack plus slack): a memory save makes
-/// packs durable every 128 MiB, eight 16 MiB packs at a time.
+/// Pack buffers kept for reuse (each the size of a full pack plus slack): a memory save flushes
+/// every 128 MiB, eight 16 MiB packs; [`writer::UPLOADS`] puts, the queue and the open pack
+/// need fewer.
 const SPARE_PACK_BUFFERS: usize = 8;
 
 impl Shared {
