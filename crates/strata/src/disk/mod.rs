@@ -11,7 +11,7 @@ pub mod log;
 pub mod map;
 pub mod volume;
 
-use crate::codec::Codec;
+use crate::codec::{byte_entropy, Codec};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
 use crate::store::objects::Ref;
@@ -100,39 +100,6 @@ fn sampled_entropy(s: &[u8]) -> f64 {
     let stride = s.len() / RUNS;
     let parts: [&[u8]; RUNS] = std::array::from_fn(|i| &s[i * stride..i * stride + RUN]);
     byte_entropy(&parts)
-}
-
-/// Shannon entropy of the byte histogram of `parts` together, in bits per byte (0 if empty).
-fn byte_entropy(parts: &[&[u8]]) -> f64 {
-    // Four histograms filled in turn, so consecutive equal bytes do not stall on one counter.
-    let mut h = [[0u32; 256]; 4];
-    let mut total = 0usize;
-    for s in parts {
-        total += s.len();
-        let mut quads = s.chunks_exact(4);
-        for q in &mut quads {
-            h[0][q[0] as usize] += 1;
-            h[1][q[1] as usize] += 1;
-            h[2][q[2] as usize] += 1;
-            h[3][q[3] as usize] += 1;
-        }
-        for &b in quads.remainder() {
-            h[0][b as usize] += 1;
-        }
-    }
-    if total == 0 {
-        return 0.0;
-    }
-    let n = total as f64;
-    let mut bits = 0.0;
-    for i in 0..256 {
-        let c = (h[0][i] + h[1][i] + h[2][i] + h[3][i]) as f64;
-        if c > 0.0 {
-            let p = c / n;
-            bits -= p * p.log2();
-        }
-    }
-    bits
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]

@@ -7,13 +7,14 @@
 //! nothing else references, so a page shared with another VM or checkpoint stays.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use super::error::MemError;
-use super::manifest::{ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX};
+use super::manifest::{ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX, RUN_BYTES, RUN_PAGES};
 use super::restore::load_checkpoint;
 use crate::disk::map::read_map;
 use crate::id::ChunkId;
+use crate::store::pack::ChunkKind;
 use crate::store::Store;
 
 /// One line of `vm list`.
@@ -106,15 +107,24 @@ pub struct Inspection {
     pub sharing: Option<Sharing>,
 }
 
-fn page_ids(store: &Store, c: &Checkpoint) -> Result<HashSet<ChunkId>, MemError> {
+/// A checkpoint's distinct pages: (chunk id, slot), the slot being the page's place in a run
+/// chunk (version 3; the page number modulo `RUN_PAGES`) or `u8::MAX` for a page chunk.
+fn page_ids(store: &Store, c: &Checkpoint) -> Result<HashSet<(ChunkId, u8)>, MemError> {
     let mut set = HashSet::new();
+    let mut runs: HashMap<ChunkId, bool> = HashMap::new();
     for (b, root) in c.manifest.blocks.iter().zip(&c.map_roots) {
         let ids = read_map(store, root).map_err(|source| MemError::MetaDamaged {
             name: c.manifest.name.clone(),
             what: format!("page map of ramblock '{}'", b.name),
             source,
         })?;
-        set.extend(ids.into_iter().filter(|i| !i.is_zero()));
+        for (p, id) in ids.into_iter().enumerate().filter(|(_, i)| !i.is_zero()) {
+            let run = *runs.entry(id).or_insert_with(|| {
+                c.manifest.version >= 3
+                    && store.chunk_info(&id).is_some_and(|(l, k)| k == ChunkKind::Data && l as usize == RUN_BYTES)
+            });
+            set.insert((id, if run { (p % RUN_PAGES) as u8 } else { u8::MAX }));
+        }
     }
     Ok(set)
 }
@@ -124,7 +134,7 @@ pub fn inspect(store: &Store, name: &str, sharing: bool) -> Result<Inspection, M
     let c = load_checkpoint(store, name)?;
     let sharing = if sharing {
         let mine = page_ids(store, &c)?;
-        let mut others: HashSet<ChunkId> = HashSet::new();
+        let mut others: HashSet<(ChunkId, u8)> = HashSet::new();
         let mut n = 0;
         for s in list(store)? {
             if s.name == name || s.error.is_some() {

@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::error::MemError;
-use super::manifest::{Checkpoint, REF_PREFIX};
+use super::manifest::{Checkpoint, REF_PREFIX, RUN_BYTES, RUN_PAGES};
 use super::stream::PAGE_SIZE;
 use crate::id::{ChunkId, PackId};
 use crate::store::format::crc;
@@ -535,6 +535,8 @@ pub struct DeltaWorker {
     penalty: u32,
     tried: u32,
     paid: u32,
+    /// The base's run chunk read last (its 32 pages arrive together), verified.
+    run: Option<(ChunkId, Arc<Vec<u8>>)>,
 }
 
 impl DeltaWorker {
@@ -631,6 +633,38 @@ impl DeltaWorker {
                         }
                     };
                     (rec.base, base_page)
+                }
+                // A run chunk (version 3): the base page is the run's slot. Unchanged, the
+                // page maps to the run again (same place, same slot); changed, it is stored
+                // whole (a record's base must be a whole page). Not in `targets`: the run
+                // stands for this page only at this place.
+                Some((len, ChunkKind::Data)) if len as usize == RUN_BYTES => {
+                    let run = match &self.run {
+                        Some((rid, run)) if *rid == base_id => run.clone(),
+                        _ => match sink.read_base(store, &base_id) {
+                            Ok(Some(c)) if c.len() == RUN_BYTES => {
+                                let c = Arc::new(c);
+                                self.run = Some((base_id, c.clone()));
+                                c
+                            }
+                            Ok(None) => {
+                                untried(self);
+                                return None;
+                            }
+                            Ok(_) => return None,
+                            Err(e) => {
+                                warn(&e);
+                                return None;
+                            }
+                        },
+                    };
+                    let slot = page_no as usize % RUN_PAGES;
+                    if run[slot * PAGE_SIZE..(slot + 1) * PAGE_SIZE] == *page {
+                        ses.pin(base_id).ok()?;
+                        self.paid += 1;
+                        return Some(base_id);
+                    }
+                    return None;
                 }
                 Some(_) => match sink.read_base(store, &base_id) {
                     Ok(Some(c)) if c.len() == PAGE_SIZE => (base_id, c),

@@ -3,6 +3,7 @@
 //! Apart from the pool (`pool.rs`): the two only share the batch queue and `Shared`.
 
 use super::*;
+use crate::memory::manifest::RUN_PAGES;
 
 /// A re-sent page held back until the stream ends: (record number, content).
 type HeldPage = (u64, Box<[u8; PAGE_SIZE]>);
@@ -118,7 +119,10 @@ impl Dispatch<'_, '_> {
         self.cur.data.extend_from_slice(data);
         self.cur.pages.push((block, page, rec));
         let target = if self.sent < RAMP_BATCHES { (self.batch_pages / 4).max(16) } else { self.batch_pages };
-        if self.cur.pages.len() >= target {
+        // A batch ends at the end of an aligned group of RUN_PAGES pages (or one group
+        // later), so a group that could be a run chunk (`pool.rs`) is not cut in two.
+        let n = self.cur.pages.len();
+        if n >= target && (page as usize % RUN_PAGES == RUN_PAGES - 1 || n >= target + RUN_PAGES) {
             self.sent += 1;
             self.send()?;
         }

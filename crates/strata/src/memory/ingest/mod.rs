@@ -98,6 +98,9 @@ pub struct IngestOptions {
     pub limits: Limits,
     /// Base checkpoint for delta pages (`delta`); None stores every new page whole.
     pub base: Option<std::sync::Arc<Base>>,
+    /// Store aligned groups of new uniform pages as run chunks (`pool.rs`; manifest version
+    /// 3). Off only to compare.
+    pub runs: bool,
 }
 
 impl Default for IngestOptions {
@@ -111,6 +114,7 @@ impl Default for IngestOptions {
             queue_bytes: QUEUE_BYTES,
             limits: Limits::default(),
             base: None,
+            runs: true,
         }
     }
 }
@@ -168,6 +172,9 @@ pub struct Ingested {
     pub waits: IngestWaits,
     /// Delta pages against the base, when there was one.
     pub delta: Option<DeltaOutcome>,
+    /// Run chunks the maps name (`pool.rs`): a page mapped to one of these is its slot
+    /// (page number modulo [`RUN_PAGES`](crate::memory::manifest::RUN_PAGES)).
+    pub runs: std::collections::HashSet<ChunkId>,
 }
 
 /// See [`Ingested::waits`].
@@ -229,6 +236,9 @@ struct Shared<'a> {
     flush_every: u64,
     flush_tx: Mutex<Option<SyncSender<()>>>,
     delta: Option<DeltaSink<'a>>,
+    runs_enabled: bool,
+    /// Run chunks the maps name (new or found in the store).
+    runs: Mutex<std::collections::HashSet<ChunkId>>,
 }
 
 impl Shared<'_> {
@@ -299,6 +309,8 @@ pub fn ingest<R: Read>(
                 sink
             }
         }),
+        runs_enabled: opts.runs,
+        runs: Mutex::new(std::collections::HashSet::new()),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
@@ -415,6 +427,7 @@ pub fn ingest<R: Read>(
     let (info, _, superseded) = parsed?;
     progress.finish();
     let map = sh.map.into_inner();
+    let runs = sh.runs.into_inner();
     let missing = map
         .recs
         .iter()
@@ -449,5 +462,6 @@ pub fn ingest<R: Read>(
             flushes_ms: flush_ns.load(Ordering::Relaxed) as f64 / 1e6,
         },
         delta: sh.delta.as_ref().map(DeltaSink::outcome),
+        runs,
     })
 }

@@ -146,3 +146,110 @@ fn truncated_stream_is_an_error() {
         );
     }
 }
+
+/// 4 KiB of uniform bytes from a seeded xorshift64.
+fn random_page(seed: u64) -> [u8; 4096] {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut p = [0u8; 4096];
+    for w in p.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        w.copy_from_slice(&x.to_le_bytes());
+    }
+    p
+}
+
+#[test]
+fn uniform_pages_are_told_from_compressible_ones() {
+    use crate::codec::byte_entropy;
+    use crate::memory::manifest::RUN_UNIFORM_BITS;
+    let (mut lo, mut hi) = (8.0f64, 0.0f64);
+    for s in 0..10_000u64 {
+        let p = random_page(s);
+        let e = byte_entropy(&[&p[..512], &p[2048..2560]]);
+        lo = lo.min(e);
+        hi = hi.max(e);
+        assert!(pool::uniform_page(&p), "random page {s}: {e} bits");
+    }
+    // The range quoted at RUN_UNIFORM_BITS.
+    assert!(lo > 7.7 && hi < 7.9, "random pages measure {lo:.3}..{hi:.3} bits");
+    assert!(lo - RUN_UNIFORM_BITS > 0.1);
+    // Text, code-like words, half-zero pages and a page whose first quarter is zero are not.
+    let text: Vec<u8> = b"The quick brown fox jumps over the lazy dog; ".iter().cycle().take(4096).copied().collect();
+    assert!(!pool::uniform_page(&text));
+    assert!(!pool::uniform_page(&page(3)));
+    let mut half = random_page(1);
+    half[2048..].fill(0);
+    assert!(!pool::uniform_page(&half));
+    let mut quarter = random_page(2);
+    quarter[..1024].fill(0);
+    assert!(!pool::uniform_page(&quarter));
+    assert!(!pool::uniform_page(&[0u8; 4096]));
+}
+
+/// A 128-page ramblock: [0, 32) random, [32, 64) random but page 40 repeats page 33,
+/// [64, 96) random but page 70 compressible, [96, 128) random, sent out of place (page 100
+/// in a later batch).
+fn runs_stream() -> (Vec<u8>, Vec<[u8; 4096]>) {
+    let mut lay = layout();
+    lay.blocks.truncate(1);
+    lay.blocks[0].used_len = 128 * 4096;
+    let mut pages: Vec<[u8; 4096]> = (0..128u64).map(|i| random_page(1000 + i)).collect();
+    pages[40] = pages[33];
+    pages[70] = page(70);
+    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
+    for (i, p) in pages.iter().enumerate() {
+        if i != 100 {
+            w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
+        }
+    }
+    w.page(BlockIdx(0), 100 * 4096, &pages[100]).unwrap();
+    w.tail(&tail()).unwrap();
+    (w.finish().unwrap().0, pages)
+}
+
+#[test]
+fn aligned_groups_of_new_uniform_pages_become_one_run_chunk() {
+    use crate::memory::manifest::{RUN_BYTES, RUN_PAGES};
+    let (bytes, pages) = runs_stream();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
+    let ses = store.session();
+    let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2);
+    // Batches of 24 pages (16 while ramping): a batch still ends at a group's end.
+    let opts = IngestOptions {
+        workers: 2,
+        batch_pages: 24,
+        ..Default::default()
+    };
+    let got = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
+    let map = &got.maps[0];
+    let run0 = ChunkId::of(&pages[..32].concat());
+    assert!(map[..32].iter().all(|id| *id == run0), "group 0 is one run");
+    assert_eq!(store.chunk_info(&run0), Some((RUN_BYTES as u32, ChunkKind::Data)));
+    // A repeated page, a compressible page, a page out of place: page chunks.
+    for g in [1usize, 2, 3] {
+        for i in g * RUN_PAGES..(g + 1) * RUN_PAGES {
+            assert_eq!(map[i], ChunkId::of(&pages[i]), "page {i} of group {g}");
+            assert!(store.contains(&map[i]));
+        }
+    }
+    assert!(!store.contains(&ChunkId::of(&pages[0])), "a run's pages have no chunks of their own");
+    assert_eq!(got.runs, [run0].into_iter().collect());
+    // 32 pages in the run, 95 others (page 40 is page 33).
+    assert_eq!(got.counters.new_chunks, 32 + 95);
+
+    // The same memory again: the run is found whole, nothing is new.
+    let again = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
+    assert_eq!(again.maps, got.maps);
+    assert_eq!(again.counters.new_chunks, 0);
+
+    // Runs off: page chunks only (in a fresh store).
+    let dir2 = tempfile::tempdir().unwrap();
+    let store2 = Store::init_local(dir2.path(), InitOptions::default()).unwrap();
+    let ses2 = store2.session();
+    let off = ingest(&bytes[..], &ses2, &chooser, &IngestOptions { runs: false, ..opts.clone() }, &NoProgress).unwrap();
+    assert!(off.runs.is_empty());
+    assert!(off.maps[0].iter().zip(&pages).all(|(id, p)| *id == ChunkId::of(p)));
+}

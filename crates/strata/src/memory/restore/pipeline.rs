@@ -212,18 +212,35 @@ pub(super) fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result
         f.codec
             .decompress_into(stored, f.raw_len as usize, &mut raw)
             .map_err(|e| corrupt(u0, e.to_string()))?;
-        // Every page is verified against its id, a frame's pages hashed together.
+        // Every page is verified against its id, a frame's pages hashed together; a run
+        // chunk (version 3) is verified whole, once, before any of its slots is used.
         let mut pages: Vec<&[u8; PAGE_SIZE]> = Vec::with_capacity(f.chunks.len());
+        let mut page_uids: Vec<u32> = Vec::with_capacity(f.chunks.len());
+        let mut runs_checked: Vec<usize> = Vec::new();
         for &(o, u) in &f.chunks {
+            let slot = plan.slots[u as usize];
+            if slot != NOT_A_RUN {
+                let start = (o as usize).checked_sub(slot as usize * PAGE_SIZE);
+                let run = start.and_then(|a| Some((a, raw.get(a..a + RUN_BYTES)?)));
+                let (a, run) = run.ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
+                if !runs_checked.contains(&a) {
+                    if ChunkId::of(run) != plan.uids[u as usize] {
+                        return Err(corrupt(u, "content does not match its hash".into()));
+                    }
+                    runs_checked.push(a);
+                }
+                continue;
+            }
             let page = raw
                 .get(o as usize..o as usize + PAGE_SIZE)
                 .and_then(as_page)
                 .ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
             pages.push(page);
+            page_uids.push(u);
         }
         let mut got = vec![ChunkId::ZERO; pages.len()];
         hash_pages(&pages, &mut got);
-        for (&(_, u), id) in f.chunks.iter().zip(&got) {
+        for (&u, id) in page_uids.iter().zip(&got) {
             if *id != plan.uids[u as usize] {
                 return Err(corrupt(u, "content does not match its hash".into()));
             }
@@ -262,10 +279,16 @@ pub(super) fn fallback(store: &Store, plan: &Plan, frames: &[FramePlan]) -> Resu
     for f in frames {
         for &(_, u) in &f.chunks {
             let data = store.get(&plan.uids[u as usize]).map_err(|e| (u, e))?;
+            // A run's page is its slot (the chunk was verified whole by `get`).
+            let slot = plan.slots[u as usize];
+            let at = if slot == NOT_A_RUN { 0 } else { slot as u32 * PAGE_SIZE as u32 };
+            if data.len() < at as usize + PAGE_SIZE {
+                return Err((u, StoreError::Corrupt { id: plan.uids[u as usize], pack: PackId::default(), offset: 0, reason: format!("chunk is {} bytes, not a page or a run", data.len()) }));
+            }
             out.push(Decoded {
                 read: data.len() as u64,
                 raw: data,
-                chunks: vec![(0, u)],
+                chunks: vec![(at, u)],
             });
         }
     }

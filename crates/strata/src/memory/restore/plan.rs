@@ -32,6 +32,8 @@ pub(super) struct FrameMeta {
     pub(super) crc: u32,
     /// The chunk is a delta record, not a page.
     pub(super) delta: bool,
+    /// The chunk is a run of [`RUN_PAGES`] pages (version 3).
+    pub(super) run: bool,
 }
 
 /// Add unique page `u` (at `in_frame` in the frame at `off` of `pack`) to the plan's reads,
@@ -137,6 +139,10 @@ pub fn read_size(stored: u64, max: u64) -> u64 {
 pub(super) struct Plan {
     /// Unique page ids.
     pub(super) uids: Vec<ChunkId>,
+    /// Per unique id: the page's slot in a run chunk (checkpoint format version 3; `uids`
+    /// then holds the run's id, and the page is the chunk's `slot`-th 4 KiB), or
+    /// [`NOT_A_RUN`] for a page chunk or a delta record.
+    pub(super) slots: Vec<u8>,
     /// For each unique id, the pages using it: range into `refs`.
     pub(super) ref_ranges: Vec<(u32, u32)>,
     /// (block, page) sorted by unique id.
@@ -151,6 +157,9 @@ pub(super) struct Plan {
     /// When planning began (read timings in the trace are relative to it).
     pub(super) t0: Instant,
 }
+
+/// [`Plan::slots`] of a page that is a chunk of its own.
+pub(super) const NOT_A_RUN: u8 = u8::MAX;
 
 /// A read started before the stream: its thread returns the bytes.
 pub(super) type Early = std::thread::JoinHandle<Result<Vec<u8>, crate::backend::BackendError>>;
@@ -283,6 +292,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len()); // pack, frame off, off in frame, page
     let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len()); // by page
     let mut bad: Option<(usize, StoreError)> = None;
+    let runs_allowed = m.version >= 3;
     store.locate_many(&ids, |i, hit| {
         let meta = match hit {
             None => {
@@ -293,11 +303,14 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                     codec: Codec::None,
                     crc: 0,
                     delta: false,
+                    run: false,
                 }
             }
             Some((pack, e)) => {
                 let delta = e.kind == ChunkKind::Tree;
-                if !delta && e.raw_len as usize != PAGE_SIZE {
+                // A data chunk of 32 pages is a run (version 3): the page is its slot.
+                let run = !delta && e.raw_len as usize == RUN_BYTES && runs_allowed;
+                if !delta && !run && e.raw_len as usize != PAGE_SIZE {
                     bad.get_or_insert((
                         i,
                         StoreError::Corrupt {
@@ -308,13 +321,15 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                         },
                     ));
                 }
-                hits.push((pack, e.frame_off, e.off_in_frame, i as u32));
+                let slot = if run { (pages[i].1 as usize % RUN_PAGES) * PAGE_SIZE } else { 0 };
+                hits.push((pack, e.frame_off, e.off_in_frame + slot as u32, i as u32));
                 FrameMeta {
                     len: e.frame_len,
                     raw_len: e.frame_raw_len,
                     codec: e.codec,
                     crc: e.frame_crc,
                     delta,
+                    run,
                 }
             }
         };
@@ -346,6 +361,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     // A delta record (manifest version 2) is read, its base read and both verified, and the
     // rebuilt page verified, when streaming; the others are read by frame.
     let mut uids: Vec<ChunkId> = Vec::new();
+    let mut slots: Vec<u8> = Vec::new();
     let mut ref_ranges: Vec<(u32, u32)> = Vec::new();
     let mut refs: Vec<(u32, u32)> = Vec::with_capacity(hits.len());
     let mut deltas: Vec<u32> = Vec::new();
@@ -357,6 +373,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             place = Some((pack, off, in_frame));
             let u = uids.len() as u32;
             uids.push(ids[i]);
+            slots.push(if frames_of[i].run { (pages[i].1 as usize % RUN_PAGES) as u8 } else { NOT_A_RUN });
             ref_ranges.push((refs.len() as u32, refs.len() as u32));
             let f = &frames_of[i];
             if f.delta {
@@ -441,6 +458,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     );
     Ok(Plan {
         uids,
+        slots,
         ref_ranges,
         refs,
         zeros,

@@ -87,6 +87,7 @@ fn arriving_bytes_are_cut_into_batches_of_whole_frames() {
         codec: Codec::Zstd(1),
         crc: 0,
         delta: false,
+        run: false,
     };
     let pack = PackId([3; 16]);
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
@@ -140,6 +141,7 @@ fn reads_coalesce_per_pack_and_end_with_the_smallest() {
         codec: Codec::Zstd(1),
         crc: 0,
         delta: false,
+        run: false,
     };
     let (a, b) = (PackId([1; 16]), PackId([2; 16]));
     let mut jobs = Vec::new();
@@ -176,7 +178,7 @@ fn reads_coalesce_per_pack_and_end_with_the_smallest() {
 
 #[test]
 fn a_packs_small_last_read_is_folded_into_the_one_before() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false };
+    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false, run: false };
     let (a, b, c) = (PackId([1; 16]), PackId([2; 16]), PackId([3; 16]));
     let mut jobs = Vec::new();
     // Pack a: two full 1 MiB reads and a 100 KB remainder; pack b: a full read and a
@@ -268,7 +270,7 @@ fn head_runs_are_cut_like_reads_and_claim_exactly_their_frames() {
 
 #[test]
 fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 131072, codec: Codec::Zstd(1), crc: 0, delta: false };
+    let meta = |len: u32| FrameMeta { len, raw_len: 131072, codec: Codec::Zstd(1), crc: 0, delta: false, run: false };
     let packs: Vec<PackId> = (1..=3u8).map(|k| PackId([k; 16])).collect();
     // 3 packs of 40 frames of 50,000 bytes; page u is in frame u / 4 (in pack order).
     let frame_of = |u: u32| -> (PackId, u64) {

@@ -42,7 +42,7 @@ use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
     ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats, REF_PREFIX,
-    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION,
+    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION, VERSION_NO_RUNS,
 };
 use crate::codec::Codec;
 use crate::disk::map::write_map_with;
@@ -511,7 +511,7 @@ fn save_inner(
     let mut kept: Vec<(ChunkId, Vec<u8>)> = Vec::new();
     let keeping = store.tree_cache().is_some();
     let tail = &ingested.info.tail;
-    let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages) = std::thread::scope(|s| {
+    let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages, run_pages) = std::thread::scope(|s| {
         let maps = &ingested.maps;
         let kept = &mut kept;
         let writer = s.spawn(move || -> Result<(Vec<ChunkId>, f64), MemError> {
@@ -546,7 +546,7 @@ fn save_inner(
             Ok((root, t.elapsed().as_secs_f64() * 1e3))
         });
         let t_count = Instant::now();
-        let counts = count_pages(maps);
+        let counts = count_pages(maps, &ingested.runs);
         let blocks: Vec<BlockMeta> = layout
             .blocks
             .iter()
@@ -565,7 +565,7 @@ fn save_inner(
         if let (Ok(Ok((_, maps_ms))), Ok(Ok((_, tail_ms)))) = (&roots, &tail_root) {
             tracing::debug!(target: TARGET, maps_ms, tail_ms, count_ms, "save: page maps and tail written");
         }
-        (roots, tail_root, blocks, all, zero_pages, data_pages)
+        (roots, tail_root, blocks, all, zero_pages, data_pages, counts.run_pages)
     });
     let map_roots = map_roots??.0;
     let tail_root = tail_root??.0;
@@ -599,7 +599,8 @@ fn save_inner(
     };
     let mut manifest = Manifest {
         format: FORMAT.into(),
-        version: VERSION,
+        // Run chunks need version 3; without them older readers can still read it.
+        version: if run_pages > 0 { VERSION } else { VERSION_NO_RUNS },
         name: name.into(),
         created_unix: now_unix(),
         mode: opts.mode,

@@ -50,7 +50,7 @@ fn page_counts_match_sorting_whole_ids() {
                 .collect()
         })
         .collect();
-    let c = count_pages(&maps);
+    let c = count_pages(&maps, &Default::default());
     let mut all: Vec<ChunkId> = Vec::new();
     for (b, ids) in maps.iter().enumerate() {
         let mut uniq: Vec<ChunkId> = ids.iter().filter(|i| !i.is_zero()).copied().collect();
@@ -67,4 +67,26 @@ fn page_counts_match_sorting_whole_ids() {
     assert_eq!(c.zero, c.per_block.iter().map(|p| p.0).sum::<u64>());
     // Repeats across blocks count once overall but once in each block.
     assert!(c.per_block.iter().map(|p| p.1).sum::<u64>() > c.unique);
+}
+
+/// A page mapped to a run chunk is (run, slot): a run's 32 pages count as 32 distinct pages,
+/// and the same run at the same slots in another block counts once overall.
+#[test]
+fn run_pages_count_by_slot() {
+    let run = ChunkId::of(b"run");
+    let page = ChunkId::of(b"page");
+    let runs: std::collections::HashSet<ChunkId> = [run].into_iter().collect();
+    // Block 0: a run at [0, 32), a page at 32 and 33, a zero page at 34.
+    let mut b0 = vec![run; 32];
+    b0.extend([page, page, ChunkId::ZERO]);
+    // Block 1: the same run at [32, 64) (same slots), the page again at 0.
+    let mut b1 = vec![page];
+    b1.extend(vec![ChunkId::ZERO; 31]);
+    b1.extend(vec![run; 32]);
+    let c = count_pages(&[b0.clone(), b1.clone()], &runs);
+    assert_eq!(c.per_block, vec![(1, 33), (31, 33)]);
+    assert_eq!((c.zero, c.data, c.unique, c.run_pages), (32, 67, 33, 64));
+    // Without knowing the run, the 32 pages would be one.
+    let c = count_pages(&[b0, b1], &Default::default());
+    assert_eq!((c.unique, c.run_pages), (2, 0));
 }
