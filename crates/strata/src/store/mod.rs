@@ -9,7 +9,7 @@
 //! pack data -> sync -> index object -> sync -> ref -> sync; deletion runs in reverse.
 //! On a network backend (an acknowledged put is durable) a pack is also sealed early, while
 //! fewer than [`EARLY_SEAL_UPLOADS`] packs are uploading (at least [`EARLY_SEAL_BYTES`], or
-//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, ramping up to it from
+//! [`EARLY_SEAL_IDLE_BYTES`] while nothing is, both ramping up from
 //! [`EARLY_SEAL_FIRST_BYTES`] after each ref commit), and its index object
 //! follows its put at once, so a flush waits only for uploads still running.
 //!
@@ -204,6 +204,11 @@ struct OpenPack {
     /// `session::EARLY_SEAL_FIRST_BYTES` to `EARLY_SEAL_IDLE_BYTES` (doubling per idle seal)
     /// after each ref commit, so the first upload of a save leaves within a few ms.
     idle_seal_at: u64,
+    /// Size at which the open pack is sealed early while one pack is uploading: ramps from
+    /// twice `EARLY_SEAL_FIRST_BYTES` to `EARLY_SEAL_BYTES` (doubling per such seal) after
+    /// each ref commit, so a save's first uploads overlap instead of leaving the link idle at
+    /// every request's end.
+    busy_seal_at: u64,
 }
 
 pub(crate) struct Inner {
@@ -327,7 +332,12 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 sh,
-                open: Mutex::new(OpenPack { builder: None, no: u32::MAX, idle_seal_at: EARLY_SEAL_FIRST_BYTES }),
+                open: Mutex::new(OpenPack {
+                    builder: None,
+                    no: u32::MAX,
+                    idle_seal_at: EARLY_SEAL_FIRST_BYTES,
+                    busy_seal_at: 2 * EARLY_SEAL_FIRST_BYTES,
+                }),
                 sealing: RwLock::new(()),
                 writer,
                 flush_lock: Mutex::new(()),

@@ -23,7 +23,11 @@ use std::sync::Arc;
 /// file, fsync) was what the 2-core host ran short of: over 12 alternating rounds each
 /// (`bench save-restore --remote --sizes 128`), 2 MiB / 8 MiB made 11–17 objects instead of 33–50, cut
 /// versitygw's CPU per restore from 0.12–0.18 to 0.07–0.13 s, and the median save from 0.40
-/// to 0.355 s; restores were within the noise (docs/results/README.md, session 11).
+/// to 0.355 s; restores were within the noise (docs/results/README.md, session 11). Since
+/// session 34 a burst reaches it by doubling from twice [`EARLY_SEAL_FIRST_BYTES`] (512 KiB,
+/// 1, 2, 4, 8 MiB), one busy seal at a time: before, a save's first uploads went one at a
+/// time (each sealed idle, as the last one's reply came), and the link idled ~10-15 ms of the
+/// first 40 (`scripts/link-trace.py`, 512 MiB saves).
 pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// Smallest pack sealed early while nothing is uploading: the link would otherwise idle until
 /// more is ready. 2 MiB (was 256 KiB): the first upload leaves ~20 ms into a 128 MiB save
@@ -225,10 +229,12 @@ impl Store {
             let (early, idle) = match self.inner.early_seal.then(|| sh.uploads.pending()) {
                 None => (false, false),
                 Some(0) => (len >= open.idle_seal_at, true),
-                Some(n) => (n < EARLY_SEAL_UPLOADS && len >= EARLY_SEAL_BYTES, false),
+                Some(n) => (n < EARLY_SEAL_UPLOADS && len >= open.busy_seal_at, false),
             };
             if early && idle {
                 open.idle_seal_at = (open.idle_seal_at * 2).min(EARLY_SEAL_IDLE_BYTES);
+            } else if early {
+                open.busy_seal_at = (open.busy_seal_at * 2).min(EARLY_SEAL_BYTES);
             }
             let sealed = if len >= self.inner.pack_size || early { self.seal_locked(&mut open) } else { None };
             (sealed, n_new)
@@ -363,7 +369,11 @@ impl Session {
         flushed?;
         // The next write starts a new burst (e.g. the next save): its first upload leaves
         // early. Not at every flush: a long save flushes every 128 MiB and keeps going.
-        inner.open.lock().idle_seal_at = EARLY_SEAL_FIRST_BYTES;
+        {
+            let mut open = inner.open.lock();
+            open.idle_seal_at = EARLY_SEAL_FIRST_BYTES;
+            open.busy_seal_at = 2 * EARLY_SEAL_FIRST_BYTES;
+        }
         tracing::debug!(target: "strata::store", name, flush_ms = t0.elapsed().as_secs_f64() * 1e3, "flushed for a ref");
         let old = match old {
             Ok(Ok(o)) => o,

@@ -426,6 +426,129 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     check(&burst(3));
 }
 
+/// A network backend whose pack puts wait for a permit; it records every pack's size as its
+/// put begins.
+#[derive(Debug)]
+struct GatedPacks {
+    mem: MemoryBackend,
+    permits: Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>,
+    sizes: Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+impl Backend for GatedPacks {
+    fn name(&self) -> String {
+        "gated".into()
+    }
+    fn capabilities(&self) -> crate::backend::Capabilities {
+        crate::backend::Capabilities { network: true, ..self.mem.capabilities() }
+    }
+    fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
+        self.mem.get(key)
+    }
+    fn put(&self, key: &str, data: &[u8]) -> crate::backend::BResult<()> {
+        if key.starts_with("packs/") {
+            self.sizes.lock().unwrap_or_else(|e| e.into_inner()).push(data.len() as u64);
+            let (m, cv) = &*self.permits;
+            let mut p = cv.wait_while(m.lock().unwrap_or_else(|e| e.into_inner()), |p| *p == 0).unwrap_or_else(|e| e.into_inner());
+            *p -= 1;
+        }
+        self.mem.put(key, data)
+    }
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> crate::backend::BResult<bool> {
+        self.mem.put_if_absent(key, data)
+    }
+    fn list(&self, prefix: &str) -> crate::backend::BResult<Vec<crate::backend::ObjectInfo>> {
+        self.mem.list(prefix)
+    }
+    fn delete(&self, key: &str) -> crate::backend::BResult<()> {
+        self.mem.delete(key)
+    }
+    fn sync(&self) -> crate::backend::BResult<()> {
+        Ok(())
+    }
+}
+
+/// Busy seals ramp too: while one pack is uploading, the next is sealed at twice
+/// EARLY_SEAL_FIRST_BYTES, then at double the last busy seal, up to EARLY_SEAL_BYTES, so a
+/// save's first uploads overlap (two in flight) instead of each waiting for the last one's
+/// reply; a ref commit starts the ramp again.
+#[test]
+fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
+    let d = tempfile::tempdir().unwrap();
+    let permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
+    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let ses = s.session();
+    // Dropped before the store (declared after it): a failed assertion must not leave the
+    // store's drop waiting on held puts.
+    struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
+    impl Drop for OpenGate {
+        fn drop(&mut self) {
+            *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = u64::MAX / 2;
+            self.0 .1.notify_all();
+        }
+    }
+    let _open_on_exit = OpenGate(permits.clone());
+    let chunk = 64u64 << 10;
+    let mut n = 0u64;
+    // Puts begin on the uploader's threads a moment after the seal counts as pending.
+    let wait_sizes = |k: usize| {
+        let t = std::time::Instant::now();
+        while sizes.lock().unwrap().len() < k && t.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let release = |k: u64| {
+        let (m, cv) = &*permits;
+        *m.lock().unwrap() += k;
+        cv.notify_all();
+    };
+    // Put chunks until two packs are uploading (their puts held), then let one finish: each
+    // round seals exactly one busy pack.
+    let mut until_two_pending = |ids: &mut Vec<ChunkId>| {
+        let mut k = 0;
+        while s.inner.sh.uploads.pending() < 2 {
+            n += 1;
+            k += 1;
+            assert!(k < 400, "no busy seal after {k} chunks");
+            ids.push(ses.put(&data(9000 + n, chunk as usize), ChunkKind::Data).unwrap());
+        }
+    };
+    let wait_one_landed = |want_pending: usize| {
+        let t = std::time::Instant::now();
+        while s.inner.sh.uploads.pending() > want_pending {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        until_two_pending(&mut ids);
+        release(1);
+        wait_one_landed(1);
+    }
+    wait_sizes(7);
+    let payload = |v: &[u64]| v.iter().map(|&b| b / chunk * chunk).collect::<Vec<u64>>();
+    let want: Vec<u64> = [1u64, 2, 4, 8, 16, 32, 32].iter().map(|&k| k * EARLY_SEAL_FIRST_BYTES).collect();
+    let got = payload(&sizes.lock().unwrap());
+    assert_eq!(&got[..], &want[..], "pack payloads (whole 64 KiB chunks) in seal order");
+    assert_eq!(32 * EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_BYTES);
+    release(1 << 20);
+    ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+    // After the commit: 256 KiB (idle), then 512 KiB (busy) again.
+    sizes.lock().unwrap().clear();
+    *permits.0.lock().unwrap() = 0;
+    until_two_pending(&mut ids);
+    wait_sizes(2);
+    assert_eq!(payload(&sizes.lock().unwrap()), vec![EARLY_SEAL_FIRST_BYTES, 2 * EARLY_SEAL_FIRST_BYTES]);
+    release(1 << 20);
+    ses.commit_ref("r2", Ref { roots: vec![ids[1]], ..Default::default() }).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(s.get(id).unwrap(), data(9001 + i as u64, chunk as usize));
+    }
+}
+
 /// A pack's buffer comes back for the next open pack as soon as its put finishes, before any
 /// flush makes it durable (a disk fold used to fill ~30 fresh 32 MiB buffers and hold them
 /// all until its commit); reads of such a pack go to the backend; spares are dropped with
