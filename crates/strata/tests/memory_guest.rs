@@ -16,7 +16,7 @@ use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::disk::map::read_map;
 use strata::memory::delta::BasePolicy;
-use strata::memory::manifest::{Mode, RUN_BYTES};
+use strata::memory::manifest::{is_run_chunk, Mode};
 use strata::memory::restore::load_checkpoint;
 use strata::memory::save::{save, SaveOptions};
 use strata::progress::NoProgress;
@@ -173,7 +173,7 @@ fn run_pages(store: &Store, name: &str) -> usize {
     c.map_roots
         .iter()
         .flat_map(|root| read_map(store, root).unwrap())
-        .filter(|id| !id.is_zero() && store.chunk_info(id).is_some_and(|(l, _)| l as usize == RUN_BYTES))
+        .filter(|id| !id.is_zero() && is_run_chunk(store, id))
         .count()
 }
 
@@ -196,7 +196,6 @@ fn random_memory_is_kept_in_run_chunks_and_restores() {
     assert!(runs0 >= 96 * 256 / 2, "only {runs0} of 24576 random pages in runs");
     assert!(r0.delta.is_none());
     g.command("fill 4 0 0 4", T).unwrap();
-    let sum = reply_field(&g.command("sum", T).unwrap(), "sum").unwrap().to_string();
     let mut opts = SaveOptions::new(Mode::BackgroundSnapshot);
     opts.base = BasePolicy::Named("r0".into());
     let r1 = save(&store, &mut q, "r1", &opts, &NoProgress).unwrap();

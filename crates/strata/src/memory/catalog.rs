@@ -10,11 +10,10 @@
 use std::collections::{HashMap, HashSet};
 
 use super::error::MemError;
-use super::manifest::{ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX, RUN_BYTES, RUN_PAGES};
+use super::manifest::{is_run_chunk, ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX, RUN_PAGES};
 use super::restore::load_checkpoint;
 use crate::disk::map::read_map;
 use crate::id::ChunkId;
-use crate::store::pack::ChunkKind;
 use crate::store::Store;
 
 /// One line of `vm list`.
@@ -119,10 +118,7 @@ fn page_ids(store: &Store, c: &Checkpoint) -> Result<HashSet<(ChunkId, u8)>, Mem
             source,
         })?;
         for (p, id) in ids.into_iter().enumerate().filter(|(_, i)| !i.is_zero()) {
-            let run = *runs.entry(id).or_insert_with(|| {
-                c.manifest.version >= 3
-                    && store.chunk_info(&id).is_some_and(|(l, k)| k == ChunkKind::Data && l as usize == RUN_BYTES)
-            });
+            let run = *runs.entry(id).or_insert_with(|| c.manifest.version >= 3 && is_run_chunk(store, &id));
             set.insert((id, if run { (p % RUN_PAGES) as u8 } else { u8::MAX }));
         }
     }

@@ -41,6 +41,14 @@ pub const VERSION_NO_RUNS: u32 = 2;
 pub const RUN_PAGES: usize = 32;
 /// Bytes of a run chunk.
 pub const RUN_BYTES: usize = RUN_PAGES * PAGE_SIZE;
+
+/// Whether the store holds `id` as a run chunk (a data chunk of [`RUN_BYTES`]), as the index
+/// tells it: a page map entry naming one is a slot of it.
+pub fn is_run_chunk(store: &crate::store::Store, id: &ChunkId) -> bool {
+    store
+        .chunk_info(id)
+        .is_some_and(|(len, kind)| kind == crate::store::pack::ChunkKind::Data && len as usize == RUN_BYTES)
+}
 /// Entropy (bits per byte, of a 1 KiB sample of each page) above which a save counts a page
 /// as uniform, i.e. a run candidate (`memory/ingest/pool.rs`). 1 KiB of uniform random bytes
 /// measures ~7.8 (a finite sample's histogram is never flat; 7.73-7.87 over 10,000 pages in

@@ -17,7 +17,7 @@
 
 use super::*;
 use crate::codec::{byte_entropy, Codec};
-use crate::memory::manifest::{RUN_BYTES, RUN_PAGES, RUN_UNIFORM_BITS};
+use crate::memory::manifest::{is_run_chunk, RUN_PAGES, RUN_UNIFORM_BITS};
 use crate::store::Store;
 
 /// Whether a page's bytes look uniform: the entropy of two 512-byte runs (its start and its
@@ -34,7 +34,7 @@ fn base_run(d: &DeltaSink<'_>, store: &Store, block: u32, p0: u32) -> Option<Chu
     if first.is_zero() || (1..RUN_PAGES as u32).any(|k| d.base_id(block, p0 + k) != Some(first)) {
         return None;
     }
-    store.chunk_info(&first).filter(|&(l, k)| k == ChunkKind::Data && l as usize == RUN_BYTES).map(|_| first)
+    is_run_chunk(store, &first).then_some(first)
 }
 
 /// Batch indices where a run starts: [`RUN_PAGES`] batch entries of one ramblock with
@@ -199,7 +199,7 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                 if !sh.session.store().contains(id) {
                     if let Some(rid) = dw.offer(d, sh.session, *id, block, page_no, page, read_base) {
                         // Unchanged since the base, where it was in a run: the run again.
-                        if sh.session.store().chunk_info(&rid).is_some_and(|(l, k)| k == ChunkKind::Data && l as usize == RUN_BYTES) {
+                        if is_run_chunk(sh.session.store(), &rid) {
                             sh.runs.lock().insert(rid);
                         }
                         as_delta.push((i, rid));
