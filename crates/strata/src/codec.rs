@@ -115,6 +115,10 @@ pub fn with_zstd_compressor<R>(level: i32, f: impl FnOnce(&mut zstd::bulk::Compr
 /// threads is not known here: this counts only the pool), each warmed by one compression of
 /// a 128 KiB frame. Meant for a helper thread before a burst of compression.
 pub fn prewarm_zstd(levels: &[i32], per_level: usize) {
+    let want = per_level.min(pool_cap());
+    if levels.iter().all(|&l| ZSTD_POOL.lock().iter().filter(|(pl, _)| *pl == l).count() >= want) {
+        return;
+    }
     // Text-like bytes: matches at every distance, so the hash and chain tables are touched
     // throughout, as real frames touch them.
     let mut x = 0x9E37_79B9_7F4A_7C15u64;

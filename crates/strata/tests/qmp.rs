@@ -191,6 +191,18 @@ fn pipelined_replies_in_order() {
     q.qmp.pipeline(&[("query-status", None), ("cont", None)]).unwrap();
     assert_eq!(q.qmp.machine_type().unwrap(), "pc-i440fx-7.2");
     assert!(q.qmp.query_status().unwrap().running, "cont ran in the pipeline");
+    // Sent without waiting: the replies are read by the next command, in order, and events
+    // that came with them are kept; a send right after another reads the first one's replies.
+    q.qmp.send_pipeline(&[("query-status", None), ("stop", None)]).unwrap();
+    q.qmp.send_pipeline(&[("query-status", None), ("cont", None)]).unwrap();
+    assert!(!q.qmp.query_status().unwrap().running, "the second query-status ran after the first batch's stop");
+    q.qmp.execute("cont", None).unwrap();
+    assert!(q.qmp.wait_event("STOP", Duration::from_secs(5)).is_ok(), "the STOP event read with the replies is kept");
+    assert!(q.qmp.query_status().unwrap().running);
+    // Unread replies are read (and dropped) by discard_pipelined: the next command gets its own.
+    q.qmp.send_pipeline(&[("stop", None), ("query-status", None)]).unwrap();
+    q.qmp.discard_pipelined();
+    assert!(!q.qmp.query_status().unwrap().running, "stop ran, and the stale query-status reply was dropped");
     q.quit();
 }
 

@@ -63,6 +63,9 @@ pub struct QmpClient {
     timeout: Duration,
     /// Replies read ahead by [`QmpClient::pipeline`], handed out in order by `execute`.
     pipelined: VecDeque<Pipelined>,
+    /// Commands sent by [`QmpClient::send_pipeline`] whose replies are not read yet:
+    /// (command, arguments, id).
+    unread: Vec<(String, Option<Value>, String)>,
 }
 
 /// One reply read ahead by [`QmpClient::pipeline`].
@@ -116,6 +119,7 @@ impl QmpClient {
             next_id: 1,
             timeout,
             pipelined: VecDeque::new(),
+            unread: Vec::new(),
         };
         let greeting = c.read_message("the QMP greeting", Instant::now() + timeout, timeout)?;
         c.parse_greeting(&greeting)?;
@@ -194,6 +198,7 @@ impl QmpClient {
     /// reply is returned without another round trip; any other command first drops the
     /// pipelined replies nobody asked for.
     pub fn execute(&mut self, cmd: &str, args: Option<Value>) -> Result<Value, QmpError> {
+        self.read_pipelined()?;
         if let Some(p) = self.pipelined.pop_front() {
             if p.cmd == cmd && p.args == args {
                 tracing::debug!(target: TARGET, cmd, "QMP reply (pipelined)");
@@ -217,35 +222,53 @@ impl QmpClient {
     /// ...) work unchanged. Only a transport failure is returned here; a command's own error
     /// is returned by its `execute`.
     pub fn pipeline(&mut self, cmds: &[(&str, Option<Value>)]) -> Result<(), QmpError> {
+        self.send_pipeline(cmds)?;
+        self.read_pipelined()
+    }
+
+    /// The first half of [`pipeline`](Self::pipeline): send the commands in one write and
+    /// return at once, so QEMU works on them while the caller does something else. The
+    /// replies are read by the next `execute` (or [`read_pipelined`](Self::read_pipelined))
+    /// and handed out as `pipeline`'s are.
+    pub fn send_pipeline(&mut self, cmds: &[(&str, Option<Value>)]) -> Result<(), QmpError> {
+        self.read_pipelined()?;
         self.pipelined.clear();
-        let mut ids = Vec::with_capacity(cmds.len());
         let mut buf = Vec::new();
+        let mut sent = Vec::with_capacity(cmds.len());
         for (cmd, args) in cmds {
             let (id, line) = self.request(cmd, args.as_ref())?;
             buf.extend_from_slice(&line);
-            ids.push(id);
+            sent.push((cmd.to_string(), args.clone(), id));
         }
         let names: Vec<&str> = cmds.iter().map(|c| c.0).collect();
         self.sock
             .write_all(&buf)
             .map_err(|source| self.io_error(&names.join(", "), source))?;
         tracing::debug!(target: TARGET, cmds = ?names, "QMP pipeline");
-        let mut got = VecDeque::with_capacity(cmds.len());
-        for ((cmd, args), id) in cmds.iter().zip(&ids) {
-            let reply = self.reply(cmd, id)?;
-            got.push_back(Pipelined {
-                cmd: cmd.to_string(),
-                args: args.clone(),
-                reply,
-            });
+        self.unread = sent;
+        Ok(())
+    }
+
+    /// Read the replies of commands [`send_pipeline`](Self::send_pipeline) sent (a no-op when
+    /// there are none). Only a transport failure is returned here.
+    pub fn read_pipelined(&mut self) -> Result<(), QmpError> {
+        if self.unread.is_empty() {
+            return Ok(());
         }
-        self.pipelined = got;
+        let sent = std::mem::take(&mut self.unread);
+        for (cmd, args, id) in sent {
+            let reply = self.reply(&cmd, &id)?;
+            self.pipelined.push_back(Pipelined { cmd, args, reply });
+        }
         Ok(())
     }
 
     /// Forget replies read ahead by [`pipeline`](Self::pipeline) that were not asked for, so a
     /// later command of the same name cannot be answered by an old reply.
     pub fn discard_pipelined(&mut self) {
+        // Replies still unread are read (a later command must not meet them); a transport
+        // failure shows again at that command.
+        let _ = self.read_pipelined();
         if !self.pipelined.is_empty() {
             tracing::debug!(target: TARGET, unused = self.pipelined.len(), "dropping pipelined QMP replies");
             self.pipelined.clear();
@@ -321,6 +344,7 @@ impl QmpClient {
 
     /// Return the first queued or newly received event named `name`; other events stay queued.
     pub fn wait_event(&mut self, name: &str, timeout: Duration) -> Result<QmpEvent, QmpError> {
+        self.read_pipelined()?;
         if let Some(i) = self.events.iter().position(|e| e.name == name) {
             if let Some(ev) = self.events.remove(i) {
                 return Ok(ev);
@@ -341,6 +365,7 @@ impl QmpClient {
 
     /// Read any events QEMU has sent, waiting at most `wait` for the first one.
     pub fn poll_events(&mut self, wait: Duration) -> Result<usize, QmpError> {
+        self.read_pipelined()?;
         let before = self.events.len();
         let deadline = Instant::now() + wait;
         loop {

@@ -203,7 +203,79 @@ pub const UPLOADS: usize = 4;
 /// Index objects written at once by a flush (small objects: latency-bound on a remote backend).
 pub const INDEX_PUTS: usize = 8;
 
-type Upload = JoinHandle<std::result::Result<Written, crate::backend::BackendError>>;
+type PutResult = std::result::Result<Written, crate::backend::BackendError>;
+type PutJob = Box<dyn FnOnce() -> PutResult + Send>;
+
+/// One upload running on an [`Uploaders`] thread; its outcome (or its panic) comes back here.
+struct Upload {
+    rx: Receiver<std::thread::Result<PutResult>>,
+    got: Option<std::thread::Result<PutResult>>,
+}
+
+impl Upload {
+    fn is_finished(&mut self) -> bool {
+        if self.got.is_none() {
+            self.got = self.rx.try_recv().ok();
+        }
+        self.got.is_some()
+    }
+
+    /// Wait for the outcome; a thread that vanished counts as a panic.
+    fn join(self) -> std::thread::Result<PutResult> {
+        match self.got {
+            Some(r) => r,
+            None => self.rx.recv().unwrap_or_else(|_| Err(Box::new("upload thread gone"))),
+        }
+    }
+}
+
+/// [`UPLOADS`] long-lived upload threads, started with the first pack. A thread spawned per
+/// upload (before session 35) started late on a busy 2-core host: a new thread waits behind
+/// the running ones (the scheduler's start debit), while a sleeping one is woken ahead of
+/// them, and a save's first uploads went out 1-2 ms after their packs were sealed, with the
+/// link idle (debug trace of a 128 MiB save to S3).
+struct Uploaders {
+    tx: Option<mpsc::Sender<(PutJob, SyncSender<std::thread::Result<PutResult>>)>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Uploaders {
+    fn new() -> Uploaders {
+        Uploaders { tx: None, threads: Vec::new() }
+    }
+
+    fn submit(&mut self, job: PutJob) -> std::io::Result<Upload> {
+        if self.tx.is_none() {
+            let (tx, rx) = mpsc::channel::<(PutJob, SyncSender<std::thread::Result<PutResult>>)>();
+            let rx = Arc::new(Mutex::new(rx));
+            for _ in 0..UPLOADS {
+                let rx = rx.clone();
+                self.threads.push(std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || loop {
+                    let next = rx.lock().recv();
+                    let Ok((job, done)) = next else { return };
+                    let _ = done.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)));
+                })?);
+            }
+            self.tx = Some(tx);
+        }
+        let (done, rx) = mpsc::sync_channel(1);
+        self.tx
+            .as_ref()
+            .expect("started above")
+            .send((job, done))
+            .map_err(|_| std::io::Error::other("upload threads gone"))?;
+        Ok(Upload { rx, got: None })
+    }
+}
+
+impl Drop for Uploaders {
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
 
 /// Wait for the oldest upload; record it, or poison the store.
 fn reap(sh: &Shared, inflight: &mut std::collections::VecDeque<Upload>, written: &mut Vec<Written>) {
@@ -258,6 +330,7 @@ fn run_meta(sh: Arc<Shared>, rx: Receiver<MetaRows>) {
 fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
     let mut written: Vec<Written> = Vec::new();
     let mut inflight: std::collections::VecDeque<Upload> = std::collections::VecDeque::new();
+    let mut uploaders = Uploaders::new();
     for job in rx {
         match job {
             Job::Pack { no, id, bytes, entries } => {
@@ -267,13 +340,13 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 }
                 // Uploads already done are reaped first (in order), so their buffers are back
                 // for the next open packs; then wait for room.
-                while inflight.front().is_some_and(|h| h.is_finished()) || inflight.len() >= UPLOADS {
+                while inflight.front_mut().is_some_and(|h| h.is_finished()) || inflight.len() >= UPLOADS {
                     reap(&sh, &mut inflight, &mut written);
                 }
                 let sh2 = sh.clone();
                 let network = sh.backend.capabilities().network;
                 let size = bytes.len() as u64;
-                let spawned = std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || {
+                let spawned = uploaders.submit(Box::new(move || {
                     sh2.uploads.start();
                     let t0 = std::time::Instant::now();
                     let r = sh2.backend.put_shared(&id.pack_key(), &bytes);
@@ -287,7 +360,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                     let index = index_bytes(id, &bytes, &entries);
                     drop(bytes);
                     Ok(Written { no, id, size, entries, index: Some(index) })
-                });
+                }));
                 match spawned {
                     Ok(h) => inflight.push_back(h),
                     Err(e) => {

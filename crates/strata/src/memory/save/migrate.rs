@@ -123,6 +123,7 @@ pub(super) fn run(
     opts: &SaveOptions,
     chooser: &Chooser,
     was_running: bool,
+    settings: &[Request],
     progress: &dyn Progress,
     t0: Instant,
 ) -> Result<(Ingested, Timing), MemError> {
@@ -151,8 +152,31 @@ pub(super) fn run(
     };
     qmp.take_events();
 
+    // The settings, `stop` (a save of a running guest) and `migrate` go in one write: one
+    // round trip instead of three (session 35: ~1.1 ms of a save's set-up). QEMU runs them in
+    // order, so a refused setting has already let the guest stop and the migration start:
+    // both are undone (`migrate_cancel` here, the caller resumes the guest).
+    let stop = opts.mode == Mode::Save && was_running;
+    let uri = format!("unix:{}", sock.display());
+    let mut reqs: Vec<Request> = settings.to_vec();
+    if stop {
+        reqs.push(("stop", None));
+    }
+    reqs.push(("migrate", Some(serde_json::json!({ "uri": uri }))));
+    qmp.send_pipeline(&reqs).map_err(q("migrate"))?;
+    let checked = (|| {
+        for (cmd, args) in settings {
+            qmp.execute(cmd, args.clone()).map_err(q(cmd))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = checked {
+        qmp.discard_pipelined();
+        let _ = qmp.migrate_cancel();
+        return Err(e);
+    }
     let mut t_stop = None;
-    if opts.mode == Mode::Save && was_running {
+    if stop {
         qmp.stop().map_err(q("stop"))?;
         t_stop = Some(Instant::now());
     }
@@ -296,6 +320,7 @@ fn wait_source<T>(
         name: name.into(),
         bytes: conn.bytes.load(Ordering::Relaxed),
     };
+    // Its reply was read ahead with the settings' (`run`).
     if let Err(e) = qmp.migrate(&format!("unix:{}", sock.display())) {
         return Err(match e {
             QmpError::Closed { .. } => died(0),
