@@ -124,6 +124,7 @@ pub(super) fn run(
     chooser: &Chooser,
     was_running: bool,
     settings: &[Request],
+    on_migrating: &mut dyn FnMut(),
     progress: &dyn Progress,
     t0: Instant,
 ) -> Result<(Ingested, Timing), MemError> {
@@ -180,6 +181,7 @@ pub(super) fn run(
         qmp.stop().map_err(q("stop"))?;
         t_stop = Some(Instant::now());
     }
+    on_migrating();
     let t_migrate = Instant::now();
     let setup_ms = t_migrate.duration_since(t0).as_secs_f64() * 1e3;
     tracing::debug!(target: "strata::memory", setup_ms, stop_ms = t_stop.map(|t| t.duration_since(t0).as_secs_f64() * 1e3), "save: migrating");

@@ -4,15 +4,17 @@
 //! The sequence, and why each step is there:
 //! 1. Refuse early, before the guest is touched: a bad or taken name, a migration already
 //!    running, or capabilities strata cannot store (xbzrle, compress, postcopy, block, ...:
-//!    `qmp::caps` names each with the fix). The name's lease is taken meanwhile and waited
-//!    for only at step 5 (a save losing it to another host fails there, nothing visible).
+//!    `qmp::caps` names each with the fix). The queries go out first, in one write. The
+//!    name's lease is taken from the moment `migrate` is answered and waited for only at
+//!    step 5 (a save losing it to another host fails there, nothing visible).
 //! 2. A starting Speed_Transfer for the codec choice (`codec_choice`: a speed this host
 //!    remembered for the backend, 1 Gbit/s on a network backend, or a probe of a local disk;
 //!    the save's own pack uploads then measure it), and remember QEMU's `max-bandwidth` and
 //!    `background-snapshot` settings
 //!    to put them back afterwards: strata raises the bandwidth (QEMU 7.2 throttles to
 //!    128 MiB/s by default) and sets the capability the mode needs.
-//! 3. Listen on a fresh unix socket, `migrate unix:PATH`, and run the receive pipeline
+//! 3. Listen on a fresh unix socket, send the settings, `stop` (a save) and `migrate
+//!    unix:PATH` in one write, and run the receive pipeline
 //!    (`ingest`) on a thread while this thread polls `query-migrate`. Whichever side fails
 //!    first stops the other: a failed/cancelled migration or a dead QEMU shuts the socket
 //!    down; a pipeline failure (store full, refused stream) cancels the migration.
@@ -199,6 +201,26 @@ impl Drop for PendingLease {
     }
 }
 
+/// Take the checkpoint's lease on a helper thread, at low CPU priority: it is needed only at
+/// the commit. None if the thread cannot start (the commit then fails, nothing visible).
+fn take_lease(store: &Store, rname: &str) -> Option<std::thread::JoinHandle<LeaseResult>> {
+    let (store, rname) = (store.clone(), rname.to_string());
+    std::thread::Builder::new()
+        .name("strata-save-lease".into())
+        .spawn(move || {
+            // SAFETY: a plain syscall on the calling thread; failure leaves the priority.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+            }
+            let t = Instant::now();
+            let lease = store.lease_if_needed(&rname);
+            tracing::debug!(target: TARGET, lease_ms = t.elapsed().as_secs_f64() * 1e3, "save: lease taken");
+            lease
+        })
+        .ok()
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -313,33 +335,17 @@ fn save_inner(
                 crate::codec::prewarm_zstd(&levels, per_level)
             });
     }
-    // One writer per checkpoint name, across hosts (docs/backends.md). The lease and the
-    // listing are backend round trips run beside the read-only QMP queries below. The listing
-    // (is the name taken, could any checkpoint be a delta base) is waited for before QEMU is
-    // changed; the lease only before the commit, since the pages a save stores are invisible
-    // until its ref is written and the commit takes the name under the lease anyway: a save
-    // whose lease is held elsewhere fails there, with nothing visible (session 29: the lease
-    // took 3.8-5.8 ms, the QMP queries 2.7-4.2, and the save waited for the difference).
-    let mut lease = PendingLease(Some({
-        let (store, rname) = (store.clone(), rname.clone());
-        std::thread::Builder::new()
-            .name("strata-save-lease".into())
-            .spawn(move || {
-                // At low CPU priority: the lease is needed only at the commit, while QEMU's
-                // replies to the set-up queries and the stream's start are on the save's
-                // critical path, and a 2-core host has no core to spare for it then.
-                // SAFETY: a plain syscall on the calling thread; failure leaves the priority.
-                unsafe {
-                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-                }
-                let t = Instant::now();
-                let lease = store.lease_if_needed(&rname);
-                tracing::debug!(target: TARGET, lease_ms = t.elapsed().as_secs_f64() * 1e3, "save: lease taken");
-                lease
-            })
-            .map_err(|_| MemError::Panic { what: "lease" })?
-    }));
+    // One writer per checkpoint name, across hosts (docs/backends.md). The listing (is the
+    // name taken, could any checkpoint be a delta base) is a backend round trip run beside the
+    // read-only QMP queries, and waited for before QEMU is changed. The lease is waited for
+    // only before the commit, since the pages a save stores are invisible until its ref is
+    // written and the commit takes the name under the lease anyway: a save whose lease is
+    // held elsewhere fails there, with nothing visible (session 29: the lease took 3.8-5.8 ms,
+    // the QMP queries 2.7-4.2, and the save waited for the difference). Its thread starts once
+    // `migrate` has been answered (`run`'s `on_migrating`, session 35): on a 2-core host its
+    // requests, and the server's work on them, slowed QEMU's answers to the set-up queries,
+    // which are the save's critical path, while the commit is far off.
+    let mut lease = PendingLease(None);
     let listing = {
         let (store, rname) = (store.clone(), rname.clone());
         std::thread::Builder::new()
@@ -468,15 +474,15 @@ fn save_inner(
     } else {
         chooser
     };
+    let want_bg = opts.mode == Mode::BackgroundSnapshot;
+    let bg_state = caps.iter().find(|c| c.capability == "background-snapshot").map(|c| c.state);
+    // Only what the save changes is put back afterwards, and the capability is set only when
+    // it is not already as the mode needs (one QMP command less on the way to `migrate`).
     let restorer = Restorer {
         max_bandwidth: params.get("max-bandwidth").and_then(Value::as_u64),
-        background_snapshot: caps
-            .iter()
-            .find(|c| c.capability == "background-snapshot")
-            .map(|c| c.state),
+        background_snapshot: bg_state.filter(|&s| s != want_bg),
     };
-    let want_bg = opts.mode == Mode::BackgroundSnapshot;
-    if restorer.background_snapshot.is_none() && want_bg {
+    if bg_state.is_none() && want_bg {
         return Err(MemError::SourceFailed {
             name: name.into(),
             status: "setup".into(),
@@ -493,7 +499,8 @@ fn save_inner(
             settings.push(set_capabilities_request(&[("background-snapshot", want_bg)]));
         }
         // The settings go out in one write with `stop` and `migrate` (`run`).
-        run(store, qmp, name, opts, &chooser, status.running, &settings, progress, t0)
+        let mut on_migrating = || lease.0 = take_lease(store, &rname);
+        run(store, qmp, name, opts, &chooser, status.running, &settings, &mut on_migrating, progress, t0)
     })();
     restorer.put_back(qmp);
     // A failed save must not leave a running desktop paused: from here until the ref is
