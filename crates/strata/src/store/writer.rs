@@ -1,7 +1,7 @@
 //! The pack writer thread, and loading the chunk index at open.
 //!
 //! Sealed packs are queued (bounded, so fast producers are throttled by the backend) to one
-//! thread that `put`s them, [`UPLOADS`] at a time. A flush request travels down the same queue,
+//! thread that `put`s them, [`UPLOADS`] at a time on as many long-lived upload threads. A flush request travels down the same queue,
 //! so when the thread reaches it every earlier pack has been put: it then syncs (packs durable), writes each
 //! pack's index object, syncs again (indexes durable), marks the packs durable in memory and
 //! hands them to the metadata-cache thread. Any failure poisons the store.
