@@ -101,15 +101,7 @@ pub struct IngestOptions {
     /// Store aligned groups of new uniform pages as run chunks (`pool.rs`; manifest version
     /// 3). Off only to compare.
     pub runs: bool,
-    /// CPU niceness of the pool's workers (0: as the caller). A stop-and-copy save sets
-    /// [`SAVE_POOL_NICE`].
-    pub pool_nice: i32,
 }
-
-/// The pool's niceness in a stop-and-copy save: its workers are the CPU hogs of the save, and
-/// the threads that keep the link busy (the pack writer and uploaders, the storage server on a
-/// shared host) and QEMU's sender wake behind them on a busy host otherwise (session 35).
-pub const SAVE_POOL_NICE: i32 = 5;
 
 impl Default for IngestOptions {
     fn default() -> Self {
@@ -123,7 +115,6 @@ impl Default for IngestOptions {
             limits: Limits::default(),
             base: None,
             runs: true,
-            pool_nice: 0,
         }
     }
 }
@@ -290,7 +281,6 @@ pub fn ingest<R: Read>(
     progress: &dyn Progress,
 ) -> Result<Ingested, IngestError> {
     let workers = opts.workers.max(1);
-    let pool_nice = opts.pool_nice;
     let frame_pages = opts.frame_pages.clamp(1, MAX_FRAME_PAGES);
     let batch_pages = opts.batch_pages.max(frame_pages);
     let sh = Shared {
@@ -363,14 +353,6 @@ pub fn ingest<R: Read>(
                 std::thread::Builder::new()
                     .name(format!("strata-mem-{i}"))
                     .spawn_scoped(s, move || {
-                        if pool_nice != 0 {
-                            // SAFETY: a plain syscall on the calling thread; failure leaves
-                            // the priority as it was.
-                            unsafe {
-                                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                                libc::setpriority(libc::PRIO_PROCESS, tid, pool_nice);
-                            }
-                        }
                         worker(sh, rx, &free);
                         sh.worker_cpu_ns.fetch_add(thread_cpu_ns(), Ordering::Relaxed);
                     })

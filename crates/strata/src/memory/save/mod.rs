@@ -427,9 +427,6 @@ fn save_inner(
     with_base.ingest.base = base.map(std::sync::Arc::new);
     if opts.mode == Mode::Save {
         with_base.ingest.queue_bytes = with_base.ingest.queue_bytes.min(super::ingest::SAVE_QUEUE_BYTES);
-        if with_base.ingest.pool_nice == 0 {
-            with_base.ingest.pool_nice = super::ingest::SAVE_POOL_NICE;
-        }
     }
     let opts = &with_base;
 
