@@ -208,16 +208,21 @@ impl StorageHost {
         Ok(Store::init(backend, &local.join("meta.redb"), InitOptions { pack_size, default_codec: codec })?)
     }
 
-    /// fsync, as they land, the objects a save puts under `dir` (see [`ObjectSync`]).
-    pub fn sync_objects(dir: PathBuf) -> ObjectSync {
-        ObjectSync::start(dir)
+    /// fsync, as they land, the objects a save puts under `dir`, and start the writeback of
+    /// those still arriving as the relay does for a stream (`bench_objsync.rs`).
+    pub fn sync_objects(&self, dir: PathBuf) -> crate::bench_objsync::ObjectSync {
+        let pid = std::fs::read_to_string(self.dir.join("versitygw.pid")).ok().and_then(|p| p.trim().parse().ok());
+        crate::bench_objsync::ObjectSync::start(dir, pid)
     }
 
     /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
     /// fsync its objects; the file baselines are fsynced, so strata's objects are too).
-    pub fn fsync_tree(dir: &Path) -> Result<u64> {
+    /// Files already synced and unchanged since (`synced`, from the object watcher) are
+    /// skipped; returns how many files were synced here and how many skipped.
+    pub fn fsync_tree(dir: &Path, synced: &crate::bench_objsync::SyncedFiles) -> Result<(u64, u64)> {
         let mut files = Vec::new();
         let mut dirs = Vec::new();
+        let mut skipped = 0u64;
         let mut stack = vec![dir.to_path_buf()];
         while let Some(d) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(&d) else { continue };
@@ -226,7 +231,13 @@ impl StorageHost {
                 if ft.is_dir() {
                     stack.push(e.path());
                 } else if ft.is_file() {
-                    files.push(e.path());
+                    let p = e.path();
+                    let same = synced.get(&p).is_some_and(|s| e.metadata().is_ok_and(|m| crate::bench_objsync::Synced::of(&m) == *s));
+                    if same {
+                        skipped += 1;
+                    } else {
+                        files.push(p);
+                    }
                 }
             }
             dirs.push(d);
@@ -256,7 +267,7 @@ impl StorageHost {
         };
         par_sync(&files)?;
         par_sync(&dirs)?;
-        Ok(files.len() as u64)
+        Ok((files.len() as u64, skipped))
     }
 
     fn down(&mut self) {
@@ -310,7 +321,7 @@ fn in_namespace<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'stati
 
 /// Start the kernel writing `len` bytes of `f` from `off` to disk, without waiting (the fsync
 /// at the end waits for it). Best effort: a failure only leaves more for that fsync.
-fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
+pub(crate) fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
     // SAFETY: a valid fd; SYNC_FILE_RANGE_WRITE only queues writeback of dirty pages.
     unsafe {
         libc::sync_file_range(f.as_raw_fd(), off as libc::off64_t, len as libc::off64_t, libc::SYNC_FILE_RANGE_WRITE);
@@ -318,150 +329,7 @@ fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
 }
 
 /// Bytes the relay receives between two writeback starts.
-const RELAY_WRITEBACK_BYTES: u64 = 4 << 20;
-
-/// Durability of the objects a strata save puts on the storage host, as they land: versitygw
-/// writes through the page cache and never syncs, and a durable server would sync each object
-/// when it arrives, not all of them at the end. The watcher is told by inotify when a file is
-/// linked, renamed or closed after writing anywhere under the directory (new directories are
-/// watched, then scanned, as they appear) and fsyncs it on its own thread, one after another,
-/// while the save goes on. It used to rescan the tree every 5 ms, which cost the two cores
-/// ~2% of a 128 MiB save's CPU that a real server would not spend.
-/// [`StorageHost::fsync_tree`] at the end of the save then fsyncs every file and directory
-/// again (cheap for a file already clean), so nothing the watcher missed or synced early is
-/// lost. The stream baselines get the matching treatment: their [`Relay`] starts writeback
-/// every [`RELAY_WRITEBACK_BYTES`] as the stream arrives, and fsyncs at the end (one file:
-/// one fsync).
-pub struct ObjectSync {
-    stop: Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<JoinHandle<u64>>,
-}
-
-/// An inotify instance and its watches (wd → directory).
-struct Watcher {
-    fd: std::os::fd::OwnedFd,
-    dirs: std::collections::HashMap<i32, PathBuf>,
-}
-
-impl Watcher {
-    const MASK: u32 = libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_CLOSE_WRITE;
-
-    fn new() -> std::io::Result<Watcher> {
-        // SAFETY: plain syscall; the fd is owned below.
-        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        Ok(Watcher { fd, dirs: Default::default() })
-    }
-
-    /// Watch `dir`, then report what is already in it (files to sync; subdirectories are
-    /// watched and scanned the same way), so nothing created before the watch is missed.
-    fn add_tree(&mut self, dir: &Path, files: &mut Vec<PathBuf>) {
-        let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str())) else { return };
-        // SAFETY: valid fd and NUL-terminated path.
-        let wd = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), c.as_ptr(), Self::MASK) };
-        if wd < 0 {
-            return;
-        }
-        self.dirs.insert(wd, dir.to_path_buf());
-        let Ok(rd) = std::fs::read_dir(dir) else { return };
-        for e in rd.flatten() {
-            match e.file_type() {
-                Ok(t) if t.is_dir() => self.add_tree(&e.path(), files),
-                Ok(t) if t.is_file() => files.push(e.path()),
-                _ => {}
-            }
-        }
-    }
-
-    /// Wait up to `ms` for events; the files they name (new directories are added).
-    fn wait(&mut self, ms: i32, files: &mut Vec<PathBuf>) {
-        let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut pfd, 1, ms) } <= 0 {
-            return;
-        }
-        let mut buf = [0u8; 16 << 10];
-        loop {
-            // SAFETY: `buf` is writable for its length.
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n <= 0 {
-                return;
-            }
-            let mut off = 0usize;
-            let head = std::mem::size_of::<libc::inotify_event>();
-            while off + head <= n as usize {
-                // SAFETY: the kernel wrote whole events; read_unaligned copes with the offset.
-                let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
-                let name = &buf[off + head..(off + head + ev.len as usize).min(n as usize)];
-                let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
-                off += head + ev.len as usize;
-                let Some(dir) = self.dirs.get(&ev.wd) else { continue };
-                let path = dir.join(std::ffi::OsStr::new(std::str::from_utf8(name).unwrap_or("")));
-                if ev.mask & libc::IN_ISDIR != 0 {
-                    if ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
-                        self.add_tree(&path, files);
-                    }
-                } else if !name.is_empty() {
-                    files.push(path);
-                }
-            }
-        }
-    }
-}
-
-impl ObjectSync {
-    fn start(dir: PathBuf) -> ObjectSync {
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("bench-objsync".into())
-            .spawn(move || {
-                let mut seen: std::collections::HashSet<PathBuf> = std::collections::HashSet::new();
-                let Ok(mut w) = Watcher::new() else { return 0 };
-                let mut files = Vec::new();
-                w.add_tree(&dir, &mut files);
-                loop {
-                    let last = flag.load(std::sync::atomic::Ordering::Relaxed);
-                    w.wait(if last { 0 } else { 5 }, &mut files);
-                    for f in files.drain(..) {
-                        // A file is synced once, when first reported whole; fsync_tree at the
-                        // end covers anything written to it later.
-                        if seen.contains(&f) {
-                            continue;
-                        }
-                        if let Ok(h) = std::fs::File::open(&f) {
-                            let _ = h.sync_all();
-                            seen.insert(f);
-                        }
-                    }
-                    if last {
-                        return seen.len() as u64;
-                    }
-                }
-            })
-            .expect("spawn the object sync thread");
-        ObjectSync { stop, thread: Some(thread) }
-    }
-
-    /// Stop watching (after one last pass); returns how many files it fsynced.
-    pub fn stop(mut self) -> u64 {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.take().and_then(|t| t.join().ok()).unwrap_or(0)
-    }
-}
-
-impl Drop for ObjectSync {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
+pub(crate) const RELAY_WRITEBACK_BYTES: u64 = 4 << 20;
 
 /// One TCP transfer to or from a file on the storage host.
 pub struct Relay {

@@ -12,6 +12,7 @@ mod bench_hostmem;
 mod bench_io;
 mod bench_mem;
 mod bench_multifd;
+mod bench_objsync;
 mod bench_remote;
 mod bench_remote_disk;
 mod bench_remote_mem;
