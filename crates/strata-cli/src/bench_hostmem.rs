@@ -73,6 +73,24 @@ pub fn touch(mib: u32) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// How long the host is left alone after a warm, before the timed step starts. In session 37
+/// a step that began right after its warm (30-70 ms of touching, then the `munmap`) sometimes
+/// found the whole host slow for its first ~15-25 ms: QEMU answered a save's first QMP
+/// queries and the S3 server a listing in 14-18 ms instead of ~2 (128 MiB idle guest, 2 of 5
+/// rounds; never with `--no-warm`). The cause was not pinned down (the kernel's work on the
+/// memory just freed is the suspect); any method could draw it, and in those rounds it was
+/// strata, whose clock starts with those queries. With 150 ms of quiet between the warm and
+/// the step, 6 of 6 rounds had set-ups of 2.8-5.7 ms.
+pub const SETTLE_MS: u64 = 150;
+
+/// [`touch`] `mib` MiB, then wait [`SETTLE_MS`]: what runs before every timed step.
+pub fn warm_host(mib: u32) {
+    if mib > 0 {
+        touch(mib);
+        std::thread::sleep(Duration::from_millis(SETTLE_MS));
+    }
+}
+
 /// What touching fresh memory costs on this host, in ms per MiB: after a pause (memory the
 /// host may have handed back) and right after a warm.
 #[derive(Debug, Clone, Copy, serde::Serialize)]

@@ -41,7 +41,7 @@ use strata::store::Store;
 use strata::Codec;
 
 use crate::bench_guest::{check_sum, desktop_guest, results_name, workload_guest, Workload, WorkloadMix, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
-use crate::bench_hostmem::{touch, warm_mib};
+use crate::bench_hostmem::{warm_host, warm_mib};
 use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
@@ -149,7 +149,7 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
     *port += 1;
     let relay = Relay::receive(host, *port, remote.clone())?;
     let uri = relay.exec_save(enc);
-    touch(warm);
+    warm_host(warm);
     let l0 = host.link();
     let (s, n) = qemu_save_remote(q, &uri, relay)?;
     let link = host.link().since(l0);
@@ -164,7 +164,7 @@ fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, po
     *port += 1;
     let relay = Relay::send(host, *port, s.remote.clone())?;
     let uri = relay.exec_restore(s.decoder);
-    touch(warm);
+    warm_host(warm);
     let l0 = host.link();
     let c0 = RestoreCpu::sample(&d);
     let t = qemu_restore(&mut d, &uri)?;
@@ -238,7 +238,7 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     let (backend, _) = host.s3(prefix, None)?;
     let meta = dir.join(format!("{prefix}-meta"));
     let store = StorageHost::init_store(backend, &meta, Codec::Lz4)?;
-    touch(warm);
+    warm_host(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
     let self0 = proc_cpu_split("/proc/self/stat");
@@ -329,7 +329,7 @@ fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w:
             }
         }
     }
-    touch(warm);
+    warm_host(warm);
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
     let self0 = proc_cpu_split("/proc/self/stat");
@@ -621,7 +621,8 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         "host_memory": {
             "probe": probe,
             "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
-            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory). --no-warm turns it off",
+            "settle_ms": if warm_memory { crate::bench_hostmem::SETTLE_MS } else { 0 },
+            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory), then waits settle_ms before the step starts (since session 37: a step started right after its warm sometimes found the whole host slow for its first 15-25 ms). --no-warm turns both off",
         },
         "restore_workers": workers,
         "codec_policy": codec.to_string(),

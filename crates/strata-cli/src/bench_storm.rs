@@ -210,7 +210,7 @@ struct Ctx<'a> {
 /// Launch `drives.len()` guests at once; returns each one's (seconds to ready, bootset_ms).
 fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
     // Outside the clock, for every mode alike: the guests' RAM comes from backed memory.
-    crate::bench_hostmem::touch(crate::bench_hostmem::warm_mib(drives.len() as u32 * ctx.opts.memory_mib, true));
+    crate::bench_hostmem::warm_host(crate::bench_hostmem::warm_mib(drives.len() as u32 * ctx.opts.memory_mib, true));
     let barrier = Barrier::new(drives.len());
     let t0 = std::sync::OnceLock::new();
     let results: Vec<Result<(f64, u64, strata::fixtures::Guest)>> = std::thread::scope(|s| {

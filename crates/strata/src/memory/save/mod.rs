@@ -117,6 +117,9 @@ pub struct SaveReport {
     pub logical_bytes: u64,
     pub stream_bytes: u64,
     pub new_bytes: u64,
+    /// Bytes of the frames this save added to the store (compressed pages, page maps, tail);
+    /// the packs' entry tables, headers and footers (~1.5% more for a memory save) and the
+    /// ref are not counted.
     pub stored_bytes: u64,
     /// Bytes of non-zero pages / raw bytes new to the store.
     pub dedup_ratio: f64,
