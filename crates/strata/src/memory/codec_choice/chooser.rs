@@ -106,7 +106,8 @@ impl Chooser {
     /// Start with `codec` (one of [`CANDIDATES`]) instead of the cheapest, and let the first
     /// decision keep it while its expected time per byte is within [`SWITCH_MARGIN`] of the
     /// best, as every later decision keeps the codec in use. A network save starts with
-    /// [`NETWORK_START`]: single 128 KiB samples on a busy host are noise, and replacing the
+    /// [`SAVE_NETWORK_START`](super::SAVE_NETWORK_START) (stop-and-copy) or [`NETWORK_START`]
+    /// (live checkpoints): single 128 KiB samples on a busy host are noise, and replacing the
     /// start-up codec outright let the first decision pick zstd:3 (a few % better by the
     /// model, more CPU, not faster) or lz4 (28% more bytes, slower both ways) on a sample's
     /// dip. A fixed policy ignores it.

@@ -32,8 +32,10 @@
 //!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
 //!   usually gets raw pages. A stop-and-copy save to a network backend counts every core (the
 //!   caller passes them): there QEMU's sender blocks whenever the pool falls behind, and the
-//!   link is the bottleneck, so it gets zstd:1 ([`NETWORK_START`], kept by [`Chooser::with_start`]),
-//!   raised per frame to zstd:2 while uploads queue up ([`ADAPT_QUEUED_SECS`]).
+//!   link is the bottleneck, so it gets zstd:3 ([`SAVE_NETWORK_START`], kept by
+//!   [`Chooser::with_start`] unless a later decision finds another codec clearly better; a
+//!   live checkpoint, whose guest keeps running, starts at zstd:1, [`NETWORK_START`]); a
+//!   frame given zstd:1 is raised to zstd:2 while uploads queue up ([`ADAPT_QUEUED_SECS`]).
 //!
 //! The decision is re-evaluated after every sample over a sliding window, so a save that
 //! moves from code pages to random data switches codec per batch. [`decide`] is a pure
@@ -67,8 +69,19 @@ pub use speed::{
 
 /// Codecs tried by `auto`, besides storing raw.
 pub const CANDIDATES: [Codec; 4] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(2), Codec::Zstd(3)];
-/// The start-up codec of a save to a network backend ([`Chooser::with_start`]).
+/// The start-up codec of a live checkpoint to a network backend ([`Chooser::with_start`]).
 pub const NETWORK_START: Codec = Codec::Zstd(1);
+/// The start-up codec of a stop-and-copy save to a network backend. Such a save is bound by
+/// the link whenever its memory does not deduplicate, and the guest is stopped, so the pool
+/// has the cores: zstd:3 stores 2-4% fewer bytes than the zstd:1/zstd:2 mix on a 128 MiB
+/// guest's frames. Measured (session 37, `bench save-restore --remote`, 3 alternating passes
+/// of 5 rounds each, 128 MiB; `--codec zstd:3` against the zstd:1 start): idle guest saves
+/// 1.016 against 1.036 of `zstd -1`'s time by median, restores 0.905 against 0.932, 17.61
+/// against 18.31 MB stored; all-random guest 1.027 against 1.040, 0.937 against 0.962, 31.26
+/// against 31.94 MB. Desktop guests at 512 / 2048 MiB (2 rounds each) stored 0.2-0.5% less
+/// and saved at 0.585 / 0.754 against 0.571 / 0.731 (within their noise). Until session 37
+/// saves started at [`NETWORK_START`] too.
+pub const SAVE_NETWORK_START: Codec = Codec::Zstd(3);
 /// Bytes stored and not yet acknowledged by the backend (`Store::unsent_bytes`).
 pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
 /// A frame the chooser gives [`ADAPT_FROM`] is compressed with [`ADAPT_TO`] instead while

@@ -37,7 +37,7 @@ use serde_json::Value;
 
 use super::codec_choice::{
     metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy, CANDIDATES,
-    DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES,
+    DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES, SAVE_NETWORK_START,
 };
 use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
@@ -473,7 +473,8 @@ fn save_inner(
         .with_model(model);
     let chooser = if network {
         let backlog_store = store.clone();
-        chooser.with_start(NETWORK_START).with_backlog(Box::new(move || backlog_store.unsent_bytes()))
+        let start = if opts.mode == Mode::Save { SAVE_NETWORK_START } else { NETWORK_START };
+        chooser.with_start(start).with_backlog(Box::new(move || backlog_store.unsent_bytes()))
     } else {
         chooser
     };
