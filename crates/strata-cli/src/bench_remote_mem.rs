@@ -42,7 +42,7 @@ use strata::Codec;
 
 use crate::bench_guest::{check_sum, desktop_guest, results_name, workload_guest, Workload, WorkloadMix, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
 use crate::bench_hostmem::{warm_host, warm_mib};
-use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, Link, Relay, StorageHost};
+use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -61,6 +61,8 @@ struct Row {
     codec: String,
     verified: bool,
     restore_cpu: RestoreCpu,
+    /// Host CPU from the save's start until it was durable (since session 38).
+    save_cpu: HostCpu,
 }
 
 /// CPU seconds during one restore (until QEMU reported the load completed): the target QEMU's,
@@ -111,14 +113,16 @@ impl std::fmt::Display for RestoreCpu {
 /// Save the running guest with QEMU through `relay` (`stop`, then `migrate`); seconds from the
 /// `stop` until the file is fsynced there. strata's `vm save` stops the guest inside its own
 /// clock too, so both clocks start at the same point: a running desktop and a save request.
-fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> Result<(f64, u64)> {
-    let t = Instant::now();
+fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> Result<(f64, u64, HostCpu)> {
+    let c0 = HostCpu::start();
+    let t = c0.1;
     q.stop()?;
     q.migrate(uri)?;
     q.wait_migration(Duration::from_secs(1800), Duration::from_millis(5))?;
     let (n, end) = relay.wait()?;
+    let cpu = HostCpu::since(c0);
     q.cont()?;
-    Ok((end.duration_since(t).as_secs_f64(), n))
+    Ok((end.duration_since(t).as_secs_f64(), n, cpu))
 }
 
 /// MiB put to and read from the fresh S3 server before the first timed step
@@ -140,6 +144,7 @@ struct StreamSaved {
     save_s: f64,
     bytes: u64,
     link: Link,
+    cpu: HostCpu,
     remote: std::path::PathBuf,
 }
 
@@ -151,10 +156,16 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
     let uri = relay.exec_save(enc);
     warm_host(warm);
     let l0 = host.link();
-    let (s, n) = qemu_save_remote(q, &uri, relay)?;
+    let (s, n, cpu) = qemu_save_remote(q, &uri, relay)?;
     let link = host.link().since(l0);
-    eprintln!("  {name:<14} save {s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link", mb(n), mb(link.total()));
-    Ok(StreamSaved { name, decoder: dec, save_s: s, bytes: n, link, remote })
+    eprintln!(
+        "  {name:<14} save {s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (host CPU busy {:.3} of {:.3} s)",
+        mb(n),
+        mb(link.total()),
+        cpu.host_busy_s,
+        cpu.host_avail_s
+    );
+    Ok(StreamSaved { name, decoder: dec, save_s: s, bytes: n, link, cpu, remote })
 }
 
 /// A stream's restore into a fresh `-incoming defer` QEMU: seconds and link bytes. The file
@@ -191,6 +202,8 @@ struct StrataSaved {
     faults: u64,
     /// Bytes of its objects on the storage host ([`save_object_bytes`]).
     object_bytes: u64,
+    /// Host CPU from the save's start until its objects were durable.
+    host_cpu: HostCpu,
 }
 
 /// Makes a save's objects durable the moment it commits, on its clock. `save` ends its
@@ -206,11 +219,13 @@ struct DurableAtCommit {
     /// (objects the watcher fsynced as they landed, files fsynced at the end (not synced by
     /// it, or changed since), seconds from the commit until all were durable).
     done: std::sync::Mutex<Option<Result<(u64, u64, f64)>>>,
+    /// Host CPU and time when the objects were durable (the end of the save's clock).
+    durable_at: std::sync::Mutex<Option<(u64, Instant)>>,
 }
 
 impl DurableAtCommit {
     fn new(sync: crate::bench_objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
-        DurableAtCommit { phase: Default::default(), sync: std::sync::Mutex::new(Some(sync)), dir, done: Default::default() }
+        DurableAtCommit { phase: Default::default(), sync: std::sync::Mutex::new(Some(sync)), dir, done: Default::default(), durable_at: Default::default() }
     }
 }
 
@@ -229,6 +244,7 @@ impl strata::progress::Progress for DurableAtCommit {
             let stop_ms = t.elapsed().as_secs_f64() * 1e3;
             let r = StorageHost::fsync_tree(&self.dir, &live).map(|(files, _)| (live.len() as u64, files, t.elapsed().as_secs_f64()));
             tracing::debug!(target: "strata::bench", stop_ms, total_ms = t.elapsed().as_secs_f64() * 1e3, "save's objects durable");
+            *self.durable_at.lock().unwrap() = Some(HostCpu::start());
             *self.done.lock().unwrap() = Some(r);
         }
     }
@@ -242,6 +258,7 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     let l0 = host.link();
     let (s3c0, me0) = (host.s3_cpu_s(), proc_cpu_s("/proc/self/stat"));
     let self0 = proc_cpu_split("/proc/self/stat");
+    let h0 = HostCpu::start();
     let objects = host.bucket_dir().join(prefix);
     let at_commit = DurableAtCommit::new(host.sync_objects(objects.clone()), objects.clone());
     let opts = SaveOptions { codec, ..SaveOptions::new(Mode::Save) };
@@ -261,6 +278,10 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
             (live.len() as u64, files, t.elapsed().as_secs_f64(), false)
         }
     };
+    let host_cpu = match at_commit.durable_at.lock().unwrap().take() {
+        Some(end) if inside => HostCpu::between(h0, end),
+        _ => HostCpu::since(h0),
+    };
     let link = host.link().since(l0);
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
     let self1 = proc_cpu_split("/proc/self/stat");
@@ -268,10 +289,12 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     q.cont()?;
     let save_s = r.total_ms / 1e3 + if inside { 0.0 } else { fsync_s };
     eprintln!(
-        "  {:<14} save {save_s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (CPU s: versitygw {:.2}, strata {:.2} ({:.2} sys, {} faults); codec {}: {}; {synced_live} objects fsynced as they landed, then {files} more{}; {fsync_s:.3} s from the commit until all were durable)",
+        "  {:<14} save {save_s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (host CPU busy {:.3} of {:.3} s; CPU s: versitygw {:.2}, strata {:.2} ({:.2} sys, {} faults); codec {}: {}; {synced_live} objects fsynced as they landed, then {files} more{}; {fsync_s:.3} s from the commit until all were durable)",
         "strata",
         mb(object_bytes),
         mb(link.total()),
+        host_cpu.host_busy_s,
+        host_cpu.host_avail_s,
         cpu.0,
         cpu.1,
         self1.1 - self0.1,
@@ -281,7 +304,7 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
         if crate::bench_remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
     );
     let (sys, faults) = (self1.1 - self0.1, self1.2 - self0.2);
-    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults, object_bytes })
+    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults, object_bytes, host_cpu })
 }
 
 /// Bytes of the objects a save put under its prefix on the storage host: its packs (frames,
@@ -385,6 +408,7 @@ fn median_row(rs: &[&Row]) -> Row {
         save_link: sr.save_link,
         restore_link: rr.restore_link,
         restore_cpu: rr.restore_cpu,
+        save_cpu: sr.save_cpu,
         codec: codecs.join("+"),
         verified: rs.iter().all(|r| r.verified),
         ..rs[0].clone()
@@ -484,6 +508,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                     codec: s.name.trim_start_matches("exec:").to_string(),
                     verified: false,
                     restore_cpu: *rc,
+                    save_cpu: s.cpu,
                 });
             }
             round_rows.push(Row {
@@ -500,6 +525,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                 codec: st.report.codec.chosen.to_string(),
                 verified: true,
                 restore_cpu: host_cpu,
+                save_cpu: st.host_cpu,
             });
             reports.push(serde_json::json!({
                 "mem_mib": mem, "round": round, "save": st.report, "save_fsync_s": st.fsync_s, "save_objects_synced_live": st.synced_live, "restore": rr,
@@ -580,6 +606,14 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             if rounds > 1 { " (medians)" } else { "" }
         );
     }
+    for &mem in sizes {
+        let load = |m: &str| median(round_rows.iter().filter(|r| r.mem_mib == mem && r.method == m).map(|r| r.save_cpu.load()).collect());
+        eprintln!(
+            "  {mem} MiB: host CPU busy during saves (median share of both cores): exec:zstd -1 {:.2}, strata {:.2}",
+            load("exec:zstd -1"),
+            load("strata")
+        );
+    }
     let mut csv = String::from("mem_mib,round,method,codec,save_s,restore_s,stored_bytes,save_link_bytes,restore_link_bytes,save_vs_cat,restore_vs_cat,verified\n");
     for r in rows.iter().chain(&round_rows) {
         csv += &format!(
@@ -617,6 +651,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw 1.8 (S3, posix backend) there, run by scripts/storage-host.sh with --keep-alive, --data-integrity-etag, --io-buffer-size 65536 (since session 32; 1 MiB before) and GOGC=400",
         "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache; versitygw does not fsync, so as a durable server would, the harness starts the writeback of objects as they arrive (every 4 MiB the server receives, as for the streams; since session 36), a watcher fsyncs each object as it lands (inotify), and at the commit, on the save's clock, the harness waits for the watcher and fsyncs every object file the watcher did not sync or that changed since (since session 36 that wait is inside the clock, before, the watcher's last fsyncs ran after it; until session 36 every file was fsynced again); directories are fsynced too, and the relay's directory, only where a file's fsync does not make its name durable (not on ext4, where the storage host is; until session 37 strata's directories always were, the relay's never); strata's stored bytes are its objects' sizes on the storage host (packs with their entry tables, and the ref; until session 37 the save report's frame bytes, ~1.5% less); restore reads every page through the link (no SSD cache; the page maps from this host's tree cache unless --cold-maps, see page_maps), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
+        "save_cpu": "per row, the host's CPU from a save's start until it was durable: host_busy_s, what every task ran (the root cgroup's cpuacct.usage, in ns; /proc/stat ticks where that is missing), against host_avail_s, wall time x cores; the storage host's server and the relay share these cores (since session 38)",
         "rounds": rounds,
         "host_memory": {
             "probe": probe,

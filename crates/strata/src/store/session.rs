@@ -142,7 +142,14 @@ impl Store {
 
     /// Append one frame holding `items` (ids must be BLAKE3 of the data). Returns the number of
     /// chunks that were new. Used by sessions.
-    fn put_frame_inner(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
+    fn put_frame_inner(
+        &self,
+        items: &[(ChunkId, &[u8])],
+        kind: ChunkKind,
+        codec: Codec,
+        pre: Option<Precompressed>,
+        joined: Option<&[u8]>,
+    ) -> Result<usize> {
         let sh = &self.inner.sh;
         let fresh: Vec<(ChunkId, &[u8])> = {
             let idx = sh.index.read();
@@ -173,6 +180,8 @@ impl Store {
             p.stored
         } else if fresh.len() == 1 {
             codec.compress(fresh[0].1)
+        } else if let Some(j) = joined.filter(|j| fresh.len() == items.len() && j.len() == raw_total) {
+            codec.compress(j)
         } else {
             let mut j = Vec::with_capacity(raw_total);
             for (_, d) in &fresh {
@@ -315,11 +324,27 @@ impl Session {
     /// used when its ids are exactly the chunks the frame stores (those not in the store, in
     /// order, repeats once), and ignored otherwise (another thread stored one meanwhile).
     pub fn put_frame_pre(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
+        self.put_frame_joined(items, kind, codec, pre, None)
+    }
+
+    /// [`put_frame_pre`](Self::put_frame_pre) for items whose bytes the caller also holds end
+    /// to end in `joined` (a memory save's consecutive pages of one batch): when every item is
+    /// new, the codec reads `joined` instead of a joined copy of the items (128 KiB a frame;
+    /// ~3% of a memory save's compressing CPU).
+    pub fn put_frame_joined(
+        &self,
+        items: &[(ChunkId, &[u8])],
+        kind: ChunkKind,
+        codec: Codec,
+        pre: Option<Precompressed>,
+        joined: Option<&[u8]>,
+    ) -> Result<usize> {
         debug_assert!(items.iter().all(|(id, d)| ChunkId::of(d) == *id));
+        debug_assert!(joined.is_none_or(|j| j == items.iter().flat_map(|(_, d)| d.iter().copied()).collect::<Vec<u8>>()));
         let _g = self.store.inner.gc_lock.read();
         self.store.inner.sh.check_poison()?;
         self.pins.lock().extend(items.iter().map(|(id, _)| *id));
-        self.store.put_frame_inner(items, kind, codec, pre)
+        self.store.put_frame_inner(items, kind, codec, pre, joined)
     }
 
     /// Store a tree chunk.

@@ -150,7 +150,11 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         let mut items: Vec<(ChunkId, &[u8])> = Vec::with_capacity(sh.frame_pages);
         let pages: Vec<&[u8]> = batch.data.chunks_exact(PAGE_SIZE).take(batch.pages.len()).collect();
         let mut ok = true;
-        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>| -> bool {
+        // The batch indices `items` span: when that is exactly their number they are
+        // consecutive pages of the batch, end to end in `batch.data`, and the codec reads them
+        // in place.
+        let mut span: Option<(usize, usize)> = None;
+        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>, span: &mut Option<(usize, usize)>| -> bool {
             if items.is_empty() {
                 return true;
             }
@@ -172,7 +176,11 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
             let pre = sampled.map(|stored| Precompressed { ids: fresh_ids, stored });
             sh.frames.fetch_add(1, Ordering::Relaxed);
             let t_put = std::time::Instant::now();
-            let r = sh.session.put_frame_pre(items, ChunkKind::Data, codec, pre);
+            let joined = span
+                .take()
+                .filter(|(a, b)| b - a == items.len())
+                .map(|(a, b)| &batch.data[a * PAGE_SIZE..b * PAGE_SIZE]);
+            let r = sh.session.put_frame_joined(items, ChunkKind::Data, codec, pre, joined);
             sh.put_ns.fetch_add(t_put.elapsed().as_nanos() as u64, Ordering::Relaxed);
             items.clear();
             match r {
@@ -207,13 +215,15 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                     }
                 }
             }
+            // Indices only grow, so the frame is consecutive pages iff it spans len pages.
+            span = Some((span.map_or(i, |(a, _)| a), i + 1));
             items.push((*id, page));
-            if items.len() == sh.frame_pages && !flush(&mut items) {
+            if items.len() == sh.frame_pages && !flush(&mut items, &mut span) {
                 ok = false;
                 break;
             }
         }
-        if ok && !flush(&mut items) {
+        if ok && !flush(&mut items, &mut span) {
             ok = false;
         }
         if let Some(d) = &sh.delta {

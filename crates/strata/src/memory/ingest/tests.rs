@@ -64,6 +64,9 @@ fn latest_record_wins_zero_pages_are_not_stored_and_dedup_counts() {
     w.page(BlockIdx(0), 5 * 4096, &page(100)).unwrap();
     w.page(BlockIdx(0), 5 * 4096, &page(101)).unwrap();
     w.zero(BlockIdx(0), 6 * 4096, 0).unwrap();
+    // Page 9 re-sent (held back), then zeroed: the held version is superseded.
+    w.page(BlockIdx(0), 9 * 4096, &page(102)).unwrap();
+    w.zero(BlockIdx(0), 9 * 4096, 0).unwrap();
     w.page(BlockIdx(0), 8 * 4096, &[0u8; 4096]).unwrap();
     for p in 0..4u64 {
         w.page(BlockIdx(1), p * 4096, &page(7)).unwrap();
@@ -92,14 +95,16 @@ fn latest_record_wins_zero_pages_are_not_stored_and_dedup_counts() {
     assert_eq!(got.missing, vec![(0, 0), (0, 0)]);
     assert_eq!(got.maps[0][5], ChunkId::of(&page(101)), "latest record wins");
     assert!(got.maps[0][6].is_zero());
+    assert!(got.maps[0][9].is_zero(), "a zero record supersedes a held-back page");
+    assert!(!store.contains(&ChunkId::of(&page(102))));
     assert!(got.maps[0][8].is_zero(), "an all-zero PAGE record is a zero page");
     assert!(got.maps[0][4].is_zero());
     assert_eq!(got.maps[0][1], ChunkId::of(&page(1)));
     assert_eq!(got.maps[1], vec![ChunkId::of(&page(7)); 4]);
     // Distinct non-zero contents: page(1..=9) minus multiples of 4 pattern + 100 + 101 + 7.
-    // page(100) was superseded while held back: never stored.
+    // page(100) was superseded while held back, page(102) by a zero record: never stored.
     assert!(!store.contains(&ChunkId::of(&page(100))));
-    assert_eq!(got.counters.superseded, 1);
+    assert_eq!(got.counters.superseded, 2);
     let mut distinct: Vec<ChunkId> = got.maps.iter().flatten().filter(|i| !i.is_zero()).copied().collect();
     distinct.push(ChunkId::of(&page(5)));
     distinct.sort();
