@@ -364,8 +364,8 @@ pub fn ingest<R: Read>(
             tx,
             free: &free_rx,
             cur: Batch {
-                data: Vec::with_capacity(batch_pages * PAGE_SIZE),
-                pages: Vec::with_capacity(batch_pages),
+                data: Vec::with_capacity(dispatch::batch_capacity(batch_pages) * PAGE_SIZE),
+                pages: Vec::with_capacity(dispatch::batch_capacity(batch_pages)),
             },
             zeros: Vec::new(),
             rec: 0,
