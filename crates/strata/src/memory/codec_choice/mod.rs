@@ -80,7 +80,10 @@ pub const NETWORK_START: Codec = Codec::Zstd(1);
 /// against 18.31 MB stored; all-random guest 1.027 against 1.040, 0.937 against 0.962, 31.26
 /// against 31.94 MB. Desktop guests at 512 / 2048 MiB (2 rounds each) stored 0.2-0.5% less
 /// and saved at 0.585 / 0.754 against 0.571 / 0.731 (within their noise). Until session 37
-/// saves started at [`NETWORK_START`] too.
+/// saves started at [`NETWORK_START`] too. Session 38 tried the neighbours with fixed levels
+/// (3 alternating passes of 5 rounds, idle guest, 128 / 512 MiB, save / `zstd -1`'s by
+/// median): zstd:2 1.010 / 1.014, zstd:3 1.013 / 1.001, zstd:4 1.070 / 1.073. zstd:4 stores
+/// 1.6% less but the save is bound by the 2 cores it shares with QEMU and the storage server.
 pub const SAVE_NETWORK_START: Codec = Codec::Zstd(3);
 /// Bytes stored and not yet acknowledged by the backend (`Store::unsent_bytes`).
 pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
