@@ -26,6 +26,8 @@ pub struct Chooser {
     /// The start-up codec was chosen on purpose ([`Chooser::with_start`]): the first decision
     /// keeps it unless another is clearly better, as later decisions keep the codec in use.
     start_kept: bool,
+    /// Sample the first frames ([`WARMUP_SAMPLES`]); off: only one frame in [`SAMPLE_EVERY`].
+    warmup: bool,
     /// Index into `CANDIDATES`, or `usize::MAX` for raw.
     current: AtomicUsize,
     /// Bytes stored and not yet uploaded, for [`ADAPT_QUEUED_SECS`].
@@ -60,6 +62,7 @@ impl Chooser {
             parallel: parallel.max(1) as f64,
             model: Model::Serial,
             start_kept: false,
+            warmup: true,
             current: AtomicUsize::new(start),
             backlog: None,
             adapted: AtomicU64::new(0),
@@ -100,6 +103,19 @@ impl Chooser {
     /// Decide with `model` (default [`Model::Serial`]).
     pub fn with_model(mut self, model: Model) -> Chooser {
         self.model = model;
+        self
+    }
+
+    /// No warm-up: sample only one frame in [`SAMPLE_EVERY`], from frame `SAMPLE_EVERY - 1`,
+    /// the start codec meanwhile. For a stop-and-copy save to a network backend, bound by the
+    /// CPU it shares with QEMU and the storage server: a sample compresses its frame with
+    /// every candidate (~2.6 ms of CPU per 256 KiB frame), and the six warm-up samples fell in
+    /// the save's first ~30 ms, when the link waits for the first packs. With 256 KiB zstd:2
+    /// frames and the warm-up, idle-guest saves were slower than before (session 39, pool E);
+    /// without it, faster (pool G: 0.180 / 0.186 s against 0.186 / 0.204 s by median at
+    /// 128 / 512 MiB, `docs/results/README.md`).
+    pub fn without_warmup(mut self) -> Chooser {
+        self.warmup = false;
         self
     }
 
@@ -146,6 +162,9 @@ impl Chooser {
             return false;
         }
         let n = self.frames.fetch_add(1, Ordering::Relaxed);
+        if !self.warmup {
+            return n % SAMPLE_EVERY == SAMPLE_EVERY - 1;
+        }
         if self.start_kept {
             // The start codec is in use meanwhile anyway: the warm-up's samples are spread
             // over its first frames instead of all falling on the first ones, which hold back

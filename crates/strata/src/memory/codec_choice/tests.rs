@@ -254,6 +254,20 @@ fn a_kept_start_codec_spreads_the_warm_up_samples() {
     assert_eq!(picked, want);
 }
 
+/// Without the warm-up (a stop-and-copy network save) the first frames are all the start
+/// codec's, and one frame in SAMPLE_EVERY is sampled, the first at SAMPLE_EVERY - 1; the
+/// codec in use stays the start codec meanwhile.
+#[test]
+fn without_warmup_samples_only_every_sample_every_frames() {
+    let c = Chooser::new(CodecPolicy::Auto, 125e6, 2).with_start(SAVE_NETWORK_START).without_warmup();
+    let picked: Vec<u64> = (0..3 * SAMPLE_EVERY).filter(|_| c.wants_sample()).collect();
+    assert_eq!(picked, vec![SAMPLE_EVERY - 1, 2 * SAMPLE_EVERY - 1, 3 * SAMPLE_EVERY - 1]);
+    assert_eq!(c.codec_for(b""), SAVE_NETWORK_START);
+    // A fixed policy still never samples.
+    let f = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2).without_warmup();
+    assert!((0..2 * SAMPLE_EVERY).all(|_| !f.wants_sample()));
+}
+
 #[test]
 fn fixed_policy_never_samples() {
     let c = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(3)), 1.0, 2);

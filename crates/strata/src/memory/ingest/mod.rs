@@ -62,6 +62,17 @@ pub const SAVE_QUEUE_BYTES: usize = 4 << 20;
 /// `bench save-restore --remote`, session 14). Bigger frames make a single page's read (a
 /// delta's base) decode more, so the gain stops here.
 pub const FRAME_PAGES: usize = 32;
+/// Pages per frame of a stop-and-copy save to a network backend (256 KiB), with
+/// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) zstd:2. On a captured idle
+/// 512 MiB guest's 74 MB of non-zero pages (`zstd -b2 -B256K` against `-b3 -B128K`), zstd:2
+/// on 256 KiB blocks stores the same bytes as zstd:3 on 128 KiB ones (16.26 against 16.29 MB)
+/// at 544 against 436 MB/s: the same link time for a fifth less of the pool's CPU, which is
+/// what such a save on 2 cores is short of. Idle-guest saves with `--codec zstd:2` on these
+/// frames took 0.169-0.177 s against 0.183-0.199 s by median at 128 MiB in three pools of 10
+/// rounds (session 39, `docs/results/README.md`). zstd:3 on 256 KiB frames stores 2.6% less
+/// but costs more CPU, and was slower. Live checkpoints keep [`FRAME_PAGES`]: their delta
+/// pages read single pages of a base, which decode whole frames.
+pub const SAVE_NETWORK_FRAME_PAGES: usize = 64;
 /// Largest frame a save writes (256 KiB).
 pub const MAX_FRAME_PAGES: usize = 64;
 

@@ -430,6 +430,10 @@ fn save_inner(
     with_base.ingest.base = base.map(std::sync::Arc::new);
     if opts.mode == Mode::Save {
         with_base.ingest.queue_bytes = with_base.ingest.queue_bytes.min(super::ingest::SAVE_QUEUE_BYTES);
+        // Only where the caller kept the default: tests and benches may pin a frame size.
+        if network && with_base.ingest.frame_pages == super::ingest::FRAME_PAGES {
+            with_base.ingest.frame_pages = super::ingest::SAVE_NETWORK_FRAME_PAGES;
+        }
     }
     let opts = &with_base;
 
@@ -473,8 +477,12 @@ fn save_inner(
         .with_model(model);
     let chooser = if network {
         let backlog_store = store.clone();
-        let start = if opts.mode == Mode::Save { SAVE_NETWORK_START } else { NETWORK_START };
-        chooser.with_start(start).with_backlog(Box::new(move || backlog_store.unsent_bytes()))
+        let chooser = if opts.mode == Mode::Save {
+            chooser.with_start(SAVE_NETWORK_START).without_warmup()
+        } else {
+            chooser.with_start(NETWORK_START)
+        };
+        chooser.with_backlog(Box::new(move || backlog_store.unsent_bytes()))
     } else {
         chooser
     };
