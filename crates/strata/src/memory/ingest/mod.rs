@@ -12,7 +12,8 @@
 //! * One parser, because the stream is a sequence; it only copies each page once into a
 //!   batch buffer (recycled) and never hashes or compresses, so it keeps up with QEMU.
 //! * A pool of `workers` threads (all cores by default) does the CPU work. Pages are grouped
-//!   into frames of up to 32 consecutive pages (128 KiB of codec context) for `put_frame`,
+//!   into frames of up to 32 consecutive pages (128 KiB of codec context; 64 in a
+//!   stop-and-copy save to a network backend, [`SAVE_NETWORK_FRAME_PAGES`]) for `put_frame`,
 //!   which still deduplicates per 4 KiB page, so a page seen before in this stream, in an
 //!   earlier checkpoint or in another VM costs nothing but its id.
 //! * Precopy sends pages several times and workers finish batches out of order, so every
