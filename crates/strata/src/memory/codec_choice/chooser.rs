@@ -273,9 +273,16 @@ impl Chooser {
         let (mut why, estimates) = match (&self.policy, &w.decision) {
             (CodecPolicy::Fixed(c), _) => (format!("{c} forced with --codec"), vec![]),
             (CodecPolicy::Auto, Some(d)) => (format!("last decision: {}", d.why), d.estimates.clone()),
-            (CodecPolicy::Auto, None) if w.samples[0].is_empty() => ("no new data arrived to measure; nothing compressed".into(), vec![]),
+            (CodecPolicy::Auto, None) if frames.is_empty() => ("no new data arrived to measure; nothing compressed".into(), vec![]),
+            (CodecPolicy::Auto, None) if w.samples[0].is_empty() => (
+                "no frame sampled yet: kept the start-up codec".into(),
+                vec![],
+            ),
             (CodecPolicy::Auto, None) => (
-                format!("fewer than {WARMUP_SAMPLES} frames to measure: kept the start-up codec"),
+                format!(
+                    "{} frames sampled, fewer than the {WARMUP_SAMPLES} a decision needs: kept the start-up codec",
+                    self.samples.load(Ordering::Relaxed)
+                ),
                 vec![],
             ),
         };

@@ -263,6 +263,8 @@ fn without_warmup_samples_only_every_sample_every_frames() {
     let picked: Vec<u64> = (0..3 * SAMPLE_EVERY).filter(|_| c.wants_sample()).collect();
     assert_eq!(picked, vec![SAMPLE_EVERY - 1, 2 * SAMPLE_EVERY - 1, 3 * SAMPLE_EVERY - 1]);
     assert_eq!(c.codec_for(b""), SAVE_NETWORK_START);
+    let why = c.report().why;
+    assert!(why.contains("no frame sampled yet: kept the start-up codec"), "{why}");
     // A fixed policy still never samples.
     let f = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2).without_warmup();
     assert!((0..2 * SAMPLE_EVERY).all(|_| !f.wants_sample()));
