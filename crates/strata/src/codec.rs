@@ -148,6 +148,37 @@ pub fn prewarm_zstd(levels: &[i32], per_level: usize) {
 /// parameters that made them.
 pub const ZSTD1_MIN_MATCH: i32 = 7;
 
+/// Shortest match zstd level 1 looks for in frames longer than [`ZSTD1_NARROW_FRAME`]: the
+/// 256 KiB frames of a stop-and-copy save to a network backend, which is bound by its link
+/// and short of CPU on a 2-core host. On a captured idle 512 MiB guest's 92 MB of non-zero
+/// pages in 256 KiB blocks (`zstd -b1 -B256K --zstd=mml=N`, one core, session 40), minMatch
+/// 5 stores 33.78 MB at ~715 MB/s, against zstd:1's usual 7 34.49 MB at ~750 and zstd
+/// level 2 33.53 MB at ~590: within 0.8% of level 2's bytes for ~18% less CPU. An A/B pool
+/// of idle-guest saves to S3 is in `docs/results/README.md` (session 40).
+pub const ZSTD1_WIDE_MIN_MATCH: i32 = 5;
+
+/// Frames up to this size (the 32-page frames of most memory writes, and disk blocks) use
+/// [`ZSTD1_MIN_MATCH`] at level 1; longer ones [`ZSTD1_WIDE_MIN_MATCH`].
+pub const ZSTD1_NARROW_FRAME: usize = 128 << 10;
+
+/// The minimum match length a level-1 context should use for a frame of `len` bytes.
+pub fn zstd1_min_match(len: usize) -> i32 {
+    if len > ZSTD1_NARROW_FRAME {
+        ZSTD1_WIDE_MIN_MATCH
+    } else {
+        ZSTD1_MIN_MATCH
+    }
+}
+
+/// Compress `raw` with this thread's context for `level`, its parameters set for `raw`'s size
+/// (see [`zstd1_min_match`]).
+pub fn zstd_compress(c: &mut zstd::bulk::Compressor<'static>, level: i32, raw: &[u8]) -> Option<Vec<u8>> {
+    if level == 1 {
+        c.set_parameter(zstd::zstd_safe::CParameter::MinMatch(zstd1_min_match(raw.len()) as u32)).ok()?;
+    }
+    c.compress(raw).ok()
+}
+
 /// A zstd compression context for `level`, with strata's parameters.
 pub fn zstd_compressor(level: i32) -> Option<zstd::bulk::Compressor<'static>> {
     let mut c = zstd::bulk::Compressor::new(level).ok()?;
@@ -206,7 +237,7 @@ impl Codec {
         let out = match self {
             Codec::None => return None,
             Codec::Lz4 => lz4_flex::block::compress(raw),
-            Codec::Zstd(level) => with_zstd_compressor(level, |c, _| c.compress(raw).ok())??,
+            Codec::Zstd(level) => with_zstd_compressor(level, |c, _| zstd_compress(c, level, raw))??,
         };
         if out.len() + raw.len() / 32 < raw.len() {
             Some(out)
@@ -299,6 +330,52 @@ impl FromStr for Codec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Text-like bytes whose matches come in every length, so the minimum match changes the
+    /// output.
+    fn wordy(len: usize, seed: u64) -> Vec<u8> {
+        let words: [&[u8]; 8] = [b"page ", b"cache ", b"kernel ", b"slab", b"\x00\x00\x01", b"ab", b"vmalloc ", b"zz"];
+        let mut x = seed | 1;
+        let mut out = Vec::with_capacity(len + 16);
+        while out.len() < len {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            out.extend_from_slice(words[(x % 8) as usize]);
+            out.push((x >> 8) as u8 % 7);
+        }
+        out.truncate(len);
+        out
+    }
+
+    fn fresh_level1(mml: i32, raw: &[u8]) -> Vec<u8> {
+        let mut c = zstd::bulk::Compressor::new(1).unwrap();
+        c.set_parameter(zstd::zstd_safe::CParameter::MinMatch(mml as u32)).unwrap();
+        c.compress(raw).unwrap()
+    }
+
+    /// Level 1 compresses frames up to 128 KiB with minMatch 7 and longer ones with 5, on the
+    /// same thread-cached context in any order: each frame gets what a fresh context with its
+    /// size's parameter makes, so a wide frame never leaves its setting to a narrow one.
+    #[test]
+    fn zstd1_min_match_follows_the_frame_size() {
+        let narrow = wordy(ZSTD1_NARROW_FRAME, 7);
+        let wide = wordy(2 * ZSTD1_NARROW_FRAME, 9);
+        assert_eq!(zstd1_min_match(narrow.len()), ZSTD1_MIN_MATCH);
+        assert_eq!(zstd1_min_match(narrow.len() + 1), ZSTD1_WIDE_MIN_MATCH);
+        let (n7, w5) = (fresh_level1(ZSTD1_MIN_MATCH, &narrow), fresh_level1(ZSTD1_WIDE_MIN_MATCH, &wide));
+        // The two settings differ on these bytes, so the comparisons below can tell them apart.
+        assert_ne!(n7, fresh_level1(ZSTD1_WIDE_MIN_MATCH, &narrow));
+        assert_ne!(w5, fresh_level1(ZSTD1_MIN_MATCH, &wide));
+        for _ in 0..2 {
+            assert_eq!(Codec::Zstd(1).compress(&wide).unwrap(), w5);
+            assert_eq!(Codec::Zstd(1).compress(&narrow).unwrap(), n7);
+        }
+        let (m, kept) = crate::memory::codec_choice::measure_keep(Codec::Zstd(1), &wide);
+        assert_eq!(kept.unwrap(), w5);
+        assert_eq!(m.stored as usize, w5.len());
+        assert_eq!(Codec::Zstd(1).decompress(&w5, wide.len()).unwrap(), wide);
+    }
 
     #[test]
     fn round_trip_every_codec() {

@@ -52,7 +52,7 @@ use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
 pub use read::LOCATE_BATCH;
-pub use session::{Precompressed, Session, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
+pub use session::{Precompressed, Session, EARLY_SEAL_BUSY_BYTES, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]

@@ -42,6 +42,11 @@ pub const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
 pub const EARLY_SEAL_UPLOADS: usize = 2;
+/// [`Session::seal_for_upload`] leaves the open pack alone while this many bytes of sealed packs
+/// are waiting or uploading: ~9 ms of a 1 Gbit/s link, several times the 1-3 ms a save takes
+/// to write its page maps, so the link stays busy meanwhile and the last pages go up with
+/// the maps, in one object.
+pub const EARLY_SEAL_BUSY_BYTES: u64 = 1 << 20;
 
 /// A frame its caller compressed already (a memory save's codec sample): the ids of the
 /// chunks joined into it, in order, and the stored bytes under the frame's codec (None: the
@@ -89,9 +94,13 @@ impl Store {
     /// while [`EARLY_SEAL_UPLOADS`] packs are already waiting or uploading: the link then stays
     /// busy while the maps are written (1-3 ms), so the last pages wait for them and go up in
     /// the same pack, one object fewer at the end of the save (one request, and one sync on a
-    /// durable server, session 36).
+    /// durable server, session 36). Likewise while [`EARLY_SEAL_BUSY_BYTES`] or more of sealed
+    /// packs are waiting or uploading (session 40): a 4 MiB pack sealed just before the
+    /// stream's end keeps the link busy for tens of ms, and an early seal then only added a
+    /// pack, and a sync at the end, to the save.
     pub fn seal_for_upload(&self) -> Result<()> {
-        if !self.inner.early_seal || self.inner.sh.uploads.pending() >= EARLY_SEAL_UPLOADS {
+        let uploads = &self.inner.sh.uploads;
+        if !self.inner.early_seal || uploads.pending() >= EARLY_SEAL_UPLOADS || uploads.pending_bytes() >= EARLY_SEAL_BUSY_BYTES {
             return Ok(());
         }
         let _f = self.inner.flush_lock.lock();

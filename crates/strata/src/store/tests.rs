@@ -549,6 +549,83 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
     }
 }
 
+/// At the end of a stream a memory save asks for an early seal (`seal_for_upload`), so its last
+/// pages go up while the page maps are written. While a megabyte or more of packs is still
+/// uploading the link stays busy anyway: the open pack is left for the maps to join (one
+/// object fewer at the end); with less in flight it is sealed at once.
+#[test]
+fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
+    let d = tempfile::tempdir().unwrap();
+    let permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
+    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let ses = s.session();
+    struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
+    impl Drop for OpenGate {
+        fn drop(&mut self) {
+            *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = u64::MAX / 2;
+            self.0 .1.notify_all();
+        }
+    }
+    let _open_on_exit = OpenGate(permits.clone());
+    let chunk = 64usize << 10;
+    let release = |k: u64| {
+        let (m, cv) = &*permits;
+        *m.lock().unwrap() += k;
+        cv.notify_all();
+    };
+    let pending = || s.inner.sh.uploads.pending();
+    let wait_pending = |want: usize| {
+        let t = std::time::Instant::now();
+        while pending() != want {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "{} uploads pending, want {want}", pending());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    let mut ids = Vec::new();
+    let mut n = 0u64;
+    let mut put_one = |ids: &mut Vec<ChunkId>| {
+        n += 1;
+        ids.push(ses.put(&data(5000 + n, chunk), ChunkKind::Data).unwrap());
+    };
+    // Idle seals ramp 256 KiB, 512 KiB, 1 MiB, 2 MiB: each lands before the next is sealed.
+    for _ in 0..4 {
+        while pending() == 0 {
+            put_one(&mut ids);
+            assert!(ids.len() < 100);
+        }
+        if s.inner.sh.uploads.pending_bytes() >= EARLY_SEAL_BUSY_BYTES {
+            break;
+        }
+        release(1);
+        wait_pending(0);
+    }
+    let big = s.inner.sh.uploads.pending_bytes();
+    assert!(big >= EARLY_SEAL_BUSY_BYTES, "the held upload is {big} bytes");
+    put_one(&mut ids);
+    let packs_begun = sizes.lock().unwrap().len();
+    s.seal_for_upload().unwrap();
+    assert_eq!(pending(), 1, "sealed early although {big} bytes were uploading");
+    // Once that upload has landed the link would idle: the open pack (2 chunks) goes at once.
+    put_one(&mut ids);
+    release(1);
+    wait_pending(0);
+    s.seal_for_upload().unwrap();
+    assert_eq!(pending(), 1, "not sealed with nothing uploading");
+    let t = std::time::Instant::now();
+    while sizes.lock().unwrap().len() == packs_begun && t.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let last = *sizes.lock().unwrap().last().unwrap();
+    assert_eq!(last / chunk as u64, 2, "the early-sealed pack holds the two chunks put after the big one ({last} bytes)");
+    release(1 << 20);
+    ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(s.get(id).unwrap(), data(5001 + i as u64, chunk));
+    }
+}
+
 /// A pack's buffer comes back for the next open pack as soon as its put finishes, before any
 /// flush makes it durable (a disk fold used to fill ~30 fresh 32 MiB buffers and hold them
 /// all until its commit); reads of such a pack go to the backend; spares are dropped with

@@ -47,10 +47,10 @@ pub fn measure_keep(codec: Codec, raw: &[u8]) -> (Measure, Option<Vec<u8>>) {
     let (out, nanos): (Option<Vec<u8>>, u64) = match codec {
         Codec::Zstd(level) => crate::codec::with_zstd_compressor(level, |c, fresh| {
             if fresh {
-                let _ = c.compress(raw);
+                let _ = crate::codec::zstd_compress(c, level, raw);
             }
             let t = thread_cpu_ns();
-            let z = c.compress(raw).ok();
+            let z = crate::codec::zstd_compress(c, level, raw);
             (z, thread_cpu_ns().saturating_sub(t))
         })
         .unwrap_or((None, 1)),

@@ -87,8 +87,13 @@ pub const NETWORK_START: Codec = Codec::Zstd(1);
 /// Since session 39 such a save writes 256 KiB frames
 /// ([`SAVE_NETWORK_FRAME_PAGES`](crate::memory::ingest::SAVE_NETWORK_FRAME_PAGES)), starts at
 /// zstd:2, which stores on them what zstd:3 stored on 128 KiB frames for a fifth less CPU, and
-/// has no warm-up samples ([`Chooser::without_warmup`]).
-pub const SAVE_NETWORK_START: Codec = Codec::Zstd(2);
+/// has no warm-up samples ([`Chooser::without_warmup`]). Since session 40 it starts at zstd:1,
+/// which on those frames looks for matches of 5 bytes (`codec::ZSTD1_WIDE_MIN_MATCH`): within
+/// 0.8% of zstd:2's bytes for ~18% less CPU, and raised to zstd:2 per frame while the link is
+/// behind ([`ADAPT_QUEUED_SECS`]). Idle-guest saves (pool of alternating passes,
+/// `docs/results/README.md`, session 40) used 10-20 ms less of the host's CPU for 0.5% more
+/// bytes.
+pub const SAVE_NETWORK_START: Codec = Codec::Zstd(1);
 /// Bytes stored and not yet acknowledged by the backend (`Store::unsent_bytes`).
 pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
 /// A frame the chooser gives [`ADAPT_FROM`] is compressed with [`ADAPT_TO`] instead while

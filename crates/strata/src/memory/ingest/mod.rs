@@ -64,7 +64,9 @@ pub const SAVE_QUEUE_BYTES: usize = 4 << 20;
 /// delta's base) decode more, so the gain stops here.
 pub const FRAME_PAGES: usize = 32;
 /// Pages per frame of a stop-and-copy save to a network backend (256 KiB), with
-/// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) zstd:2. On a captured idle
+/// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) (zstd:2 in session 39; zstd:1
+/// with a minimum match of 5 on these frames, raised to zstd:2 while uploads queue, since
+/// session 40). On a captured idle
 /// 512 MiB guest's 74 MB of non-zero pages (`zstd -b2 -B256K` against `-b3 -B128K`), zstd:2
 /// on 256 KiB blocks stores the same bytes as zstd:3 on 128 KiB ones (16.26 against 16.29 MB)
 /// at 544 against 436 MB/s: the same link time for a fifth less of the pool's CPU, which is
