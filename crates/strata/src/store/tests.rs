@@ -426,6 +426,17 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     check(&burst(3));
 }
 
+/// Opens a [`GatedPacks`] gate for good when dropped: declared after the store, it is dropped
+/// first, so a failed assertion does not leave the store's drop waiting on held puts.
+struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
+
+impl Drop for OpenGate {
+    fn drop(&mut self) {
+        *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = u64::MAX / 2;
+        self.0 .1.notify_all();
+    }
+}
+
 /// A network backend whose pack puts wait for a permit; it records every pack's size as its
 /// put begins.
 #[derive(Debug)]
@@ -482,13 +493,6 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
     let ses = s.session();
     // Dropped before the store (declared after it): a failed assertion must not leave the
     // store's drop waiting on held puts.
-    struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
-    impl Drop for OpenGate {
-        fn drop(&mut self) {
-            *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = u64::MAX / 2;
-            self.0 .1.notify_all();
-        }
-    }
     let _open_on_exit = OpenGate(permits.clone());
     let chunk = 64u64 << 10;
     let mut n = 0u64;
@@ -561,13 +565,6 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
     let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
     let ses = s.session();
-    struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
-    impl Drop for OpenGate {
-        fn drop(&mut self) {
-            *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = u64::MAX / 2;
-            self.0 .1.notify_all();
-        }
-    }
     let _open_on_exit = OpenGate(permits.clone());
     let chunk = 64usize << 10;
     let release = |k: u64| {
