@@ -426,9 +426,28 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     check(&burst(3));
 }
 
+type Permits = Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>;
+
+/// A store on a [`GatedPacks`] backend (64 MiB packs, stored raw), its gate (no permits yet) and
+/// the sizes of the packs whose puts began.
+fn gated_store(dir: &std::path::Path) -> (Store, Permits, Arc<std::sync::Mutex<Vec<u64>>>) {
+    let permits: Permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
+    let s = Store::init(Arc::new(b), &dir.join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    (s, permits, sizes)
+}
+
+/// Let `k` more pack puts through the gate.
+fn release_puts(permits: &Permits, k: u64) {
+    let (m, cv) = &**permits;
+    *m.lock().unwrap() += k;
+    cv.notify_all();
+}
+
 /// Opens a [`GatedPacks`] gate for good when dropped: declared after the store, it is dropped
 /// first, so a failed assertion does not leave the store's drop waiting on held puts.
-struct OpenGate(Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>);
+struct OpenGate(Permits);
 
 impl Drop for OpenGate {
     fn drop(&mut self) {
@@ -486,10 +505,7 @@ impl Backend for GatedPacks {
 #[test]
 fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
     let d = tempfile::tempdir().unwrap();
-    let permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
-    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
-    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let (s, permits, sizes) = gated_store(d.path());
     let ses = s.session();
     // Dropped before the store (declared after it): a failed assertion must not leave the
     // store's drop waiting on held puts.
@@ -503,11 +519,7 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     };
-    let release = |k: u64| {
-        let (m, cv) = &*permits;
-        *m.lock().unwrap() += k;
-        cv.notify_all();
-    };
+    let release = |k: u64| release_puts(&permits, k);
     // Put chunks until two packs are uploading (their puts held), then let one finish: each
     // round seals exactly one busy pack.
     let mut until_two_pending = |ids: &mut Vec<ChunkId>| {
@@ -560,18 +572,11 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
 #[test]
 fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     let d = tempfile::tempdir().unwrap();
-    let permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
-    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
-    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let (s, permits, sizes) = gated_store(d.path());
     let ses = s.session();
     let _open_on_exit = OpenGate(permits.clone());
     let chunk = 64usize << 10;
-    let release = |k: u64| {
-        let (m, cv) = &*permits;
-        *m.lock().unwrap() += k;
-        cv.notify_all();
-    };
+    let release = |k: u64| release_puts(&permits, k);
     let pending = || s.inner.sh.uploads.pending();
     let wait_pending = |want: usize| {
         let t = std::time::Instant::now();
