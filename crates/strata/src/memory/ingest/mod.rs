@@ -115,6 +115,9 @@ pub struct IngestOptions {
     /// Store aligned groups of new uniform pages as run chunks (`pool.rs`; manifest version
     /// 3). Off only to compare.
     pub runs: bool,
+    /// Also make runs of groups whose pages compress (stored in frames of the save's codec,
+    /// two runs to a 256 KiB frame): a stop-and-copy save to a network backend (session 41).
+    pub compressible_runs: bool,
 }
 
 impl Default for IngestOptions {
@@ -123,6 +126,7 @@ impl Default for IngestOptions {
             workers: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2),
             batch_pages: 256,
             frame_pages: FRAME_PAGES,
+            compressible_runs: false,
             hot_bytes: 256 << 20,
             flush_every: 128 << 20,
             queue_bytes: QUEUE_BYTES,
@@ -251,6 +255,7 @@ struct Shared<'a> {
     flush_tx: Mutex<Option<SyncSender<()>>>,
     delta: Option<DeltaSink<'a>>,
     runs_enabled: bool,
+    compressible_runs: bool,
     /// Run chunks the maps name (new or found in the store).
     runs: Mutex<std::collections::HashSet<ChunkId>>,
 }
@@ -324,6 +329,7 @@ pub fn ingest<R: Read>(
             }
         }),
         runs_enabled: opts.runs,
+        compressible_runs: opts.compressible_runs,
         runs: Mutex::new(std::collections::HashSet::new()),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);

@@ -41,7 +41,7 @@ fn base_run(d: &DeltaSink<'_>, store: &Store, block: u32, p0: u32) -> Option<Chu
 /// consecutive page numbers from a multiple of [`RUN_PAGES`], none zero, all distinct, none in
 /// the store yet and all uniform. Cheap tests first: the store lookups and the entropy only
 /// for groups of the right shape.
-fn find_runs(store: &Store, batch: &Batch, ids: &[ChunkId], out: &mut Vec<usize>) {
+fn find_runs(store: &Store, batch: &Batch, ids: &[ChunkId], any_content: bool, out: &mut Vec<usize>) {
     out.clear();
     let n = batch.pages.len();
     let mut i = 0;
@@ -66,7 +66,7 @@ fn find_runs(store: &Store, batch: &Batch, ids: &[ChunkId], out: &mut Vec<usize>
         sorted.extend_from_slice(&ids[group.clone()]);
         sorted.sort_unstable();
         let ok = sorted.windows(2).all(|w| w[0] != w[1])
-            && batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE].chunks_exact(PAGE_SIZE).all(uniform_page)
+            && (any_content || batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE].chunks_exact(PAGE_SIZE).all(uniform_page))
             && ids[group].iter().all(|id| !store.contains(id));
         if ok {
             out.push(i);
@@ -89,6 +89,7 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
     let mut dw = DeltaWorker::default();
     let mut starts: Vec<usize> = Vec::new();
     let mut runs: Vec<(usize, ChunkId)> = Vec::new();
+    let mut packed_runs: Vec<(usize, ChunkId)> = Vec::new();
     let mut in_run: Vec<bool> = Vec::new();
     loop {
         let t_wait = std::time::Instant::now();
@@ -129,7 +130,7 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         sh.zero_content.fetch_add(zeros, Ordering::Relaxed);
         runs.clear();
         if sh.runs_enabled {
-            find_runs(sh.session.store(), &batch, &ids, &mut starts);
+            find_runs(sh.session.store(), &batch, &ids, sh.compressible_runs, &mut starts);
             for &i in &starts {
                 let rid = ChunkId::of(&batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE]);
                 let (block, p0, _) = batch.pages[i];
@@ -141,9 +142,20 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                 runs.push((i, rid));
             }
         }
+        // Runs whose pages compress go into frames of the save's codec, the rest raw below.
+        packed_runs.clear();
+        if sh.compressible_runs {
+            runs.retain(|&(i, rid)| {
+                let uniform = batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE].chunks_exact(PAGE_SIZE).all(uniform_page);
+                if !uniform {
+                    packed_runs.push((i, rid));
+                }
+                uniform
+            });
+        }
         in_run.clear();
         in_run.resize(batch.pages.len(), false);
-        for &(i, _) in &runs {
+        for &(i, _) in runs.iter().chain(&packed_runs) {
             in_run[i..i + RUN_PAGES].fill(true);
         }
         // Frames of up to `frame_pages` non-zero pages, in stream order.
@@ -225,6 +237,29 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         }
         if ok && !flush(&mut items, &mut span) {
             ok = false;
+        }
+        // Compressible runs: as many to a frame as `frame_pages` holds (two on 256 KiB frames).
+        if ok && !packed_runs.is_empty() {
+            let per_frame = (sh.frame_pages / RUN_PAGES).max(1);
+            for &(i, rid) in &packed_runs {
+                items.push((rid, &batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE]));
+                if items.len() == per_frame && !flush(&mut items, &mut span) {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok && !flush(&mut items, &mut span) {
+                ok = false;
+            }
+            if ok {
+                // `flush` counted each run once; a run stands for its pages, as below.
+                sh.new_chunks.fetch_add((packed_runs.len() * (RUN_PAGES - 1)) as u64, Ordering::Relaxed);
+                let mut set = sh.runs.lock();
+                for &(i, rid) in &packed_runs {
+                    ids[i..i + RUN_PAGES].fill(rid);
+                    set.insert(rid);
+                }
+            }
         }
         if let Some(d) = &sh.delta {
             if read_base {

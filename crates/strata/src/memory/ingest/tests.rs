@@ -258,3 +258,63 @@ fn aligned_groups_of_new_uniform_pages_become_one_run_chunk() {
     assert!(off.runs.is_empty());
     assert!(off.maps[0].iter().zip(&pages).all(|(id, p)| *id == ChunkId::of(p)));
 }
+
+/// A stop-and-copy save to a network backend (`compressible_runs`) also makes runs of groups
+/// whose pages compress: they go into frames of the save's codec, two to a 64-page frame, and
+/// read back whole. A group with a repeated page still stays page chunks.
+#[test]
+fn compressible_groups_become_runs_when_asked() {
+    use crate::memory::manifest::{RUN_BYTES, RUN_PAGES};
+    let mut lay = layout();
+    lay.blocks.truncate(1);
+    lay.blocks[0].used_len = 128 * 4096;
+    // [0, 32) and [32, 64) compressible, [64, 96) random, [96, 128) compressible but page 100
+    // repeats page 97.
+    let mut pages: Vec<[u8; 4096]> = (0..128u64)
+        .map(|i| if (64..96).contains(&i) { random_page(5000 + i) } else { page((7000 + i) as u32) })
+        .collect();
+    pages[100] = pages[97];
+    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
+    for (i, p) in pages.iter().enumerate() {
+        w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
+    }
+    w.tail(&tail()).unwrap();
+    let bytes = w.finish().unwrap().0;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
+    let ses = store.session();
+    let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 1.0, 2);
+    let opts = IngestOptions {
+        workers: 2,
+        batch_pages: 128,
+        frame_pages: 64,
+        compressible_runs: true,
+        ..Default::default()
+    };
+    let got = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
+    store.flush().unwrap();
+    let map = &got.maps[0];
+    for g in 0..3usize {
+        let run = ChunkId::of(&pages[g * RUN_PAGES..(g + 1) * RUN_PAGES].concat());
+        assert!(map[g * RUN_PAGES..(g + 1) * RUN_PAGES].iter().all(|id| *id == run), "group {g} is one run");
+        assert_eq!(store.chunk_info(&run), Some((RUN_BYTES as u32, ChunkKind::Data)));
+        assert_eq!(store.get(&run).unwrap(), pages[g * RUN_PAGES..(g + 1) * RUN_PAGES].concat());
+    }
+    for i in 96..128 {
+        assert_eq!(map[i], ChunkId::of(&pages[i]), "page {i} of the group with a repeat");
+    }
+    assert_eq!(got.runs.len(), 3);
+    assert_eq!(got.counters.new_chunks, 3 * 32 + 31);
+    // The compressible runs were compressed: far fewer bytes stored than the raw pages.
+    let stored = store.stats().stored_bytes_new.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(stored < 64 * 4096, "{stored} bytes stored for 64 compressible and 63 other pages");
+    assert!(stored > 32 * 4096, "the random group is stored raw: {stored}");
+
+    // Without the option (the default) the compressible groups stay page chunks.
+    let dir2 = tempfile::tempdir().unwrap();
+    let store2 = Store::init_local(dir2.path(), InitOptions::default()).unwrap();
+    let ses2 = store2.session();
+    let off = ingest(&bytes[..], &ses2, &chooser, &IngestOptions { compressible_runs: false, ..opts.clone() }, &NoProgress).unwrap();
+    assert_eq!(off.runs.len(), 1, "only the random group");
+    assert_eq!(off.maps[0][5], ChunkId::of(&pages[5]));
+}
