@@ -116,7 +116,10 @@ pub struct IngestOptions {
     /// 3). Off only to compare.
     pub runs: bool,
     /// Also make runs of groups whose pages compress (stored in frames of the save's codec,
-    /// two runs to a 256 KiB frame): a stop-and-copy save to a network backend (session 41).
+    /// two runs to a 256 KiB frame). Off everywhere since session 42: a page inside a run
+    /// cannot be named from another address, so a later copy of it is stored again, and the
+    /// 512 MiB desktop guest's save stored 55% more (`docs/results/README.md`). Only to
+    /// compare, until page maps can name a run's slot from any address.
     pub compressible_runs: bool,
 }
 

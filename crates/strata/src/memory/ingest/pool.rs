@@ -166,9 +166,10 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         // consecutive pages of the batch, end to end in `batch.data`, and the codec reads them
         // in place.
         let mut span: Option<(usize, usize)> = None;
-        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>, span: &mut Option<(usize, usize)>| -> bool {
+        // Stores a frame of `items`: the number of them new to the store, None on failure.
+        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>, span: &mut Option<(usize, usize)>| -> Option<usize> {
             if items.is_empty() {
-                return true;
+                return Some(0);
             }
             // The codec chooser measures (on sampled frames only) bytes the store does not
             // hold yet, as the store will pick them (absent, each once), and the store then
@@ -199,11 +200,11 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                 Ok(n) => {
                     sh.new_chunks.fetch_add(n as u64, Ordering::Relaxed);
                     sh.maybe_flush();
-                    true
+                    Some(n)
                 }
                 Err(e) => {
                     sh.fail(e);
-                    false
+                    None
                 }
             }
         };
@@ -230,30 +231,40 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
             // Indices only grow, so the frame is consecutive pages iff it spans len pages.
             span = Some((span.map_or(i, |(a, _)| a), i + 1));
             items.push((*id, page));
-            if items.len() == sh.frame_pages && !flush(&mut items, &mut span) {
+            if items.len() == sh.frame_pages && flush(&mut items, &mut span).is_none() {
                 ok = false;
                 break;
             }
         }
-        if ok && !flush(&mut items, &mut span) {
+        if ok && flush(&mut items, &mut span).is_none() {
             ok = false;
         }
         // Compressible runs: as many to a frame as `frame_pages` holds (two on 256 KiB frames).
         if ok && !packed_runs.is_empty() {
             let per_frame = (sh.frame_pages / RUN_PAGES).max(1);
+            // Runs new to the store (one that comes back unchanged is deduplicated whole).
+            let mut new_runs = 0;
             for &(i, rid) in &packed_runs {
                 items.push((rid, &batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE]));
-                if items.len() == per_frame && !flush(&mut items, &mut span) {
-                    ok = false;
-                    break;
+                if items.len() == per_frame {
+                    match flush(&mut items, &mut span) {
+                        Some(n) => new_runs += n,
+                        None => {
+                            ok = false;
+                            break;
+                        }
+                    }
                 }
             }
-            if ok && !flush(&mut items, &mut span) {
-                ok = false;
+            if ok {
+                match flush(&mut items, &mut span) {
+                    Some(n) => new_runs += n,
+                    None => ok = false,
+                }
             }
             if ok {
-                // `flush` counted each run once; a run stands for its pages, as below.
-                sh.new_chunks.fetch_add((packed_runs.len() * (RUN_PAGES - 1)) as u64, Ordering::Relaxed);
+                // `flush` counted each new run once; a run stands for its pages, as below.
+                sh.new_chunks.fetch_add((new_runs * (RUN_PAGES - 1)) as u64, Ordering::Relaxed);
                 let mut set = sh.runs.lock();
                 for &(i, rid) in &packed_runs {
                     ids[i..i + RUN_PAGES].fill(rid);

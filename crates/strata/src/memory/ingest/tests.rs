@@ -309,6 +309,10 @@ fn compressible_groups_become_runs_when_asked() {
     let stored = store.stats().stored_bytes_new.load(std::sync::atomic::Ordering::Relaxed);
     assert!(stored < 64 * 4096, "{stored} bytes stored for 64 compressible and 63 other pages");
     assert!(stored > 32 * 4096, "the random group is stored raw: {stored}");
+    // The same memory saved again: every run is deduplicated whole, and none counts as new.
+    let again = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
+    assert_eq!(again.maps, got.maps);
+    assert_eq!(again.counters.new_chunks, 0, "nothing new the second time");
 
     // Without the option (the default) the compressible groups stay page chunks.
     let dir2 = tempfile::tempdir().unwrap();

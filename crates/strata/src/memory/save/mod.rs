@@ -433,7 +433,6 @@ fn save_inner(
         // Only where the caller kept the default: tests and benches may pin a frame size.
         if network && with_base.ingest.frame_pages == super::ingest::FRAME_PAGES {
             with_base.ingest.frame_pages = super::ingest::SAVE_NETWORK_FRAME_PAGES;
-            with_base.ingest.compressible_runs = with_base.ingest.runs;
         }
     }
     let opts = &with_base;
