@@ -191,6 +191,64 @@ fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_
     dst.quit();
 }
 
+/// A stop-and-copy save to S3 makes runs of compressible groups, and a copy of a page inside
+/// one (the memwork guest's text region holds the golden files, as its page cache does) names
+/// the run's slot through its leaf's slot table (format version 4) instead of being stored
+/// again. The restore, on a host that has only the bucket, is byte for byte the saved memory.
+#[test]
+fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
+    use strata::fixtures::{Fixtures, Machine};
+    use strata::memory::launch::{restore_launch, LaunchOptions};
+    use strata::memory::restore::load_checkpoint;
+    let fx = Fixtures::ensure().unwrap();
+    let dir = workdir("mem-s3-slots");
+    let s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
+    s3.create_bucket("vms").unwrap();
+    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default()).unwrap();
+    let mem = 192u32;
+    let mut g = fx
+        .guest()
+        .memory_mib(mem)
+        .machine(Machine::Pc)
+        .qmp(true)
+        .drive(&format!("file={},if=virtio,format=raw,readonly=on", fx.golden().display()))
+        .name("slots")
+        .launch()
+        .expect("boot the memwork guest");
+    g.command("text 48", Duration::from_secs(300)).unwrap();
+    let mut q = strata::qmp::QmpClient::connect(g.qmp_path().unwrap()).unwrap();
+    let r = save(&a, &mut q, "desk", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
+    let want = {
+        let f = dir.join("src.mem");
+        let out = q.human_monitor_command(&format!("pmemsave 0 {:#x} \"{}\"", (mem as u64) << 20, f.display())).unwrap();
+        assert!(out.trim().is_empty(), "pmemsave: {out}");
+        let v = std::fs::read(&f).unwrap();
+        std::fs::remove_file(&f).ok();
+        v
+    };
+    drop(q);
+    g.kill().unwrap();
+    let ck = load_checkpoint(&a, "desk").unwrap();
+    assert_eq!(ck.manifest.version, 4, "slot tables were written ({} pages stored)", r.pages_stored);
+
+    // Host B has only the bucket.
+    let b = Store::open(backend(&s3), &local_meta_path(&dir.join("hostB"))).unwrap();
+    let mut lo = LaunchOptions::new(dir.join("run"));
+    lo.restore.resume = false;
+    let l = restore_launch(&b, "desk", &lo, &NoProgress).unwrap_or_else(|e| panic!("restore: {}", chain(&e)));
+    let mut child = l.child;
+    let mut dq = strata::qmp::QmpClient::connect(&l.qmp_path).unwrap();
+    let f = dir.join("dst.mem");
+    let out = dq.human_monitor_command(&format!("pmemsave 0 {:#x} \"{}\"", (mem as u64) << 20, f.display())).unwrap();
+    assert!(out.trim().is_empty(), "pmemsave: {out}");
+    let got = std::fs::read(&f).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(got.len(), want.len());
+    let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(x, y)| x != y).count();
+    assert_eq!(differ, 0, "{differ} pages differ after the restore");
+}
+
 /// Guest-physical memory [0, bytes) read by QEMU itself (HMP `pmemsave`).
 fn pmem(q: &mut Qemu, bytes: u64, file: &std::path::Path) -> Vec<u8> {
     let out = q.qmp.human_monitor_command(&format!("pmemsave 0 {bytes:#x} \"{}\"", file.display())).unwrap();

@@ -21,6 +21,17 @@ pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {
 /// [`write_map`], handing every tree chunk written (id, raw bytes) to `each` (a memory save
 /// keeps its page maps in the store's tree cache).
 pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(ChunkId, Vec<u8>)) -> Result<ChunkId> {
+    write_map_payloads(ses, blocks, &mut |_| Vec::new(), each)
+}
+
+/// [`write_map_with`], each leaf's payload given by `payload(leaf number)` (a memory page
+/// map's slot table, `memory/manifest.rs`; disks' leaves have none).
+pub fn write_map_payloads(
+    ses: &Session,
+    blocks: &[ChunkId],
+    payload: &mut dyn FnMut(usize) -> Vec<u8>,
+    each: &mut dyn FnMut(ChunkId, Vec<u8>),
+) -> Result<ChunkId> {
     let mut put = |t: Tree| -> Result<ChunkId> {
         let raw = t.encode();
         let id = ses.put(&raw, ChunkKind::Tree)?;
@@ -28,11 +39,11 @@ pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(Ch
         Ok(id)
     };
     let mut leaves = Vec::with_capacity(blocks.len().div_ceil(LEAF_IDS));
-    for part in blocks.chunks(LEAF_IDS) {
+    for (n, part) in blocks.chunks(LEAF_IDS).enumerate() {
         if part.iter().all(|c| c.is_zero()) {
             leaves.push(ChunkId::ZERO);
         } else {
-            leaves.push(put(Tree { children: part.to_vec(), payload: vec![] })?);
+            leaves.push(put(Tree { children: part.to_vec(), payload: payload(n) })?);
         }
     }
     put(Tree { children: leaves, payload: (blocks.len() as u64).to_le_bytes().to_vec() })

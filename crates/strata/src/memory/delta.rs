@@ -302,7 +302,9 @@ pub fn select_base(
         }
     };
     let name = ckpt.manifest.name.clone();
-    let maps = super::restore::read_maps(store, &ckpt.map_roots, super::restore::MAP_READERS).map_err(|(bi, source)| {
+    // Slot tables (version 4) are not needed here: a base page that names a run is compared
+    // with the run's slot at its own place, and mapped back only to that slot when equal.
+    let maps = super::restore::read_maps(store, &ckpt.map_roots, super::restore::MAP_READERS).map(|m| m.ids).map_err(|(bi, source)| {
         MemError::MetaDamaged {
             name: name.clone(),
             what: format!("page map of ramblock '{}' (as a delta base)", ckpt.manifest.blocks[bi].name),

@@ -4,8 +4,8 @@
 //! ```text
 //! refs/vm/NAME   roots[0]      = tail tree   (device-state tail, 64 KiB data chunks)
 //!                roots[1 + i]  = page map of ramblock i (disk::map two-level tree of page ids,
-//!                                the zero id for a zero page)
-//!                payload       = Manifest (JSON, format "strata-vm-checkpoint", version 2)
+//!                                the zero id for a zero page; leaves may carry a slot table)
+//!                payload       = Manifest (JSON, format "strata-vm-checkpoint", version 2-4)
 //! ```
 //!
 //! Why this shape: pages are ordinary content-addressed chunks, so a page shared by two VMs,
@@ -31,8 +31,12 @@ pub const FORMAT: &str = "strata-vm-checkpoint";
 /// added delta pages (`delta`, and page map entries that are delta records, see `delta.rs`);
 /// a version-1 manifest reads as one without deltas. Version 3 added run chunks (page map
 /// entries naming a data chunk of [`RUN_PAGES`] pages, below); a save that made none still
-/// writes 2, so older readers keep reading it.
-pub const VERSION: u32 = 3;
+/// writes 2, so older readers keep reading it. Version 4 added slot tables: a page map leaf
+/// may name, for some of its entries, which slot of a run chunk the page is ([`SlotTable`]);
+/// a save whose maps have none writes 3 (or 2).
+pub const VERSION: u32 = 4;
+/// Version a save with run chunks but no slot table writes.
+pub const VERSION_RUNS: u32 = 3;
 /// Version a save without run chunks writes.
 pub const VERSION_NO_RUNS: u32 = 2;
 /// Pages of a run chunk (version 3): a data chunk of `RUN_PAGES * 4096` bytes holding an
@@ -41,6 +45,52 @@ pub const VERSION_NO_RUNS: u32 = 2;
 pub const RUN_PAGES: usize = 32;
 /// Bytes of a run chunk.
 pub const RUN_BYTES: usize = RUN_PAGES * PAGE_SIZE;
+
+/// Bytes of one slot-table entry: le16 index in the leaf, u8 slot.
+pub const SLOT_ENTRY_BYTES: usize = 3;
+
+/// A page map leaf's slot table (version 4, the leaf tree's payload): for the entries it
+/// lists, the page is slot `slot` of the run chunk the entry names, instead of slot
+/// `page number mod RUN_PAGES`. Entries are `(index in the leaf, slot)`, indices strictly
+/// increasing. An empty payload is an empty table (every leaf before version 4).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlotTable(pub Vec<(u16, u8)>);
+
+impl SlotTable {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.0.len() * SLOT_ENTRY_BYTES);
+        for &(i, slot) in &self.0 {
+            out.extend_from_slice(&i.to_le_bytes());
+            out.push(slot);
+        }
+        out
+    }
+
+    /// Parse a leaf's payload; `entries` is the leaf's number of ids. Refuses a length that is
+    /// not whole entries, an index outside the leaf or not above the one before, and a slot of
+    /// [`RUN_PAGES`] or more.
+    pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, String> {
+        if payload.len() % SLOT_ENTRY_BYTES != 0 {
+            return Err(format!("slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries", payload.len()));
+        }
+        let mut out = Vec::with_capacity(payload.len() / SLOT_ENTRY_BYTES);
+        for e in payload.chunks_exact(SLOT_ENTRY_BYTES) {
+            let i = u16::from_le_bytes([e[0], e[1]]);
+            let slot = e[2];
+            if i as usize >= entries {
+                return Err(format!("slot table names entry {i} of a leaf of {entries}"));
+            }
+            if out.last().is_some_and(|&(p, _)| p >= i) {
+                return Err(format!("slot table entry {i} is out of order"));
+            }
+            if slot as usize >= RUN_PAGES {
+                return Err(format!("slot {slot} of entry {i} is not below {RUN_PAGES}"));
+            }
+            out.push((i, slot));
+        }
+        Ok(SlotTable(out))
+    }
+}
 
 /// Whether the store holds `id` as a run chunk (a data chunk of [`RUN_BYTES`]), as the index
 /// tells it: a page map entry naming one is a slot of it.
@@ -544,12 +594,24 @@ mod tests {
     }
 
     #[test]
+    fn slot_table_bytes_are_pinned_and_bad_tables_refused() {
+        let t = SlotTable(vec![(3, 0), (0x0102, 31)]);
+        assert_eq!(t.encode(), [3, 0, 0, 0x02, 0x01, 31]);
+        assert_eq!(SlotTable::parse(&t.encode(), 2048).unwrap(), t);
+        assert_eq!(SlotTable::parse(&[], 0).unwrap(), SlotTable::default());
+        assert!(SlotTable::parse(&[3, 0], 2048).unwrap_err().contains("whole"));
+        assert!(SlotTable::parse(&[3, 0, 0], 3).unwrap_err().contains("entry 3 of a leaf of 3"));
+        assert!(SlotTable::parse(&[3, 0, 0, 3, 0, 1], 2048).unwrap_err().contains("out of order"));
+        assert!(SlotTable::parse(&[3, 0, 32], 2048).unwrap_err().contains("not below 32"));
+    }
+
+    #[test]
     fn json_field_names_are_pinned() {
         let m = sample();
         let v: serde_json::Value = serde_json::from_slice(&m.encode()).unwrap();
         assert_eq!(v["format"], "strata-vm-checkpoint");
-        assert_eq!(v["version"], 3);
-        assert_eq!((VERSION, VERSION_NO_RUNS, RUN_PAGES, RUN_BYTES), (3, 2, 32, 131_072));
+        assert_eq!(v["version"], 4);
+        assert_eq!((VERSION, VERSION_RUNS, VERSION_NO_RUNS, RUN_PAGES, RUN_BYTES), (4, 3, 2, 32, 131_072));
         assert!(v.get("delta").is_none(), "no delta field without a base");
         assert_eq!(v["mode"], "background-snapshot");
         assert_eq!(v["qemu"]["machine_type"], "pc-i440fx-7.2");
@@ -574,8 +636,10 @@ mod tests {
         ));
         assert!(matches!(parse_manifest(b"not json"), Err(ManifestError::Json { .. })));
         let mut m = sample();
-        m.version = 4;
-        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 4 }));
+        m.version = 5;
+        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 5 }));
+        m.version = VERSION_RUNS;
+        assert_eq!(parse_manifest(&m.encode()).unwrap().version, 3);
         m.version = VERSION_NO_RUNS;
         assert_eq!(parse_manifest(&m.encode()).unwrap().version, 2);
         let mut m = sample();

@@ -116,10 +116,9 @@ pub struct IngestOptions {
     /// 3). Off only to compare.
     pub runs: bool,
     /// Also make runs of groups whose pages compress (stored in frames of the save's codec,
-    /// two runs to a 256 KiB frame). Off everywhere since session 42: a page inside a run
-    /// cannot be named from another address, so a later copy of it is stored again, and the
-    /// 512 MiB desktop guest's save stored 55% more (`docs/results/README.md`). Only to
-    /// compare, until page maps can name a run's slot from any address.
+    /// two runs to a 256 KiB frame), and name a later copy of a page inside a run by the
+    /// run's slot (a slot table, format version 4) instead of storing it again: a stop-and-copy
+    /// save to a network backend (sessions 41-42).
     pub compressible_runs: bool,
 }
 
@@ -193,8 +192,12 @@ pub struct Ingested {
     pub waits: IngestWaits,
     /// Delta pages against the base, when there was one.
     pub delta: Option<DeltaOutcome>,
+    /// Per ramblock, `(page, slot)` of the pages that name a run's slot other than their
+    /// page number's (`pool.rs`), in page order: the page maps' slot tables (version 4).
+    pub slots: Vec<Vec<(u32, u8)>>,
     /// Run chunks the maps name (`pool.rs`): a page mapped to one of these is its slot
-    /// (page number modulo [`RUN_PAGES`](crate::memory::manifest::RUN_PAGES)).
+    /// (page number modulo [`RUN_PAGES`](crate::memory::manifest::RUN_PAGES), unless `slots`
+    /// names another).
     pub runs: std::collections::HashSet<ChunkId>,
 }
 
@@ -221,6 +224,9 @@ struct Batch {
 struct PageMap {
     ids: Vec<Vec<ChunkId>>,
     recs: Vec<Vec<u64>>,
+    /// (block, page) -> the run slot a page names when it is not its page number's
+    /// (`pool.rs`: a copy of a page inside a run made elsewhere).
+    slots: std::collections::HashMap<(u32, u32), u8>,
 }
 
 impl PageMap {
@@ -230,8 +236,29 @@ impl PageMap {
             if rec > *r {
                 *r = rec;
                 self.ids[b][p] = id;
+                self.slots.remove(&(block, page));
             }
         }
+    }
+
+    /// After [`set`](Self::set) of record `rec` naming a run: the page is that run's `slot`
+    /// (kept only while `rec` is the page's latest record).
+    fn set_slot(&mut self, block: u32, page: u32, rec: u64, slot: u8) {
+        if self.recs.get(block as usize).and_then(|v| v.get(page as usize)) == Some(&rec) {
+            self.slots.insert((block, page), slot);
+        }
+    }
+
+    /// Per ramblock, `(page, slot)` in page order.
+    fn slot_tables(&self) -> Vec<Vec<(u32, u8)>> {
+        let mut out = vec![Vec::new(); self.ids.len()];
+        for (&(b, p), &slot) in &self.slots {
+            out[b as usize].push((p, slot));
+        }
+        for t in &mut out {
+            t.sort_unstable();
+        }
+        out
     }
 }
 
@@ -261,6 +288,9 @@ struct Shared<'a> {
     compressible_runs: bool,
     /// Run chunks the maps name (new or found in the store).
     runs: Mutex<std::collections::HashSet<ChunkId>>,
+    /// With `compressible_runs`: page id -> (run, slot) of every page inside a run this save
+    /// made, so a copy elsewhere names that slot instead of being stored again.
+    run_pages: Mutex<std::collections::HashMap<ChunkId, (ChunkId, u8)>>,
 }
 
 impl Shared<'_> {
@@ -334,6 +364,7 @@ pub fn ingest<R: Read>(
         runs_enabled: opts.runs,
         compressible_runs: opts.compressible_runs,
         runs: Mutex::new(std::collections::HashSet::new()),
+        run_pages: Mutex::new(std::collections::HashMap::new()),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
@@ -468,9 +499,11 @@ pub fn ingest<R: Read>(
         superseded,
     };
     tracing::debug!(target: TARGET, ?counters, "stream ingested");
+    let slots = map.slot_tables();
     Ok(Ingested {
         info,
         maps: map.ids,
+        slots,
         missing,
         counters,
         drain_ms: drain.into_inner(),

@@ -14,6 +14,13 @@
 //! held in one run that differs from this one is left to the delta sink page by page, which
 //! maps every page still equal to its slot in the base's run back to that run; any other
 //! group of new uniform pages (the base had zeros, or other pages there) is a run.
+//!
+//! Compressible runs (`IngestOptions::compressible_runs`: stop-and-copy saves to a network
+//! backend): groups whose pages compress become runs too, two to a frame of the save's codec.
+//! Every page inside a run this save made is entered in `run_pages` (page id -> run, slot), so
+//! a later copy of it, which could not find it in the store, names that run's slot (a slot
+//! table entry, format version 4) instead of being stored again; a group holding such a copy
+//! is left page by page, and two workers cannot take one page into two runs.
 
 use super::*;
 use crate::codec::{byte_entropy, Codec};
@@ -139,6 +146,19 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                         continue;
                     }
                 }
+                // A group with a page already inside another run of this save is left to
+                // name that run's slot page by page (below); otherwise its pages are entered,
+                // under one lock, so two workers cannot both take a page into runs.
+                if sh.compressible_runs {
+                    let group = &ids[i..i + RUN_PAGES];
+                    let mut rp = sh.run_pages.lock();
+                    if group.iter().any(|id| rp.contains_key(id)) {
+                        continue;
+                    }
+                    for (k, id) in group.iter().enumerate() {
+                        rp.insert(*id, (rid, k as u8));
+                    }
+                }
                 runs.push((i, rid));
             }
         }
@@ -210,9 +230,19 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         };
         let read_base = sh.delta.as_ref().is_some_and(|d| dw.batch_start(d));
         let mut as_delta: Vec<(usize, ChunkId)> = Vec::new();
+        // Copies of pages inside runs of this save: (batch index, run, slot).
+        let mut aliases: Vec<(usize, ChunkId, u8)> = Vec::new();
         for (i, ((id, page), &(block, page_no, _))) in ids.iter().zip(&pages).zip(&batch.pages).enumerate() {
             if id.is_zero() || in_run[i] {
                 continue;
+            }
+            // A page the store does not hold as a chunk, but a run of this save does: the map
+            // names the run and the slot (version 4) instead of storing the page again.
+            if sh.compressible_runs && !sh.session.store().contains(id) {
+                if let Some(&(rid, slot)) = sh.run_pages.lock().get(id) {
+                    aliases.push((i, rid, slot));
+                    continue;
+                }
             }
             // A page new to the store may be kept as a delta against the base checkpoint:
             // its map entry is then the delta record's id.
@@ -307,10 +337,21 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
             ids[i..i + RUN_PAGES].fill(rid);
             sh.runs.lock().insert(rid);
         }
+        for &(i, rid, _) in &aliases {
+            ids[i] = rid;
+        }
         if ok {
+            if !aliases.is_empty() {
+                let mut set = sh.runs.lock();
+                set.extend(aliases.iter().map(|a| a.1));
+            }
             let mut map = sh.map.lock();
             for ((block, page, rec), id) in batch.pages.iter().zip(&ids) {
                 map.set(*block, *page, *rec, *id);
+            }
+            for &(i, _, slot) in &aliases {
+                let (block, page, rec) = batch.pages[i];
+                map.set_slot(block, page, rec, slot);
             }
         }
         let _ = free.try_send(batch.data);

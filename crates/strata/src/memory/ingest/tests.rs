@@ -322,3 +322,47 @@ fn compressible_groups_become_runs_when_asked() {
     assert_eq!(off.runs.len(), 1, "only the random group");
     assert_eq!(off.maps[0][5], ChunkId::of(&pages[5]));
 }
+
+/// With compressible runs, a later copy of a page inside a run names the run and its slot (a
+/// slot table entry) instead of being stored again; a group holding such a copy is not made a
+/// run of its own.
+#[test]
+fn copies_of_run_pages_name_the_runs_slot() {
+    use crate::memory::manifest::RUN_PAGES;
+    let mut lay = layout();
+    lay.blocks.truncate(1);
+    lay.blocks[0].used_len = 128 * 4096;
+    // [0, 32) a compressible group; pages 40..50 copy pages 3..13; 64..96 another group whose
+    // page 70 copies page 20; the rest distinct.
+    let mut pages: Vec<[u8; 4096]> = (0..128u64).map(|i| page((9000 + i) as u32)).collect();
+    for k in 0..10 {
+        pages[40 + k] = pages[3 + k];
+    }
+    pages[70] = pages[20];
+    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
+    for (i, p) in pages.iter().enumerate() {
+        w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
+    }
+    w.tail(&tail()).unwrap();
+    let bytes = w.finish().unwrap().0;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
+    let ses = store.session();
+    let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 1.0, 2);
+    let opts = IngestOptions { workers: 2, batch_pages: 128, frame_pages: 64, compressible_runs: true, ..Default::default() };
+    let got = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
+    let map = &got.maps[0];
+    let run0 = ChunkId::of(&pages[..RUN_PAGES].concat());
+    assert!(map[..RUN_PAGES].iter().all(|id| *id == run0));
+    let mut want_slots: Vec<(u32, u8)> = (0..10).map(|k| (40 + k as u32, 3 + k as u8)).collect();
+    want_slots.push((70, 20));
+    for &(p, _) in &want_slots {
+        assert_eq!(map[p as usize], run0, "page {p} names the run");
+    }
+    assert_eq!(got.slots, vec![want_slots]);
+    // Pages 64..96 hold a copy, so they are page chunks (and page 70 a slot of run 0).
+    assert_eq!(map[64], ChunkId::of(&pages[64]));
+    // [32, 64) minus its 10 copies and [96, 128) become... [96, 128) is a run; 32..64 holds
+    // copies, so its 22 other pages are page chunks; 64..96 gives 31 page chunks.
+    assert_eq!(got.counters.new_chunks, 32 + 22 + 31 + 32);
+}

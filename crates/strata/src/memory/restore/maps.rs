@@ -121,8 +121,9 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
 
 /// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
 /// roots, then the leaves of all maps, a few ranged GETs at a time ([`get_chunks`]). Errors
-/// carry the ramblock's index.
-pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<Vec<Vec<ChunkId>>, (usize, StoreError)> {
+/// carry the ramblock's index. Also returns each ramblock's slot overrides, `(page, slot)` in
+/// page order, from the leaves' slot tables (version 4, `manifest::SlotTable`).
+pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<PageMaps, (usize, StoreError)> {
     let decode = |id: &ChunkId, raw: &[u8]| -> Result<Tree, StoreError> {
         Tree::decode(raw).map_err(|source| StoreError::Format {
             key: format!("chunk {id}"),
@@ -183,19 +184,35 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
     let fetched = decode_all(&leaf_ids).map_err(|(i, e)| (leaves[i].0, e))?;
     let mut fetched = fetched.into_iter();
     let mut maps = Vec::with_capacity(tops.len());
-    for (t, n) in tops.iter().zip(counts) {
+    let mut slots = Vec::with_capacity(tops.len());
+    for (bi, (t, n)) in tops.iter().zip(counts).enumerate() {
         let mut out = Vec::with_capacity(n);
+        let mut over: Vec<(u32, u8)> = Vec::new();
         for leaf in &t.children {
             let want = n.saturating_sub(out.len()).min(LEAF_IDS);
             if leaf.is_zero() {
                 out.extend(std::iter::repeat_n(ChunkId::ZERO, want));
             } else {
                 let lt = fetched.next().expect("one fetched tree per non-zero leaf");
+                if !lt.payload.is_empty() {
+                    let table = SlotTable::parse(&lt.payload, lt.children.len()).map_err(|detail| {
+                        (
+                            bi,
+                            StoreError::Format {
+                                key: format!("chunk {leaf}"),
+                                source: crate::store::format::FormatError::Malformed { what: "page map slot table", detail },
+                            },
+                        )
+                    })?;
+                    let at = out.len() as u32;
+                    over.extend(table.0.iter().filter(|&&(i, _)| (i as usize) < want).map(|&(i, slot)| (at + i as u32, slot)));
+                }
                 out.extend(lt.children.into_iter().take(want));
             }
         }
         out.resize(n, ChunkId::ZERO);
         maps.push(out);
+        slots.push(over);
     }
     // The copies are written on a thread of their own, after the maps are whole: on a host
     // without the maps the plan waits on them, and writing a 512 MiB guest's 62 leaves one file
@@ -211,5 +228,28 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
             }
         });
     }
-    Ok(maps)
+    Ok(PageMaps { ids: maps, slots })
+}
+
+/// Every ramblock's page map as [`read_maps`] reads it.
+#[derive(Debug, Default)]
+pub(crate) struct PageMaps {
+    /// Per ramblock, per page: the map's entry.
+    pub ids: Vec<Vec<ChunkId>>,
+    /// Per ramblock: `(page, slot)` of the entries whose run slot a leaf's slot table names,
+    /// in page order; every other run entry is slot `page mod RUN_PAGES`.
+    pub slots: Vec<Vec<(u32, u8)>>,
+}
+
+impl PageMaps {
+    /// The slot a leaf's slot table names for page `page` of ramblock `block`, if any.
+    pub fn slot_override(&self, block: usize, page: u32) -> Option<u8> {
+        let over = self.slots.get(block)?;
+        over.binary_search_by_key(&page, |&(p, _)| p).ok().map(|k| over[k].1)
+    }
+
+    /// The run slot of page `page` of ramblock `block`, if its entry names a run chunk.
+    pub fn slot(&self, block: usize, page: u32) -> u8 {
+        self.slot_override(block, page).unwrap_or((page as usize % RUN_PAGES) as u8)
+    }
 }

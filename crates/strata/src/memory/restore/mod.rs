@@ -45,7 +45,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::error::MemError;
-use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint, RUN_BYTES, RUN_PAGES};
+use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint, SlotTable, RUN_BYTES, RUN_PAGES};
 use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
 use crate::codec::Codec;
 use crate::disk::map::LEAF_IDS;

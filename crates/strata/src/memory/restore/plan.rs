@@ -239,11 +239,27 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     let mut ids: Vec<ChunkId> = Vec::new();
     let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
     let mut zeros = Vec::new();
-    let maps = maps.map_err(|(bi, source)| MemError::MetaDamaged {
+    let mut slot_maps = maps.map_err(|(bi, source)| MemError::MetaDamaged {
         name: name.clone(),
         what: format!("page map of ramblock '{}'", m.blocks[bi].name),
         source,
     })?;
+    let maps = std::mem::take(&mut slot_maps.ids);
+    // Slot tables came with version 4.
+    if m.version < 4 {
+        if let Some(bi) = slot_maps.slots.iter().position(|s| !s.is_empty()) {
+            return Err(MemError::MetaDamaged {
+                name: name.clone(),
+                what: format!("page map of ramblock '{}'", m.blocks[bi].name),
+                source: StoreError::Corrupt {
+                    id: ckpt.map_roots[bi],
+                    pack: PackId::default(),
+                    offset: 0,
+                    reason: format!("a slot table in a version-{} checkpoint", m.version),
+                },
+            });
+        }
+    }
     let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
     let map_trees_local = store.tree_cache().map_or(0, |c| c.counters().0) - hits0;
     // Maps that came over the link: the head's second stage starts now (`head.rs`).
@@ -308,8 +324,22 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             }
             Some((pack, e)) => {
                 let delta = e.kind == ChunkKind::Tree;
-                // A data chunk of 32 pages is a run (version 3): the page is its slot.
+                // A data chunk of 32 pages is a run (version 3): the page is its slot, the one
+                // its leaf's slot table names (version 4) or its page number's.
                 let run = !delta && e.raw_len as usize == RUN_BYTES && runs_allowed;
+                let (bi, page) = pages[i];
+                let slot = slot_maps.slot_override(bi as usize, page);
+                if slot.is_some() && !run {
+                    bad.get_or_insert((
+                        i,
+                        StoreError::Corrupt {
+                            id: ids[i],
+                            pack,
+                            offset: e.frame_off,
+                            reason: "a slot table names a chunk that is not a run".into(),
+                        },
+                    ));
+                }
                 if !delta && !run && e.raw_len as usize != PAGE_SIZE {
                     bad.get_or_insert((
                         i,
@@ -321,7 +351,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                         },
                     ));
                 }
-                let slot = if run { (pages[i].1 as usize % RUN_PAGES) * PAGE_SIZE } else { 0 };
+                let slot = if run { slot.unwrap_or((page as usize % RUN_PAGES) as u8) as usize * PAGE_SIZE } else { 0 };
                 hits.push((pack, e.frame_off, e.off_in_frame + slot as u32, i as u32));
                 FrameMeta {
                     len: e.frame_len,
@@ -373,7 +403,7 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             place = Some((pack, off, in_frame));
             let u = uids.len() as u32;
             uids.push(ids[i]);
-            slots.push(if frames_of[i].run { (pages[i].1 as usize % RUN_PAGES) as u8 } else { NOT_A_RUN });
+            slots.push(if frames_of[i].run { slot_maps.slot(pages[i].0 as usize, pages[i].1) } else { NOT_A_RUN });
             ref_ranges.push((refs.len() as u32, refs.len() as u32));
             let f = &frames_of[i];
             if f.delta {

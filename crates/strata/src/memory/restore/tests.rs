@@ -26,7 +26,8 @@ fn concurrent_map_reads_match_read_map() {
     store.flush().unwrap();
     for threads in [1, 3, MAP_READERS] {
         let got = read_maps(&store, &roots, threads).unwrap();
-        for (i, (g, want)) in got.iter().zip(&maps).enumerate() {
+        assert!(got.slots.iter().all(|s| s.is_empty()), "no slot tables");
+        for (i, (g, want)) in got.ids.iter().zip(&maps).enumerate() {
             assert_eq!(g, want, "map {i} with {threads} threads");
             assert_eq!(g, &read_map(&store, &roots[i]).unwrap());
         }
@@ -35,6 +36,30 @@ fn concurrent_map_reads_match_read_map() {
     let bad = [roots[0], ids[0], ChunkId::of(b"not stored")];
     let (i, _) = read_maps(&store, &bad, 4).unwrap_err();
     assert!(i == 1 || i == 2, "failing map index {i}");
+}
+
+/// Leaves' slot tables (version 4) come back as (page, slot) per map, pages counted across
+/// leaves; a damaged table is an error naming its map.
+#[test]
+fn map_reads_return_slot_tables() {
+    use crate::disk::map::write_map_payloads;
+    use crate::memory::manifest::SlotTable;
+    let d = tempfile::tempdir().unwrap();
+    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let ses = store.session();
+    let ids: Vec<ChunkId> = (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
+    let map: Vec<ChunkId> = (0..LEAF_IDS + 100).map(|i| ids[i % 40]).collect();
+    let tables = [SlotTable(vec![(0, 5), (7, 31)]), SlotTable(vec![(99, 1)])];
+    let root = write_map_payloads(&ses, &map, &mut |n| tables[n].encode(), &mut |_, _| {}).unwrap();
+    let bad_root = write_map_payloads(&ses, &map, &mut |n| if n == 1 { vec![200, 0, 1] } else { vec![] }, &mut |_, _| {}).unwrap();
+    store.flush().unwrap();
+    let got = read_maps(&store, &[root], 2).unwrap();
+    assert_eq!(got.ids[0], map);
+    assert_eq!(got.slots[0], vec![(0, 5), (7, 31), (LEAF_IDS as u32 + 99, 1)]);
+    assert_eq!((got.slot(0, 7), got.slot(0, 8), got.slot(0, 33)), (31, 8, 1));
+    let (i, e) = read_maps(&store, &[root, bad_root], 2).unwrap_err();
+    assert_eq!(i, 1);
+    assert!(crate::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"), "{}", crate::error_chain(&e));
 }
 
 #[test]

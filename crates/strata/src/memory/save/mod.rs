@@ -44,10 +44,10 @@ use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
     ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats, REF_PREFIX,
-    StreamMeta, TailMeta, FORMAT, TAIL_CHUNK, VERSION, VERSION_NO_RUNS,
+    StreamMeta, SlotTable, TailMeta, FORMAT, TAIL_CHUNK, VERSION, VERSION_NO_RUNS, VERSION_RUNS,
 };
 use crate::codec::Codec;
-use crate::disk::map::write_map_with;
+use crate::disk::map::{write_map_payloads, LEAF_IDS};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
 use crate::qmp::{machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent, Request};
@@ -433,6 +433,7 @@ fn save_inner(
         // Only where the caller kept the default: tests and benches may pin a frame size.
         if network && with_base.ingest.frame_pages == super::ingest::FRAME_PAGES {
             with_base.ingest.frame_pages = super::ingest::SAVE_NETWORK_FRAME_PAGES;
+            with_base.ingest.compressible_runs = with_base.ingest.runs;
         }
     }
     let opts = &with_base;
@@ -548,12 +549,14 @@ fn save_inner(
     let tail = &ingested.info.tail;
     let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages, run_pages) = std::thread::scope(|s| {
         let maps = &ingested.maps;
+        let slot_tables = &ingested.slots;
         let kept = &mut kept;
         let writer = s.spawn(move || -> Result<(Vec<ChunkId>, f64), MemError> {
             let t = Instant::now();
             let roots = maps
                 .iter()
-                .map(|ids| {
+                .enumerate()
+                .map(|(bi, ids)| {
                     // This host keeps a copy, so restoring here needs no map from the link:
                     // collected here, written to the tree cache beside the commit below.
                     let mut keep = |id: ChunkId, raw: Vec<u8>| {
@@ -561,7 +564,15 @@ fn save_inner(
                             kept.push((id, raw))
                         }
                     };
-                    write_map_with(ses, ids, &mut keep).map_err(MemError::store("page map write", name))
+                    // Each leaf's slot table (version 4): its pages' entries, by index.
+                    let over = slot_tables.get(bi).map(Vec::as_slice).unwrap_or_default();
+                    let mut payload = |leaf: usize| -> Vec<u8> {
+                        let (lo, hi) = ((leaf * LEAF_IDS) as u32, ((leaf + 1) * LEAF_IDS) as u32);
+                        let a = over.partition_point(|&(p, _)| p < lo);
+                        let b = over.partition_point(|&(p, _)| p < hi);
+                        SlotTable(over[a..b].iter().map(|&(p, slot)| ((p - lo) as u16, slot)).collect()).encode()
+                    };
+                    write_map_payloads(ses, ids, &mut payload, &mut keep).map_err(MemError::store("page map write", name))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             Ok((roots, t.elapsed().as_secs_f64() * 1e3))
@@ -635,7 +646,13 @@ fn save_inner(
     let mut manifest = Manifest {
         format: FORMAT.into(),
         // Run chunks need version 3; without them older readers can still read it.
-        version: if run_pages > 0 { VERSION } else { VERSION_NO_RUNS },
+        version: if ingested.slots.iter().any(|t| !t.is_empty()) {
+            VERSION
+        } else if run_pages > 0 {
+            VERSION_RUNS
+        } else {
+            VERSION_NO_RUNS
+        },
         name: name.into(),
         created_unix: now_unix(),
         mode: opts.mode,
