@@ -247,6 +247,15 @@ fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
     assert_eq!(got.len(), want.len());
     let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(x, y)| x != y).count();
     assert_eq!(differ, 0, "{differ} pages differ after the restore");
+
+    // `vm inspect --sharing` on the other host, through the slot tables: the distinct pages
+    // are at least the RAM's distinct contents, and above them only by the other ramblocks'
+    // pages and a few copies two workers stored at once (a copy stored again, not named).
+    let i = strata::memory::catalog::inspect(&b, "desk", true).unwrap();
+    let distinct_ram = want.chunks(4096).filter(|p| p.iter().any(|&x| x != 0)).collect::<std::collections::HashSet<_>>().len() as u64;
+    let other: u64 = ck.manifest.blocks.iter().filter(|b| b.name != "pc.ram").map(|b| b.pages()).sum();
+    let d = i.sharing.unwrap().distinct_pages;
+    assert!(d >= distinct_ram && d <= distinct_ram + other + 200, "{d} distinct pages for {distinct_ram} distinct in RAM and {other} elsewhere");
 }
 
 /// Guest-physical memory [0, bytes) read by QEMU itself (HMP `pmemsave`).

@@ -10,9 +10,8 @@
 use std::collections::{HashMap, HashSet};
 
 use super::error::MemError;
-use super::manifest::{is_run_chunk, ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX, RUN_PAGES};
+use super::manifest::{is_run_chunk, ref_name, valid_name, Checkpoint, Manifest, REF_PREFIX};
 use super::restore::load_checkpoint;
-use crate::disk::map::read_map;
 use crate::id::ChunkId;
 use crate::store::Store;
 
@@ -107,19 +106,20 @@ pub struct Inspection {
 }
 
 /// A checkpoint's distinct pages: (chunk id, slot), the slot being the page's place in a run
-/// chunk (version 3; the page number modulo `RUN_PAGES`) or `u8::MAX` for a page chunk.
+/// chunk (version 3: the page number modulo `RUN_PAGES`, or the one its leaf's slot table
+/// names, version 4) or `u8::MAX` for a page chunk.
 fn page_ids(store: &Store, c: &Checkpoint) -> Result<HashSet<(ChunkId, u8)>, MemError> {
     let mut set = HashSet::new();
     let mut runs: HashMap<ChunkId, bool> = HashMap::new();
-    for (b, root) in c.manifest.blocks.iter().zip(&c.map_roots) {
-        let ids = read_map(store, root).map_err(|source| MemError::MetaDamaged {
-            name: c.manifest.name.clone(),
-            what: format!("page map of ramblock '{}'", b.name),
-            source,
-        })?;
-        for (p, id) in ids.into_iter().enumerate().filter(|(_, i)| !i.is_zero()) {
-            let run = *runs.entry(id).or_insert_with(|| c.manifest.version >= 3 && is_run_chunk(store, &id));
-            set.insert((id, if run { (p % RUN_PAGES) as u8 } else { u8::MAX }));
+    let maps = super::restore::read_maps(store, &c.map_roots, super::restore::MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
+        name: c.manifest.name.clone(),
+        what: format!("page map of ramblock '{}'", c.manifest.blocks.get(bi).map_or("?", |b| b.name.as_str())),
+        source,
+    })?;
+    for (bi, ids) in maps.ids.iter().enumerate() {
+        for (p, id) in ids.iter().enumerate().filter(|(_, i)| !i.is_zero()) {
+            let run = *runs.entry(*id).or_insert_with(|| c.manifest.version >= 3 && is_run_chunk(store, id));
+            set.insert((*id, if run { maps.slot(bi, p as u32) } else { u8::MAX }));
         }
     }
     Ok(set)

@@ -236,7 +236,9 @@ impl PageMap {
             if rec > *r {
                 *r = rec;
                 self.ids[b][p] = id;
-                self.slots.remove(&(block, page));
+                if !self.slots.is_empty() {
+                    self.slots.remove(&(block, page));
+                }
             }
         }
     }

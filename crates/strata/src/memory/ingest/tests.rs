@@ -259,27 +259,32 @@ fn aligned_groups_of_new_uniform_pages_become_one_run_chunk() {
     assert!(off.maps[0].iter().zip(&pages).all(|(id, p)| *id == ChunkId::of(p)));
 }
 
+/// A one-ramblock stream of `pages` (then the tail).
+fn one_block_stream(pages: &[[u8; 4096]]) -> Vec<u8> {
+    let mut lay = layout();
+    lay.blocks.truncate(1);
+    lay.blocks[0].used_len = pages.len() as u64 * 4096;
+    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
+    for (i, p) in pages.iter().enumerate() {
+        w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
+    }
+    w.tail(&tail()).unwrap();
+    w.finish().unwrap().0
+}
+
 /// A stop-and-copy save to a network backend (`compressible_runs`) also makes runs of groups
 /// whose pages compress: they go into frames of the save's codec, two to a 64-page frame, and
 /// read back whole. A group with a repeated page still stays page chunks.
 #[test]
 fn compressible_groups_become_runs_when_asked() {
     use crate::memory::manifest::{RUN_BYTES, RUN_PAGES};
-    let mut lay = layout();
-    lay.blocks.truncate(1);
-    lay.blocks[0].used_len = 128 * 4096;
     // [0, 32) and [32, 64) compressible, [64, 96) random, [96, 128) compressible but page 100
     // repeats page 97.
     let mut pages: Vec<[u8; 4096]> = (0..128u64)
         .map(|i| if (64..96).contains(&i) { random_page(5000 + i) } else { page((7000 + i) as u32) })
         .collect();
     pages[100] = pages[97];
-    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
-    for (i, p) in pages.iter().enumerate() {
-        w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
-    }
-    w.tail(&tail()).unwrap();
-    let bytes = w.finish().unwrap().0;
+    let bytes = one_block_stream(&pages);
     let dir = tempfile::tempdir().unwrap();
     let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
     let ses = store.session();
@@ -329,9 +334,6 @@ fn compressible_groups_become_runs_when_asked() {
 #[test]
 fn copies_of_run_pages_name_the_runs_slot() {
     use crate::memory::manifest::RUN_PAGES;
-    let mut lay = layout();
-    lay.blocks.truncate(1);
-    lay.blocks[0].used_len = 128 * 4096;
     // [0, 32) a compressible group; pages 40..50 copy pages 3..13; 64..96 another group whose
     // page 70 copies page 20; the rest distinct.
     let mut pages: Vec<[u8; 4096]> = (0..128u64).map(|i| page((9000 + i) as u32)).collect();
@@ -339,12 +341,7 @@ fn copies_of_run_pages_name_the_runs_slot() {
         pages[40 + k] = pages[3 + k];
     }
     pages[70] = pages[20];
-    let mut w = StreamWriter::new(Vec::new(), &lay).unwrap();
-    for (i, p) in pages.iter().enumerate() {
-        w.page(BlockIdx(0), i as u64 * 4096, p).unwrap();
-    }
-    w.tail(&tail()).unwrap();
-    let bytes = w.finish().unwrap().0;
+    let bytes = one_block_stream(&pages);
     let dir = tempfile::tempdir().unwrap();
     let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
     let ses = store.session();
