@@ -592,11 +592,13 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
         ids.push(ses.put(&data(5000 + n, chunk), ChunkKind::Data).unwrap());
     };
     // Idle seals ramp 256 KiB, 512 KiB, 1 MiB, 2 MiB: each lands before the next is sealed.
+    let mut sealed = 0;
     for _ in 0..4 {
         while pending() == 0 {
             put_one(&mut ids);
             assert!(ids.len() < 100);
         }
+        sealed += 1;
         if s.inner.sh.uploads.pending_bytes() >= EARLY_SEAL_BUSY_BYTES {
             break;
         }
@@ -605,6 +607,13 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     }
     let big = s.inner.sh.uploads.pending_bytes();
     assert!(big >= EARLY_SEAL_BUSY_BYTES, "the held upload is {big} bytes");
+    // The held pack's put begins on an uploader thread a moment after its seal counts as
+    // pending (a loaded CI host took long enough for the count below to miss it, session 42).
+    let t = std::time::Instant::now();
+    while sizes.lock().unwrap().len() < sealed {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the held pack's put never began");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     put_one(&mut ids);
     let packs_begun = sizes.lock().unwrap().len();
     s.seal_for_upload().unwrap();

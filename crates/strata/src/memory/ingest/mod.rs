@@ -224,10 +224,14 @@ struct Batch {
 struct PageMap {
     ids: Vec<Vec<ChunkId>>,
     recs: Vec<Vec<u64>>,
-    /// (block, page) -> the run slot a page names when it is not its page number's
-    /// (`pool.rs`: a copy of a page inside a run made elsewhere).
-    slots: std::collections::HashMap<(u32, u32), u8>,
+    /// Per block, per page: the run slot a page names when it is not its page number's
+    /// (`pool.rs`: a copy of a page inside a run made elsewhere), [`NO_SLOT`] otherwise; a
+    /// block's vector is allocated on its first such page.
+    slots: Vec<Vec<u8>>,
 }
+
+/// [`PageMap::slots`] of a page that names no other slot.
+const NO_SLOT: u8 = u8::MAX;
 
 impl PageMap {
     fn set(&mut self, block: u32, page: u32, rec: u64, id: ChunkId) {
@@ -236,8 +240,8 @@ impl PageMap {
             if rec > *r {
                 *r = rec;
                 self.ids[b][p] = id;
-                if !self.slots.is_empty() {
-                    self.slots.remove(&(block, page));
+                if let Some(s) = self.slots.get_mut(b).and_then(|v| v.get_mut(p)) {
+                    *s = NO_SLOT;
                 }
             }
         }
@@ -246,19 +250,24 @@ impl PageMap {
     /// After [`set`](Self::set) of record `rec` naming a run: the page is that run's `slot`
     /// (kept only while `rec` is the page's latest record).
     fn set_slot(&mut self, block: u32, page: u32, rec: u64, slot: u8) {
-        if self.recs.get(block as usize).and_then(|v| v.get(page as usize)) == Some(&rec) {
-            self.slots.insert((block, page), slot);
+        let (b, p) = (block as usize, page as usize);
+        if self.recs.get(b).and_then(|v| v.get(p)) != Some(&rec) {
+            return;
         }
+        if self.slots.len() <= b {
+            self.slots.resize(b + 1, Vec::new());
+        }
+        if self.slots[b].is_empty() {
+            self.slots[b] = vec![NO_SLOT; self.ids[b].len()];
+        }
+        self.slots[b][p] = slot;
     }
 
     /// Per ramblock, `(page, slot)` in page order.
     fn slot_tables(&self) -> Vec<Vec<(u32, u8)>> {
         let mut out = vec![Vec::new(); self.ids.len()];
-        for (&(b, p), &slot) in &self.slots {
-            out[b as usize].push((p, slot));
-        }
-        for t in &mut out {
-            t.sort_unstable();
+        for (b, v) in self.slots.iter().enumerate() {
+            out[b] = v.iter().enumerate().filter(|(_, &s)| s != NO_SLOT).map(|(p, &s)| (p as u32, s)).collect();
         }
         out
     }
