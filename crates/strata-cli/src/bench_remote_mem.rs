@@ -204,6 +204,24 @@ struct StrataSaved {
     object_bytes: u64,
     /// Host CPU from the save's start until its objects were durable.
     host_cpu: HostCpu,
+    /// This process's resident MB when the save began, and its peak during the save
+    /// ([`peak_rss_reset`]).
+    rss_mb: (f64, f64),
+}
+
+/// Resident MB of this process (`VmRSS`), after resetting its peak (`VmHWM`) to that.
+fn peak_rss_reset() -> f64 {
+    // Writing 5 to clear_refs resets the peak resident set size (Linux 4.0+).
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    status_mb("VmRSS:")
+}
+
+/// A `/proc/self/status` field given in kB, as MB.
+fn status_mb(field: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .map_or(0.0, |kb| kb * 1024.0 / 1e6)
 }
 
 /// Makes a save's objects durable the moment it commits, on its clock. `save` ends its
@@ -262,7 +280,9 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     let objects = host.bucket_dir().join(prefix);
     let at_commit = DurableAtCommit::new(host.sync_objects(objects.clone()), objects.clone());
     let opts = SaveOptions { codec, ..SaveOptions::new(Mode::Save) };
+    let rss0 = peak_rss_reset();
     let r = save(&store, q, "bench", &opts, &at_commit);
+    let rss_mb = (rss0, status_mb("VmHWM:"));
     let r: SaveReport = r?;
     // Normally done at the commit, inside the save's clock; if the hook did not run (the save
     // changed shape), after it, and added.
@@ -304,7 +324,18 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
         if crate::bench_remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
     );
     let (sys, faults) = (self1.1 - self0.1, self1.2 - self0.2);
-    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults, object_bytes, host_cpu })
+    if let Some(t) = &r.run_table {
+        eprintln!(
+            "  {:<14} resident {:.0} MB, peak {:.0} MB during the save; run table {} pages in {} runs, {:.1} MB",
+            "",
+            rss_mb.0,
+            rss_mb.1,
+            t.pages,
+            t.runs,
+            t.heap_bytes as f64 / 1e6
+        );
+    }
+    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults, object_bytes, host_cpu, rss_mb })
 }
 
 /// Bytes of the objects a save put under its prefix on the storage host: its packs (frames,
@@ -528,7 +559,7 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                 save_cpu: st.host_cpu,
             });
             reports.push(serde_json::json!({
-                "mem_mib": mem, "round": round, "save": st.report, "save_fsync_s": st.fsync_s, "save_objects_synced_live": st.synced_live, "restore": rr,
+                "mem_mib": mem, "round": round, "save": st.report, "save_fsync_s": st.fsync_s, "save_rss_mb": {"before": st.rss_mb.0, "peak": st.rss_mb.1}, "save_objects_synced_live": st.synced_live, "restore": rr,
                 "cpu_s": {"save_versitygw": st.cpu.0, "save_strata": st.cpu.1, "save_strata_sys": st.sys, "save_strata_faults": st.faults, "restore_versitygw": restore_cpu.0, "restore_strata": restore_cpu.1},
             }));
             drop(st);

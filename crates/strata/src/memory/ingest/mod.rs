@@ -81,11 +81,13 @@ pub const MAX_FRAME_PAGES: usize = 64;
 
 mod dispatch;
 mod pool;
+mod run_table;
 #[cfg(test)]
 mod tests;
 
 use dispatch::Dispatch;
 use pool::worker;
+pub use run_table::RunTableStats;
 
 /// Tuning of the pipeline.
 #[derive(Debug, Clone)]
@@ -199,6 +201,8 @@ pub struct Ingested {
     /// (page number modulo [`RUN_PAGES`](crate::memory::manifest::RUN_PAGES), unless `slots`
     /// names another).
     pub runs: std::collections::HashSet<ChunkId>,
+    /// What the save's table of pages inside its runs held at the end (compressible runs).
+    pub run_table: RunTableStats,
 }
 
 /// See [`Ingested::waits`].
@@ -299,9 +303,9 @@ struct Shared<'a> {
     compressible_runs: bool,
     /// Run chunks the maps name (new or found in the store).
     runs: Mutex<std::collections::HashSet<ChunkId>>,
-    /// With `compressible_runs`: page id -> (run, slot) of every page inside a run this save
-    /// made, so a copy elsewhere names that slot instead of being stored again.
-    run_pages: Mutex<std::collections::HashMap<ChunkId, (ChunkId, u8)>>,
+    /// With `compressible_runs`: the run and slot of every page inside a run this save made,
+    /// so a copy elsewhere names that slot instead of being stored again (`run_table.rs`).
+    run_pages: Mutex<run_table::RunTable>,
 }
 
 impl Shared<'_> {
@@ -375,7 +379,7 @@ pub fn ingest<R: Read>(
         runs_enabled: opts.runs,
         compressible_runs: opts.compressible_runs,
         runs: Mutex::new(std::collections::HashSet::new()),
-        run_pages: Mutex::new(std::collections::HashMap::new()),
+        run_pages: Mutex::new(run_table::RunTable::default()),
     };
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
@@ -493,6 +497,7 @@ pub fn ingest<R: Read>(
     progress.finish();
     let map = sh.map.into_inner();
     let runs = sh.runs.into_inner();
+    let run_table = sh.run_pages.into_inner().stats();
     let missing = map
         .recs
         .iter()
@@ -515,6 +520,7 @@ pub fn ingest<R: Read>(
         info,
         maps: map.ids,
         slots,
+        run_table,
         missing,
         counters,
         drain_ms: drain.into_inner(),

@@ -17,7 +17,7 @@
 //!
 //! Compressible runs (`IngestOptions::compressible_runs`: stop-and-copy saves to a network
 //! backend): groups whose pages compress become runs too, two to a frame of the save's codec.
-//! Every page inside a run this save made is entered in `run_pages` (page id -> run, slot), so
+//! Every page inside a run this save made is entered in `run_pages` (`run_table.rs`), so
 //! a later copy of it, which could not find it in the store, names that run's slot (a slot
 //! table entry, format version 4) instead of being stored again; a group holding such a copy
 //! is left page by page, and two workers cannot take one page into two runs.
@@ -152,11 +152,8 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
                 if sh.compressible_runs {
                     let group = &ids[i..i + RUN_PAGES];
                     let mut rp = sh.run_pages.lock();
-                    if group.iter().any(|id| rp.contains_key(id)) {
+                    if rp.holds_any(group) || !rp.enter(rid, group) {
                         continue;
-                    }
-                    for (k, id) in group.iter().enumerate() {
-                        rp.insert(*id, (rid, k as u8));
                     }
                 }
                 runs.push((i, rid));
@@ -239,7 +236,7 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
             // A page the store does not hold as a chunk, but a run of this save does: the map
             // names the run and the slot (version 4) instead of storing the page again.
             if sh.compressible_runs && !sh.session.store().contains(id) {
-                if let Some(&(rid, slot)) = sh.run_pages.lock().get(id) {
+                if let Some((rid, slot)) = sh.run_pages.lock().get(id) {
                     aliases.push((i, rid, slot));
                     continue;
                 }

@@ -137,6 +137,9 @@ pub struct SaveReport {
     pub delta: Option<DeltaMeta>,
     /// What computing the deltas read from the store (absent without a base).
     pub delta_reads: Option<super::delta::DeltaReads>,
+    /// The save's table of pages inside its runs (`ingest/run_table.rs`): absent unless
+    /// compressible runs were on (stop-and-copy to a network backend).
+    pub run_table: Option<super::ingest::RunTableStats>,
     /// Where the time went.
     pub stages: SaveStages,
 }
@@ -754,6 +757,7 @@ fn save_inner(
         codec: m.codec.clone(),
         delta: m.delta.clone(),
         delta_reads: ingested.delta.as_ref().map(|d| d.reads.clone()),
+        run_table: opts.ingest.compressible_runs.then_some(ingested.run_table),
         stages: SaveStages {
             setup_ms: timing.setup_ms,
             stream_ms: timing.migrate_ms,
