@@ -191,6 +191,111 @@ fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_
     dst.quit();
 }
 
+/// S3 with every listing of checkpoint refs answered late, as a cold server or real object
+/// storage answers a LIST; everything else passes straight through.
+#[derive(Debug)]
+struct LateListing {
+    inner: DynBackend,
+    delay: Duration,
+    lists: AtomicU64,
+}
+
+impl strata::backend::Backend for LateListing {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> strata::backend::Capabilities {
+        self.inner.capabilities()
+    }
+    fn get(&self, key: &str) -> strata::backend::BResult<Vec<u8>> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, offset: u64, len: u64) -> strata::backend::BResult<Vec<u8>> {
+        self.inner.get_range(key, offset, len)
+    }
+    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> strata::backend::BResult<Vec<Vec<u8>>> {
+        self.inner.get_ranges(key, ranges)
+    }
+    fn put(&self, key: &str, data: &[u8]) -> strata::backend::BResult<()> {
+        self.inner.put(key, data)
+    }
+    fn put_shared(&self, key: &str, data: &Arc<Vec<u8>>) -> strata::backend::BResult<()> {
+        self.inner.put_shared(key, data)
+    }
+    fn put_volatile(&self, key: &str, data: &[u8]) -> strata::backend::BResult<()> {
+        self.inner.put_volatile(key, data)
+    }
+    fn put_if_absent(&self, key: &str, data: &[u8]) -> strata::backend::BResult<bool> {
+        self.inner.put_if_absent(key, data)
+    }
+    fn list(&self, prefix: &str) -> strata::backend::BResult<Vec<strata::backend::ObjectInfo>> {
+        if prefix.starts_with("refs/vm/") {
+            self.lists.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+        }
+        self.inner.list(prefix)
+    }
+    fn delete(&self, key: &str) -> strata::backend::BResult<()> {
+        self.inner.delete(key)
+    }
+    fn sync(&self) -> strata::backend::BResult<()> {
+        self.inner.sync()
+    }
+    fn head(&self, key: &str) -> strata::backend::BResult<Option<u64>> {
+        self.inner.head(key)
+    }
+}
+
+/// A save does not wait for a late listing of checkpoint refs unless its answer can change
+/// what is saved (`memory/save/listing.rs`), and a taken name is still refused: found during
+/// the stream, the migration is cancelled, the guest runs again and the checkpoint there is
+/// untouched. With a delta base in view (this host has seen a checkpoint), the save waits.
+#[test]
+fn a_late_listing_does_not_hold_up_a_save_and_a_taken_name_is_still_refused() {
+    let dir = workdir("mem-s3-late-list");
+    let s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
+    s3.create_bucket("vms").unwrap();
+    let delay = Duration::from_millis(1500);
+    let ms = delay.as_secs_f64() * 1e3;
+    let slow = |host: &str| -> (Arc<LateListing>, std::path::PathBuf) {
+        (Arc::new(LateListing { inner: backend(&s3), delay, lists: AtomicU64::new(0) }), local_meta_path(&dir.join(host)))
+    };
+    let (ba, meta_a) = slow("hostA");
+    let a = Store::init(ba.clone(), &meta_a, InitOptions::default()).unwrap();
+    let mut q = Qemu::start(&dir, "src", &vm_args("pc", 128, true));
+    q.wait_guest_filled();
+
+    // Host A has seen no checkpoint: the first save starts without the listing's answer.
+    let r = save(&a, &mut q.qmp, "first", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
+    assert_eq!(ba.lists.load(Ordering::SeqCst), 1, "the save lists the refs once");
+    eprintln!("first save: set-up {:.1} ms, total {:.0} ms (listing {} ms)", r.stages.setup_ms, r.total_ms, delay.as_millis());
+    assert!(r.stages.setup_ms < ms * 2.0 / 3.0, "the set-up waited for the listing: {:.1} ms", r.stages.setup_ms);
+    assert!(r.total_ms >= ms * 0.9, "the commit must wait for the listing's answer: {:.0} ms", r.total_ms);
+    assert!(r.delta.is_none());
+    let first = a.get_ref("vm/first").unwrap().expect("saved");
+    q.qmp.cont().unwrap();
+
+    // Host B, fresh, saves the same name: the answer comes during the stream and stops it.
+    let (bb, meta_b) = slow("hostB");
+    let b = Store::open(bb, &meta_b).unwrap();
+    let t = std::time::Instant::now();
+    let e = save(&b, &mut q.qmp, "first", &SaveOptions::new(Mode::Save), &NoProgress).unwrap_err();
+    eprintln!("refused save: {:.0} ms, {}", t.elapsed().as_secs_f64() * 1e3, chain(&e));
+    assert!(matches!(e, strata::memory::error::MemError::Exists { .. }), "{}", chain(&e));
+    assert!(chain(&e).contains("first"), "{}", chain(&e));
+    std::thread::sleep(Duration::from_millis(200));
+    let st = q.qmp.query_status().unwrap();
+    assert!(st.running, "the guest must run again after the refused save: {}", st.status);
+    assert_eq!(b.get_ref("vm/first").unwrap(), Some(first.clone()), "the checkpoint there is untouched");
+
+    // Host A now has a copy of a checkpoint ref, so the auto delta base may exist: it waits.
+    let r = save(&a, &mut q.qmp, "second", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
+    eprintln!("second save: set-up {:.1} ms, delta {:?}", r.stages.setup_ms, r.delta.as_ref().map(|d| &d.base));
+    assert!(r.stages.setup_ms >= ms * 0.9, "with a possible base the save waits for the listing: {:.1} ms", r.stages.setup_ms);
+    assert!(r.delta.is_some(), "and takes 'first' as its delta base");
+    q.quit();
+}
+
 /// A stop-and-copy save to S3 makes runs of compressible groups, and a copy of a page inside
 /// one (the memwork guest's text region holds the golden files, as its page cache does) names
 /// the run's slot through its leaf's slot table (format version 4) instead of being stored

@@ -150,6 +150,15 @@ impl RefCopies {
         self.trim();
     }
 
+    /// Whether a copy of any ref whose name starts with `prefix` is here (a file name check;
+    /// the copies themselves are not read).
+    pub fn any_with_prefix(&self, prefix: &str) -> bool {
+        let want = prefix.replace('/', ":");
+        std::fs::read_dir(&self.dir)
+            .map(|rd| rd.flatten().any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&want))))
+            .unwrap_or(false)
+    }
+
     /// Forget ref `name` (deleted on this host).
     pub fn remove(&self, name: &str) {
         let _ = std::fs::remove_file(self.path(name));
@@ -221,6 +230,20 @@ mod tests {
         let mut big = b.clone();
         big[16..20].copy_from_slice(&((MAX_REF_BYTES as u32) + 1).to_le_bytes());
         assert!(matches!(decode(&big).unwrap_err(), FormatError::Cap { field: "ref_len", .. }));
+    }
+
+    #[test]
+    fn any_with_prefix_sees_only_that_prefix() {
+        let d = tempfile::tempdir().unwrap();
+        let c = RefCopies::new(d.path().join("refs"));
+        assert!(!c.any_with_prefix("vm/"), "no directory yet");
+        c.put("disk/a", &a_ref(1));
+        assert!(!c.any_with_prefix("vm/"));
+        assert!(c.any_with_prefix("disk/"));
+        c.put("vm/a", &a_ref(1));
+        assert!(c.any_with_prefix("vm/"));
+        c.remove("vm/a");
+        assert!(!c.any_with_prefix("vm/"));
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub(super) fn run(
     was_running: bool,
     settings: &[Request],
     on_migrating: &mut dyn FnMut(),
+    check: &mut dyn FnMut() -> Result<(), MemError>,
     progress: &dyn Progress,
     t0: Instant,
 ) -> Result<(Ingested, Timing), MemError> {
@@ -209,7 +210,7 @@ pub(super) fn run(
                 r
             })
             .expect("spawn parse thread");
-        let src = wait_source(qmp, &conn, &sock, &rx, name);
+        let src = wait_source(qmp, &conn, &sock, &rx, name, check);
         if src.is_err() {
             conn.shutdown();
         }
@@ -316,6 +317,7 @@ fn wait_source<T>(
     sock: &Path,
     rx: &std::thread::ScopedJoinHandle<'_, Result<T, RxError>>,
     name: &str,
+    check: &mut dyn FnMut() -> Result<(), MemError>,
 ) -> Result<Option<crate::qmp::MigrationInfo>, MemError> {
     let path = qmp.path().to_path_buf();
     let died = |_| MemError::SourceDied {
@@ -354,6 +356,13 @@ fn wait_source<T>(
                     source,
                 })
             }
+        }
+        // A check that came back during the stream (the ref listing, `listing.rs`) can stop
+        // the save: the migration is cancelled and the caller resumes the guest.
+        if let Err(e) = check() {
+            let _ = qmp.migrate_cancel();
+            conn.shutdown();
+            return Err(e);
         }
         if rx.is_finished() {
             // The pipeline ended before QEMU said "completed": either it failed (cancel the

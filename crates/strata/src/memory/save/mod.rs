@@ -57,6 +57,7 @@ use crate::store::{Session, Store};
 const TARGET: &str = "strata::memory";
 
 mod counts;
+mod listing;
 mod migrate;
 #[cfg(test)]
 mod tests;
@@ -343,7 +344,9 @@ fn save_inner(
     }
     // One writer per checkpoint name, across hosts (docs/backends.md). The listing (is the
     // name taken, could any checkpoint be a delta base) is a backend round trip run beside the
-    // read-only QMP queries, and waited for before QEMU is changed. The lease is waited for
+    // read-only QMP queries, and waited for before QEMU is changed only when its answer can
+    // change the save (`listing.rs`); otherwise it is checked during the stream and before the
+    // commit. The lease is waited for
     // only before the commit, since the pages a save stores are invisible until its ref is
     // written and the commit takes the name under the lease anyway: a save whose lease is
     // held elsewhere fails there, with nothing visible (session 29: the lease took 3.8-5.8 ms,
@@ -352,18 +355,7 @@ fn save_inner(
     // requests, and the server's work on them, slowed QEMU's answers to the set-up queries,
     // which are the save's critical path, while the commit is far off.
     let mut lease = PendingLease(None);
-    let listing = {
-        let (store, rname) = (store.clone(), rname.clone());
-        std::thread::Builder::new()
-            .name("strata-save-list".into())
-            .spawn(move || -> Result<(bool, bool), crate::store::StoreError> {
-                let t = Instant::now();
-                let refs = store.list_refs(REF_PREFIX)?;
-                tracing::debug!(target: TARGET, list_ms = t.elapsed().as_secs_f64() * 1e3, "save: refs listed");
-                Ok((refs.contains(&rname), !refs.is_empty()))
-            })
-            .map_err(|_| MemError::Panic { what: "ref listing" })?
-    };
+    let mut listing = listing::Listing::start(store, &rname, name, opts.replace)?;
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
     // Step 2's prior: remembered, assumed (network) or probed (local disk, while the QMP
@@ -402,13 +394,8 @@ fn save_inner(
         Ok((status, machine, version, local, cmdline, caps, params))
     })();
     let qmp_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let (exists, any_checkpoint) = listing
-        .join()
-        .map_err(|_| MemError::Panic { what: "ref listing" })?
-        .map_err(|e| MemError::store("list", name)(e))?;
-    if exists && !opts.replace {
-        return Err(MemError::Exists { name: name.into() });
-    }
+    // None: the answer is late and not needed yet (no checkpoint this host knows of).
+    let any_checkpoint = listing.before_migrate(store, &opts.base)?.unwrap_or(false);
     tracing::debug!(target: TARGET, qmp_ms, joined_ms = t0.elapsed().as_secs_f64() * 1e3, "save: source queried");
     let (status, machine, version, local, cmdline, caps, params) = source?;
     // The delta base: the newest checkpoint with this machine type and RAM layout.
@@ -516,7 +503,8 @@ fn save_inner(
         }
         // The settings go out in one write with `stop` and `migrate` (`run`).
         let mut on_migrating = || lease.0 = take_lease(store, &rname);
-        run(store, qmp, name, opts, &chooser, status.running, &settings, &mut on_migrating, progress, t0)
+        let mut check = || listing.poll();
+        run(store, qmp, name, opts, &chooser, status.running, &settings, &mut on_migrating, &mut check, progress, t0)
     })();
     restorer.put_back(qmp);
     // A failed save must not leave a running desktop paused: from here until the ref is
@@ -524,6 +512,7 @@ fn save_inner(
     // the name's lease held by another host).
     let mut resume = ResumeOnError { qmp, armed: status.running };
     let (ingested, timing) = result?;
+    listing.finish()?;
     let vm_status = resume
         .qmp
         .query_status()
