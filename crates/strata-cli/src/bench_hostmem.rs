@@ -19,6 +19,12 @@
 //! at every size, its target QEMU at 5-10x the system time; with 4x it did not (session 19's
 //! trial, `docs/results/README.md`). `bench save-restore --remote --no-warm` measures
 //! without it.
+//!
+//! Since session 45 the warmed memory is a pool held between steps ([`warm_host`] frees it
+//! for a step, [`retake`] takes it back as the step's clock stops). Reporting has a cost of
+//! its own here: while a pass runs, the outer VMM does not serve this VM's disk, and the
+//! passes the warm's freed surplus caused, ~2 s apart until all of it was reported, used to
+//! land in later steps and stall the storage host's fsyncs (see [`QUIET_MS`]).
 
 use std::time::{Duration, Instant};
 
@@ -47,28 +53,10 @@ pub fn touch(mib: u32) -> f64 {
     if mib == 0 {
         return 0.0;
     }
-    let len = (mib as usize) << 20;
     let t = Instant::now();
-    // SAFETY: a private anonymous mapping of `len` bytes, written only inside its bounds and
-    // unmapped before returning; no reference to it escapes.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        if p == libc::MAP_FAILED {
-            return 0.0;
-        }
-        libc::madvise(p, len, libc::MADV_HUGEPAGE);
-        let b = p as *mut u8;
-        for off in (0..len).step_by(4096) {
-            std::ptr::write_volatile(b.add(off), 1);
-        }
-        libc::munmap(p, len);
+    match map_touched(mib) {
+        Some(p) => unmap(p),
+        None => return 0.0,
     }
     t.elapsed().as_secs_f64()
 }
@@ -83,11 +71,84 @@ pub fn touch(mib: u32) -> f64 {
 /// the step, 6 of 6 rounds had set-ups of 2.8-5.7 ms.
 pub const SETTLE_MS: u64 = 150;
 
-/// [`touch`] `mib` MiB, then wait [`SETTLE_MS`]: what runs before every timed step.
+/// How long the host is left alone, with the warm pool held, before the pool is released for
+/// a timed step. The kernel reports free memory to the hypervisor in passes, the first ~2 s
+/// after a free and then every ~2 s while unreported blocks remain, and while a pass runs the
+/// outer VMM stops serving this VM's disk: measured here (session 45), an fsync of 1 MiB that
+/// takes ~2 ms stalled 100 / 84 / 67 / 33 ms at 1.9 / 4.1 / 6.3 / 8.4 s after 2 GiB was
+/// freed, and 7 / 16 ms after 576 MiB. Until session 45 the warm's surplus (4x the guest's
+/// RAM, freed before every step) and every QEMU that exited left such passes running into
+/// later steps, whichever method they were: in 2 of 5 rounds strata's last objects' fsyncs at
+/// the storage host waited 45-80 ms (not 1-3), its 128 MiB idle save took 0.22-0.26 s
+/// instead of 0.16, and the streams' one fsync per save was seldom caught. Waiting with the
+/// pool held lets any pass that is due run here, off the clock, over little free memory.
+pub const QUIET_MS: u64 = 2200;
+
+/// The warmed memory, held between timed steps (see [`warm_host`] and [`retake`]).
+struct Pool {
+    addr: usize,
+    len: usize,
+}
+
+static POOL: std::sync::Mutex<Option<Pool>> = std::sync::Mutex::new(None);
+
+/// Map and touch `mib` MiB (one byte per 4 KiB page, huge pages allowed); None if it fails.
+fn map_touched(mib: u32) -> Option<Pool> {
+    let len = (mib as usize) << 20;
+    // SAFETY: a private anonymous mapping of `len` bytes, written only inside its bounds; it
+    // is unmapped only by `unmap`, and no reference to it escapes.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        libc::madvise(p, len, libc::MADV_HUGEPAGE);
+        let b = p as *mut u8;
+        for off in (0..len).step_by(4096) {
+            std::ptr::write_volatile(b.add(off), 1);
+        }
+        Some(Pool { addr: p as usize, len })
+    }
+}
+
+fn unmap(p: Pool) {
+    // SAFETY: `p` came from `map_touched` and is unmapped once (it is consumed).
+    unsafe { libc::munmap(p.addr as *mut libc::c_void, p.len) };
+}
+
+/// Before every timed step (outside its clock, for every method alike): hold `mib` MiB of
+/// touched memory (the pool [`retake`] took after the last step, or a fresh one), wait
+/// [`QUIET_MS`], free it, and wait [`SETTLE_MS`]. Whichever process allocates next gets those
+/// backed pages, and no report of free memory falls inside the step unless it lasts ~2 s.
 pub fn warm_host(mib: u32) {
-    if mib > 0 {
-        touch(mib);
-        std::thread::sleep(Duration::from_millis(SETTLE_MS));
+    if mib == 0 {
+        return;
+    }
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.as_ref().is_some_and(|p| p.len != (mib as usize) << 20) {
+        unmap(pool.take().expect("checked"));
+    }
+    if pool.is_none() {
+        *pool = map_touched(mib);
+    }
+    std::thread::sleep(Duration::from_millis(QUIET_MS));
+    if let Some(p) = pool.take() {
+        unmap(p);
+    }
+    drop(pool);
+    std::thread::sleep(Duration::from_millis(SETTLE_MS));
+}
+
+/// Right after a timed step's clock stops: take the warm pool back (`mib` MiB, as passed to
+/// [`warm_host`]). The kernel hands out unreported free pages first, so this takes back what
+/// the step did not use, before the report due ~2 s after the pool's release finds it free.
+pub fn retake(mib: u32) {
+    if mib == 0 {
+        return;
+    }
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if pool.is_none() {
+        *pool = map_touched(mib);
     }
 }
 
@@ -123,5 +184,26 @@ mod tests {
         assert_eq!(warm_mib(2048, false), 0);
         assert_eq!(touch(0), 0.0);
         assert!(touch(4) > 0.0);
+    }
+
+    fn held() -> Option<usize> {
+        POOL.lock().unwrap().as_ref().map(|p| p.len)
+    }
+
+    #[test]
+    fn the_pool_is_held_between_steps_and_freed_for_them() {
+        retake(0);
+        assert_eq!(held(), None, "warming off holds nothing");
+        retake(8);
+        assert_eq!(held(), Some(8 << 20));
+        retake(8);
+        assert_eq!(held(), Some(8 << 20), "a held pool is kept");
+        let t = Instant::now();
+        warm_host(8);
+        assert!(t.elapsed() >= Duration::from_millis(QUIET_MS + SETTLE_MS));
+        assert_eq!(held(), None, "the step gets the pool's pages");
+        retake(16);
+        warm_host(4);
+        assert_eq!(held(), None, "a pool of another size is replaced, then freed");
     }
 }

@@ -41,7 +41,7 @@ use strata::store::Store;
 use strata::Codec;
 
 use crate::bench_guest::{check_sum, desktop_guest, results_name, workload_guest, Workload, WorkloadMix, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
-use crate::bench_hostmem::{warm_host, warm_mib};
+use crate::bench_hostmem::{retake, warm_host, warm_mib};
 use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost};
 use crate::chart::{bars, Series};
 
@@ -158,6 +158,7 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
     let l0 = host.link();
     let (s, n, cpu) = qemu_save_remote(q, &uri, relay)?;
     let link = host.link().since(l0);
+    retake(warm);
     eprintln!(
         "  {name:<14} save {s:>6.2} s  {:>6.0} MB stored, {:>6.0} MB over the link (host CPU busy {:.3} of {:.3} s)",
         mb(n),
@@ -181,6 +182,7 @@ fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, po
     let t = qemu_restore(&mut d, &uri)?;
     let cpu = RestoreCpu::since(&d, c0);
     let rl = host.link().since(l0);
+    retake(warm);
     relay.wait()?;
     eprintln!("  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (CPU s: {cpu})", s.name, mb(rl.total()));
     std::fs::remove_file(&s.remote).ok();
@@ -305,6 +307,8 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
     let link = host.link().since(l0);
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
     let self1 = proc_cpu_split("/proc/self/stat");
+    // After every measurement of this process (the pool is touched here).
+    retake(warm);
     let object_bytes = save_object_bytes(&objects)?;
     q.cont()?;
     let save_s = r.total_ms / 1e3 + if inside { 0.0 } else { fsync_s };
@@ -394,6 +398,7 @@ fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w:
     let cpu = (host.s3_cpu_s() - s3c0, proc_cpu_s("/proc/self/stat") - me0);
     let host_cpu = RestoreCpu::since(&d, c0);
     let self1 = proc_cpu_split("/proc/self/stat");
+    retake(warm);
     check_sum(&d, w)?;
     let t = rr.load_ms / 1e3;
     eprintln!(
@@ -688,7 +693,8 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             "probe": probe,
             "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
             "settle_ms": if warm_memory { crate::bench_hostmem::SETTLE_MS } else { 0 },
-            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory), then waits settle_ms before the step starts (since session 37: a step started right after its warm sometimes found the whole host slow for its first 15-25 ms). --no-warm turns both off",
+            "quiet_ms": if warm_memory { crate::bench_hostmem::QUIET_MS } else { 0 },
+            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory), then waits settle_ms before the step starts (since session 37: a step started right after its warm sometimes found the whole host slow for its first 15-25 ms). Since session 45 the warmed memory is a pool held between steps: taken back right after each step's clock stops (after its CPU was sampled), held for quiet_ms before the next step, then freed for it. The kernel reports free memory in passes ~2 s apart, and while one runs the outer VMM stops serving this VM's disk (an fsync of 1 MiB stalled 100/84/67/33 ms at 1.9/4.1/6.3/8.4 s after 2 GiB was freed); before, the freed surplus and exited QEMUs left such passes running into later steps of any method. --no-warm turns all of it off",
         },
         "restore_workers": workers,
         "codec_policy": codec.to_string(),
