@@ -4,7 +4,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use strata::backend::cache::format::{encode_record, parse_data_header, parse_index_header, parse_records, encode_index_header};
+use strata::backend::cache::format::{
+    encode_index_header, encode_record, parse_data_header, parse_index_header, parse_records,
+};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(g) = parse_index_header(data) {

@@ -9,7 +9,8 @@ use strata::memory::manifest::parse_manifest;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(m) = parse_manifest(data) {
-        let again = parse_manifest(&m.encode()).expect("a parsed manifest re-encodes to a valid one");
+        let again =
+            parse_manifest(&m.encode()).expect("a parsed manifest re-encodes to a valid one");
         assert_eq!(again, m);
     }
 });

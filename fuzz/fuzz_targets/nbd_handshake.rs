@@ -83,7 +83,11 @@ fuzz_target!(|data: &[u8]| {
             Ok(n) => {
                 assert!(n <= piece.len());
                 if n < piece.len() {
-                    assert_ne!(hs.phase(), Phase::Negotiating, "stopped consuming while negotiating");
+                    assert_ne!(
+                        hs.phase(),
+                        Phase::Negotiating,
+                        "stopped consuming while negotiating"
+                    );
                 }
                 input = &input[n..];
                 if hs.phase() != Phase::Negotiating {

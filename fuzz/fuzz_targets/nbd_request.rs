@@ -41,13 +41,19 @@ fuzz_target!(|data: &[u8]| {
                         assert_eq!(req.offset % limits.min_block as u64, 0);
                     }
                 }
-                Action::Trim { .. } | Action::WriteZeroes { .. } | Action::BlockStatus { .. } | Action::Cache => {
+                Action::Trim { .. }
+                | Action::WriteZeroes { .. }
+                | Action::BlockStatus { .. }
+                | Action::Cache => {
                     assert!(end.is_some_and(|e| e <= limits.size), "accepted range past the end");
                 }
                 Action::Flush | Action::Disconnect => {}
             }
             if limits.tflags & TFLAG_READ_ONLY != 0 {
-                assert!(!matches!(action, Action::Write { .. } | Action::Trim { .. } | Action::WriteZeroes { .. }));
+                assert!(!matches!(
+                    action,
+                    Action::Write { .. } | Action::Trim { .. } | Action::WriteZeroes { .. }
+                ));
             }
         }
     }

@@ -23,9 +23,6 @@ fuzz_target!(|data: &[u8]| {
         _ => panic!("feed size {chunk} changed the verdict: {whole:?} / {pieces:?}"),
     }
     if let Err(e) = &whole {
-        assert!(
-            e.offset() <= stream.len() as u64,
-            "error offset beyond the input: {e}"
-        );
+        assert!(e.offset() <= stream.len() as u64, "error offset beyond the input: {e}");
     }
 });

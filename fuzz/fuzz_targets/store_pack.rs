@@ -4,7 +4,10 @@
 //! after version 2); `scripts/fuzz.sh` adds version-2 packs of a fresh store.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use strata::store::pack::{index_object_of_pack, parse_pack, parse_pack_footer, parse_pack_header, parse_pack_tail, IndexObject, PackTail};
+use strata::store::pack::{
+    index_object_of_pack, parse_pack, parse_pack_footer, parse_pack_header, parse_pack_tail,
+    IndexObject, PackTail,
+};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok((id, entries)) = parse_pack(data) {

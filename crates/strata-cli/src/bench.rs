@@ -118,31 +118,68 @@ pub enum BenchCmd {
 
 pub fn run(cmd: &BenchCmd) -> Result<()> {
     match cmd {
-        BenchCmd::Store { size, threads, out, scratch } => bench_store(parse_size(size)?, *threads, out, scratch.as_deref()),
-        BenchCmd::Io { runtime, remote: true, out, scratch } => crate::bench_remote_disk::bench_io_remote(*runtime, out, scratch.as_deref()),
-        BenchCmd::Io { runtime, out, scratch, .. } => crate::bench_io::bench_io(*runtime, out, scratch.as_deref()),
-        BenchCmd::Sync { ops, no_guest, out, scratch } => crate::bench_sync::bench_sync(*ops, !no_guest, out, scratch.as_deref()),
+        BenchCmd::Store { size, threads, out, scratch } => {
+            bench_store(parse_size(size)?, *threads, out, scratch.as_deref())
+        }
+        BenchCmd::Io { runtime, remote: true, out, scratch } => {
+            crate::bench_remote_disk::bench_io_remote(*runtime, out, scratch.as_deref())
+        }
+        BenchCmd::Io { runtime, out, scratch, .. } => {
+            crate::bench_io::bench_io(*runtime, out, scratch.as_deref())
+        }
+        BenchCmd::Sync { ops, no_guest, out, scratch } => {
+            crate::bench_sync::bench_sync(*ops, !no_guest, out, scratch.as_deref())
+        }
         BenchCmd::Clone { size, data, copies, remote, out, scratch } => {
-            let copies: Vec<usize> = copies.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--copies: e.g. 1,2,5,10")?;
+            let copies: Vec<usize> = copies
+                .split(',')
+                .map(|c| c.trim().parse())
+                .collect::<Result<_, _>>()
+                .context("--copies: e.g. 1,2,5,10")?;
             if *remote {
-                return crate::bench_remote_disk::bench_clone_remote(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref());
+                return crate::bench_remote_disk::bench_clone_remote(
+                    parse_size(size)?,
+                    parse_size(data)?,
+                    &copies,
+                    out,
+                    scratch.as_deref(),
+                );
             }
-            crate::bench_disk::bench_clone(parse_size(size)?, parse_size(data)?, &copies, out, scratch.as_deref())
+            crate::bench_disk::bench_clone(
+                parse_size(size)?,
+                parse_size(data)?,
+                &copies,
+                out,
+                scratch.as_deref(),
+            )
         }
-        BenchCmd::Storm { guests, memory, depth, cache_size, no_guests, trace, ns, net, out, scratch } => {
-            crate::bench_storm::bench_storm(&crate::bench_storm::StormOpts {
-                guests: guests.split(',').map(|c| c.trim().parse()).collect::<Result<_, _>>().context("--guests: e.g. 1,2,5,10")?,
-                memory_mib: *memory,
-                depth: *depth,
-                cache_size: parse_size(cache_size)?,
-                no_guests: *no_guests,
-                trace: trace.clone(),
-                ns: ns.clone(),
-                net: net.clone(),
-                out: out.clone(),
-                scratch: scratch.clone(),
-            })
-        }
+        BenchCmd::Storm {
+            guests,
+            memory,
+            depth,
+            cache_size,
+            no_guests,
+            trace,
+            ns,
+            net,
+            out,
+            scratch,
+        } => crate::bench_storm::bench_storm(&crate::bench_storm::StormOpts {
+            guests: guests
+                .split(',')
+                .map(|c| c.trim().parse())
+                .collect::<Result<_, _>>()
+                .context("--guests: e.g. 1,2,5,10")?,
+            memory_mib: *memory,
+            depth: *depth,
+            cache_size: parse_size(cache_size)?,
+            no_guests: *no_guests,
+            trace: trace.clone(),
+            ns: ns.clone(),
+            net: net.clone(),
+            out: out.clone(),
+            scratch: scratch.clone(),
+        }),
         BenchCmd::Mem(c) => crate::bench_mem::run(c),
     }
 }
@@ -211,7 +248,11 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
     };
-    eprintln!("bench store: {} MiB of host binaries/libraries, {threads} writer threads, scratch {}", size >> 20, tmp.path().display());
+    eprintln!(
+        "bench store: {} MiB of host binaries/libraries, {threads} writer threads, scratch {}",
+        size >> 20,
+        tmp.path().display()
+    );
     let data = corpus(size);
 
     // Baseline: the same bytes to one file, fdatasync, then read back.
@@ -234,7 +275,8 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
     for chunk in [4096usize, 65536] {
         for codec in [Codec::None, Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)] {
             let dir = tmp.path().join(format!("s-{chunk}-{codec}").replace(':', "_"));
-            let store = Store::init_local(&dir, InitOptions { pack_size: 32 << 20, default_codec: codec })?;
+            let store =
+                Store::init_local(&dir, InitOptions { pack_size: 32 << 20, default_codec: codec })?;
             let t = Instant::now();
             let per = data.len().div_ceil(threads) / chunk * chunk + chunk;
             let ids: Vec<Vec<ChunkId>> = std::thread::scope(|sc| {
@@ -244,7 +286,9 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
                         let store = store.clone();
                         sc.spawn(move || -> Result<Vec<ChunkId>> {
                             let ses = store.session();
-                            part.chunks(chunk).map(|c| Ok(ses.put_with(c, ChunkKind::Data, codec)?)).collect()
+                            part.chunks(chunk)
+                                .map(|c| Ok(ses.put_with(c, ChunkKind::Data, codec)?))
+                                .collect()
                         })
                     })
                     .collect();
@@ -287,7 +331,16 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
     for r in &rows {
         csv += &format!(
             "{},{},{},{},{:.1},{:.1},{},{:.4},{:.3},{:.3}\n",
-            r.case, r.chunk_size, r.codec, r.bytes, r.put_mib_s, r.get_mib_s, r.stored_bytes, r.stored_ratio, r.put_vs_file_write, r.get_vs_file_read
+            r.case,
+            r.chunk_size,
+            r.codec,
+            r.bytes,
+            r.put_mib_s,
+            r.get_mib_s,
+            r.stored_bytes,
+            r.stored_ratio,
+            r.put_vs_file_write,
+            r.get_vs_file_read
         );
     }
     std::fs::write(out.join("bench-store.csv"), csv)?;
@@ -310,7 +363,10 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
         &format!("strata chunk store: put/get throughput ({} MiB, {threads} writers)", size >> 20),
         "MiB/s",
         &cats,
-        &[Series { name: "put (incl. flush)".into(), values: put }, Series { name: "get (verified)".into(), values: get }],
+        &[
+            Series { name: "put (incl. flush)".into(), values: put },
+            Series { name: "get (verified)".into(), values: get },
+        ],
     );
     std::fs::write(out.join("bench-store.svg"), svg)?;
     eprintln!("wrote {}/bench-store.{{csv,json,svg}}", out.display());

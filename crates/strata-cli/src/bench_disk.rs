@@ -58,15 +58,29 @@ struct Row {
     qemu_img_over_strata: f64,
 }
 
-pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_clone(
+    size: u64,
+    data: u64,
+    copies: &[usize],
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     let tmp = match scratch {
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
     };
     let img = tmp.path().join("golden.raw");
-    eprintln!("bench clone: {} GiB image with {} GiB of data in {}", size >> 30, data >> 30, tmp.path().display());
+    eprintln!(
+        "bench clone: {} GiB image with {} GiB of data in {}",
+        size >> 30,
+        data >> 30,
+        tmp.path().display()
+    );
     make_image(&img, size, data)?;
-    let store = Store::init_local(&tmp.path().join("store"), InitOptions { pack_size: 64 << 20, default_codec: Codec::Lz4 })?;
+    let store = Store::init_local(
+        &tmp.path().join("store"),
+        InitOptions { pack_size: 64 << 20, default_codec: Codec::Lz4 },
+    )?;
     let t = Instant::now();
     disk::import(&store, "golden", &img, Codec::Lz4, &NoProgress)?;
     let import_s = t.elapsed().as_secs_f64();
@@ -85,7 +99,10 @@ pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: 
 
         let t = Instant::now();
         for i in 0..n {
-            run(Command::new("cp").arg("--sparse=always").arg(&img).arg(tmp.path().join(format!("cp{i}.raw"))))?;
+            run(Command::new("cp")
+                .arg("--sparse=always")
+                .arg(&img)
+                .arg(tmp.path().join(format!("cp{i}.raw"))))?;
         }
         sync_all();
         let cp_s = t.elapsed().as_secs_f64();
@@ -120,9 +137,19 @@ pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: 
         rows.push(row);
     }
     std::fs::create_dir_all(out)?;
-    let mut csv = String::from("copies,strata_s,cp_sparse_s,qemu_img_convert_s,cp_over_strata,qemu_img_over_strata\n");
+    let mut csv = String::from(
+        "copies,strata_s,cp_sparse_s,qemu_img_convert_s,cp_over_strata,qemu_img_over_strata\n",
+    );
     for r in &rows {
-        csv += &format!("{},{:.5},{:.3},{:.3},{:.1},{:.1}\n", r.copies, r.strata_s, r.cp_sparse_s, r.qemu_img_convert_s, r.cp_over_strata, r.qemu_img_over_strata);
+        csv += &format!(
+            "{},{:.5},{:.3},{:.3},{:.1},{:.1}\n",
+            r.copies,
+            r.strata_s,
+            r.cp_sparse_s,
+            r.qemu_img_convert_s,
+            r.cp_over_strata,
+            r.qemu_img_over_strata
+        );
     }
     std::fs::write(out.join("bench-clone.csv"), csv)?;
     let meta = serde_json::json!({
@@ -135,13 +162,26 @@ pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: 
     std::fs::write(out.join("bench-clone.json"), serde_json::to_string_pretty(&meta)?)?;
     let cats: Vec<String> = rows.iter().map(|r| format!("{} copies", r.copies)).collect();
     let svg = bars(
-        &format!("Full clones of a {} GiB image holding {} GiB (seconds, lower is better)", size >> 30, data >> 30),
+        &format!(
+            "Full clones of a {} GiB image holding {} GiB (seconds, lower is better)",
+            size >> 30,
+            data >> 30
+        ),
         "seconds",
         &cats,
         &[
-            Series { name: "strata clone --full".into(), values: rows.iter().map(|r| r.strata_s).collect() },
-            Series { name: "cp --sparse=always".into(), values: rows.iter().map(|r| r.cp_sparse_s).collect() },
-            Series { name: "qemu-img convert -O qcow2".into(), values: rows.iter().map(|r| r.qemu_img_convert_s).collect() },
+            Series {
+                name: "strata clone --full".into(),
+                values: rows.iter().map(|r| r.strata_s).collect(),
+            },
+            Series {
+                name: "cp --sparse=always".into(),
+                values: rows.iter().map(|r| r.cp_sparse_s).collect(),
+            },
+            Series {
+                name: "qemu-img convert -O qcow2".into(),
+                values: rows.iter().map(|r| r.qemu_img_convert_s).collect(),
+            },
         ],
     );
     std::fs::write(out.join("bench-clone.svg"), svg)?;
@@ -151,7 +191,12 @@ pub fn bench_clone(size: u64, data: u64, copies: &[usize], out: &Path, scratch: 
 
 /// Fail early with advice when a peer tool is missing.
 pub fn ensure_tool(name: &str) -> Result<()> {
-    let ok = Command::new("sh").arg("-c").arg(format!("command -v {name}")).output().map(|o| o.status.success()).unwrap_or(false);
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {name}"))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     ensure!(ok, "{name} is not installed: run scripts/setup.sh");
     Ok(())
 }
@@ -176,7 +221,9 @@ pub fn set_tracing(on: bool) {
 fn traced(trace: &Path, program: &str) -> Command {
     if TRACE.load(std::sync::atomic::Ordering::Relaxed) {
         let mut c = Command::new("strace");
-        c.args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"]).arg(trace).arg(program);
+        c.args(["-f", "-qq", "-e", "trace=fsync,fdatasync,sync_file_range,syncfs,msync", "-o"])
+            .arg(trace)
+            .arg(program);
         c
     } else {
         Command::new(program)
@@ -226,7 +273,13 @@ impl Server {
             .stderr(std::fs::File::create(&stderr)?)
             .spawn()?;
         wait_socket(&sock)?;
-        Ok(Server { child, uri: format!("nbd+unix:///{name}?socket={}", sock.display()), trace, strata: true, stderr })
+        Ok(Server {
+            child,
+            uri: format!("nbd+unix:///{name}?socket={}", sock.display()),
+            trace,
+            strata: true,
+            stderr,
+        })
     }
 
     /// Serve an existing store made by `strata_disk` again.
@@ -248,7 +301,13 @@ impl Server {
             .stderr(std::fs::File::create(&stderr)?)
             .spawn()?;
         wait_socket(&sock)?;
-        Ok(Server { child, uri: format!("nbd+unix:///x?socket={}", sock.display()), trace, strata: false, stderr })
+        Ok(Server {
+            child,
+            uri: format!("nbd+unix:///x?socket={}", sock.display()),
+            trace,
+            strata: false,
+            stderr,
+        })
     }
 
     pub fn uri(&self) -> String {
@@ -259,7 +318,11 @@ impl Server {
     pub fn sync_calls(&self) -> Result<usize> {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let t = std::fs::read_to_string(&self.trace).unwrap_or_default();
-        Ok(t.lines().filter(|l| !l.contains("resumed>") && (l.contains("sync(") || l.contains("sync_file_range("))).count())
+        Ok(t.lines()
+            .filter(|l| {
+                !l.contains("resumed>") && (l.contains("sync(") || l.contains("sync_file_range("))
+            })
+            .count())
     }
 
     /// Stop the server; for strata, return its own fdatasync counter for the disk.
@@ -273,7 +336,8 @@ impl Server {
         // prints its counters; strace exits when it does.
         let tracer = self.child.id();
         let kids = if TRACE.load(std::sync::atomic::Ordering::Relaxed) {
-            std::fs::read_to_string(format!("/proc/{tracer}/task/{tracer}/children")).unwrap_or_default()
+            std::fs::read_to_string(format!("/proc/{tracer}/task/{tracer}/children"))
+                .unwrap_or_default()
         } else {
             tracer.to_string()
         };
@@ -296,7 +360,10 @@ impl Server {
             return Ok(None);
         }
         let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let stats = err.lines().find_map(|l| l.strip_prefix("strata serve: stats ")).and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok());
+        let stats = err
+            .lines()
+            .find_map(|l| l.strip_prefix("strata serve: stats "))
+            .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok());
         Ok(stats.and_then(|v| v.as_object().and_then(|o| o.values().next().cloned())))
     }
 }

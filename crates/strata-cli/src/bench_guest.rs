@@ -93,7 +93,8 @@ pub struct WorkloadMix {
 
 impl WorkloadMix {
     /// Half the free memory as golden-file text, the rest 10% zero, 50% repeated, 40% random.
-    pub const DESKTOP: WorkloadMix = WorkloadMix { text_pct: 50, fill: true, zero_pct: 10, repeat_pct: 50 };
+    pub const DESKTOP: WorkloadMix =
+        WorkloadMix { text_pct: 50, fill: true, zero_pct: 10, repeat_pct: 50 };
     const PRESETS: [(&'static str, WorkloadMix); 4] = [
         ("desktop", WorkloadMix::DESKTOP),
         ("random", WorkloadMix { text_pct: 0, fill: true, zero_pct: 0, repeat_pct: 0 }),
@@ -155,11 +156,18 @@ impl std::str::FromStr for WorkloadMix {
                         _ => return Err(format!("Workload fill={v}: use fill=on or fill=off")),
                     }
                 }
-                other => return Err(format!("Unknown workload key '{other}': use text, zero, repeat or fill")),
+                other => {
+                    return Err(format!(
+                        "Unknown workload key '{other}': use text, zero, repeat or fill"
+                    ))
+                }
             }
         }
         if m.zero_pct + m.repeat_pct > 100 {
-            return Err(format!("Workload zero={} + repeat={} is over 100%", m.zero_pct, m.repeat_pct));
+            return Err(format!(
+                "Workload zero={} + repeat={} is over 100%",
+                m.zero_pct, m.repeat_pct
+            ));
         }
         Ok(m)
     }
@@ -177,11 +185,17 @@ pub(crate) fn results_name(base: &str, mix: &WorkloadMix) -> String {
 
 /// Load a workload: golden files (at most `text_cap` MiB, one pass of the tree repeated), then
 /// anonymous memory, so that most of RAM is touched.
-pub(crate) fn load_workload(g: &mut Guest, mix: &WorkloadMix, seed: u64, text_cap: u32) -> Result<Workload> {
+pub(crate) fn load_workload(
+    g: &mut Guest,
+    mix: &WorkloadMix,
+    seed: u64,
+    text_cap: u32,
+) -> Result<Workload> {
     // memwork refuses a fill of N MiB unless N + 24 <= MemAvailable; keep 16 MiB more spare.
     let usable = available_mib(g)?.saturating_sub(40).max(8);
     let t = Duration::from_secs(600);
-    let text_mib = if mix.text_pct == 0 { 0 } else { (usable * mix.text_pct / 100).min(text_cap).max(4) };
+    let text_mib =
+        if mix.text_pct == 0 { 0 } else { (usable * mix.text_pct / 100).min(text_cap).max(4) };
     if text_mib > 0 {
         g.command(&format!("text {text_mib}"), t).context("text workload")?;
     }
@@ -192,15 +206,7 @@ pub(crate) fn load_workload(g: &mut Guest, mix: &WorkloadMix, seed: u64, text_ca
             .context("fill workload")?;
     }
     let sum = g.command("sum", t).context("sum")?;
-    Ok(Workload {
-        mix: mix.to_string(),
-        text_mib,
-        fill_mib,
-        zero_pct,
-        repeat_pct,
-        seed,
-        sum,
-    })
+    Ok(Workload { mix: mix.to_string(), text_mib, fill_mib, zero_pct, repeat_pct, seed, sum })
 }
 
 pub(crate) fn qmp_of(g: &Guest) -> Result<QmpClient> {
@@ -236,7 +242,9 @@ impl Dest {
     /// Seconds the QEMU process's threads have waited, runnable, for a CPU so far (the
     /// second field of every `/proc/PID/task/*/schedstat`; 0 without schedstats).
     pub fn run_wait_s(&self) -> f64 {
-        let Ok(dir) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else { return 0.0 };
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{}/task", self.child.id())) else {
+            return 0.0;
+        };
         dir.flatten()
             .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
             .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
@@ -256,11 +264,7 @@ pub(crate) fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
     let con_src = g.dir().join("console.sock").display().to_string();
     let console = dir.join(format!("{tag}-console.sock"));
     let mut cmd = vec![qemu_program()];
-    cmd.extend(
-        g.args()
-            .iter()
-            .map(|a| a.replace(&con_src, &console.display().to_string())),
-    );
+    cmd.extend(g.args().iter().map(|a| a.replace(&con_src, &console.display().to_string())));
     let qmp_path = dir.join(format!("{tag}.qmp"));
     let _ = std::fs::remove_file(&qmp_path);
     let (prog, args) = launch_args(&cmd, &qmp_path).map_err(anyhow::Error::msg)?;
@@ -274,7 +278,9 @@ pub(crate) fn start_dest(g: &Guest, dir: &Path, tag: &str) -> Result<Dest> {
     let qmp = loop {
         match QmpClient::connect(&qmp_path) {
             Ok(q) => break q,
-            Err(_) if t0.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(20)),
+            Err(_) if t0.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
             Err(e) => return Err(e).context("destination QEMU did not start"),
         }
     };
@@ -322,18 +328,20 @@ pub(crate) fn qemu_save(q: &mut QmpClient, uri: &str, sync: bool) -> Result<f64>
 pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     let t = Instant::now();
     d.qmp.migrate_incoming(uri)?;
-    d.qmp
-        .wait_migration(Duration::from_secs(1800), Duration::from_millis(2))?;
+    d.qmp.wait_migration(Duration::from_secs(1800), Duration::from_millis(2))?;
     Ok(t.elapsed().as_secs_f64())
 }
 
-pub(crate) fn write_outputs(out: &Path, name: &str, csv: String, json: &serde_json::Value, svg: String) -> Result<()> {
+pub(crate) fn write_outputs(
+    out: &Path,
+    name: &str,
+    csv: String,
+    json: &serde_json::Value,
+    svg: String,
+) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
     std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
-    std::fs::write(
-        out.join(format!("bench-{name}.json")),
-        serde_json::to_string_pretty(json)?,
-    )?;
+    std::fs::write(out.join(format!("bench-{name}.json")), serde_json::to_string_pretty(json)?)?;
     std::fs::write(out.join(format!("bench-{name}.svg")), svg)?;
     eprintln!("wrote {}/bench-{name}.{{csv,json,svg}}", out.display());
     Ok(())
@@ -364,7 +372,12 @@ pub(crate) fn env_json() -> serde_json::Value {
     // ~0.37 s in session 44 against ~0.18 s in session 43): the CPU model tells runs apart.
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())))
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+        })
         .unwrap_or_default();
     serde_json::json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
@@ -375,14 +388,24 @@ pub(crate) fn env_json() -> serde_json::Value {
     })
 }
 
-
 /// Boot a guest of `mem` MiB and load the desktop workload; returns it with its QMP client.
-pub(crate) fn desktop_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str) -> Result<(Guest, Workload, QmpClient)> {
+pub(crate) fn desktop_guest(
+    fx: &Fixtures,
+    mem: u32,
+    m: Machine,
+    name: &str,
+) -> Result<(Guest, Workload, QmpClient)> {
     workload_guest(fx, mem, m, name, &WorkloadMix::DESKTOP)
 }
 
 /// Boot a guest of `mem` MiB and load workload `mix`; returns it with its QMP client.
-pub(crate) fn workload_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str, mix: &WorkloadMix) -> Result<(Guest, Workload, QmpClient)> {
+pub(crate) fn workload_guest(
+    fx: &Fixtures,
+    mem: u32,
+    m: Machine,
+    name: &str,
+    mix: &WorkloadMix,
+) -> Result<(Guest, Workload, QmpClient)> {
     let mut g = boot(fx, mem, m, name)?;
     let w = load_workload(&mut g, mix, 1, 240)?;
     eprintln!(
@@ -395,8 +418,15 @@ pub(crate) fn workload_guest(fx: &Fixtures, mem: u32, m: Machine, name: &str, mi
 
 /// `vm restore` of checkpoint `name` into `d`, resumed, and the guest's memwork sum compared
 /// with the workload's.
-pub(crate) fn restore_verified(store: &Store, name: &str, d: &mut Dest, w: &Workload, opts: RestoreOptions) -> Result<RestoreReport> {
-    let rr = restore(store, name, &mut d.qmp, &RestoreOptions { resume: true, ..opts }, &NoProgress)?;
+pub(crate) fn restore_verified(
+    store: &Store,
+    name: &str,
+    d: &mut Dest,
+    w: &Workload,
+    opts: RestoreOptions,
+) -> Result<RestoreReport> {
+    let rr =
+        restore(store, name, &mut d.qmp, &RestoreOptions { resume: true, ..opts }, &NoProgress)?;
     check_sum(d, w)?;
     Ok(rr)
 }
@@ -434,12 +464,14 @@ pub(crate) fn dirty_checkpoint(
     let t = Duration::from_secs(120);
     g.command(&format!("dirty {rate} 0 {span}"), t)?;
     std::thread::sleep(lead);
-    let r = save(store, q, name, &SaveOptions::new(mode), &NoProgress).with_context(|| format!("{} checkpoint {name}", mode.as_str()))?;
+    let r = save(store, q, name, &SaveOptions::new(mode), &NoProgress)
+        .with_context(|| format!("{} checkpoint {name}", mode.as_str()))?;
     if mode == Mode::Save {
         q.cont()?;
     }
     let stop = g.command("dirty stop", t)?;
-    let written = strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let written =
+        strata::fixtures::reply_field(&stop, "written").and_then(|v| v.parse().ok()).unwrap_or(0);
     Ok((r, written))
 }
 

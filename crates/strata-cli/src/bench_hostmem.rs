@@ -98,7 +98,14 @@ fn map_touched(mib: u32) -> Option<Pool> {
     // SAFETY: a private anonymous mapping of `len` bytes, written only inside its bounds; it
     // is unmapped only by `unmap`, and no reference to it escapes.
     unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
         if p == libc::MAP_FAILED {
             return None;
         }

@@ -29,7 +29,14 @@ struct Row {
     mib_s: f64,
 }
 
-fn fio(uri: &str, name: &str, rw: &str, bs: &str, size: &str, runtime: Option<u32>) -> Result<(f64, f64)> {
+fn fio(
+    uri: &str,
+    name: &str,
+    rw: &str,
+    bs: &str,
+    size: &str,
+    runtime: Option<u32>,
+) -> Result<(f64, f64)> {
     let mut c = Command::new("fio");
     c.args([
         &format!("--name={name}"),
@@ -59,7 +66,8 @@ fn fio(uri: &str, name: &str, rw: &str, bs: &str, size: &str, runtime: Option<u3
 fn durable_write_mib_s(dir: &Path) -> Result<f64> {
     use std::io::Write;
     let path = dir.join("durable.bin");
-    let piece: Vec<u8> = (0..1u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+    let piece: Vec<u8> =
+        (0..1u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
     let t = std::time::Instant::now();
     let mut f = std::fs::File::create(&path)?;
     for _ in 0..1024 {
@@ -104,7 +112,12 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
             _ => {
                 let f = dir.join("io.qcow2");
                 if round == 0 {
-                    anyhow::ensure!(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&f).arg(size.to_string()).status()?.success());
+                    anyhow::ensure!(Command::new("qemu-img")
+                        .args(["create", "-q", "-f", "qcow2"])
+                        .arg(&f)
+                        .arg(size.to_string())
+                        .status()?
+                        .success());
                 }
                 Server::qemu_nbd(dir, &f, "qcow2")
             }
@@ -122,13 +135,20 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
     // Rounds of every test on every system in turn, so load from other work on the machine
     // falls on all three alike; the median round counts. Nothing is reset between rounds: a
     // strata write test starts with whatever log the previous ones left.
-    let tests = [("4k randread", "randread", "4k"), ("1M read", "read", "1M"), ("4k randwrite", "randwrite", "4k"), ("1M write", "write", "1M")];
+    let tests = [
+        ("4k randread", "randread", "4k"),
+        ("1M read", "read", "1M"),
+        ("4k randwrite", "randwrite", "4k"),
+        ("1M write", "write", "1M"),
+    ];
     let mut samples: Vec<(String, String, f64, f64)> = Vec::new();
     for round in 1..=ROUNDS {
         for (test, rw, bs) in tests {
             for (system, s) in &servers {
                 let (iops, mib) = fio(&s.uri(), "t", rw, bs, region, Some(runtime))?;
-                eprintln!("  round {round} {system:<7} {test:<13} {iops:>9.0} IOPS {mib:>8.1} MiB/s");
+                eprintln!(
+                    "  round {round} {system:<7} {test:<13} {iops:>9.0} IOPS {mib:>8.1} MiB/s"
+                );
                 samples.push((system.to_string(), test.to_string(), iops, mib));
             }
         }
@@ -136,7 +156,11 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
     let mut rows = Vec::new();
     for system in SYSTEMS {
         for (test, _, _) in tests {
-            let mut v: Vec<(f64, f64)> = samples.iter().filter(|r| r.0 == system && r.1 == test).map(|r| (r.2, r.3)).collect();
+            let mut v: Vec<(f64, f64)> = samples
+                .iter()
+                .filter(|r| r.0 == system && r.1 == test)
+                .map(|r| (r.2, r.3))
+                .collect();
             v.sort_by(|x, y| x.0.total_cmp(&y.0));
             let (iops, mib_s) = v[v.len() / 2];
             rows.push(Row { system: system.into(), test: test.into(), iops, mib_s });
@@ -148,16 +172,23 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
             let l = st["log_bytes_written"].as_f64().unwrap_or(0.0);
             let c = st["compaction_bytes"].as_f64().unwrap_or(0.0);
             eprintln!("  strata write amplification: guest {:.0} MiB, log {:.0} MiB, compaction {:.0} MiB -> {:.2}x", g / 1048576.0, l / 1048576.0, c / 1048576.0, (l + c) / g.max(1.0));
-            wa = Some(serde_json::json!({"guest_bytes": g, "log_bytes": l, "compaction_bytes": c, "write_amplification": (l + c) / g.max(1.0),
+            wa = Some(
+                serde_json::json!({"guest_bytes": g, "log_bytes": l, "compaction_bytes": c, "write_amplification": (l + c) / g.max(1.0),
                 "compactions": st["compactions"], "writer_waits_for_compaction": st["compaction_waits"],
-                "note": "log = header+data per guest write; compaction rewrites every 64 KiB block the log touched (uncompressed bytes before the codec)"}));
+                "note": "log = header+data per guest write; compaction rewrites every 64 KiB block the log touched (uncompressed bytes before the codec)"}),
+            );
         }
     }
     let durable = durable_write_mib_s(dir)?;
     eprintln!("  1 GiB written + fdatasync to a plain file here: {durable:.0} MiB/s");
-    let get = |sys: &str, test: &str| rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.iops).unwrap_or(0.0);
+    let get = |sys: &str, test: &str| {
+        rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.iops).unwrap_or(0.0)
+    };
     let rr = get("strata", "4k randread") / get("raw", "4k randread");
-    eprintln!("  4k randread strata/raw = {rr:.2}; 4k randwrite strata/raw = {:.2}", get("strata", "4k randwrite") / get("raw", "4k randwrite"));
+    eprintln!(
+        "  4k randread strata/raw = {rr:.2}; 4k randwrite strata/raw = {:.2}",
+        get("strata", "4k randwrite") / get("raw", "4k randwrite")
+    );
     std::fs::create_dir_all(out)?;
     let mut csv = String::from("system,test,iops,mib_s\n");
     for r in &rows {
@@ -184,9 +215,17 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
     std::fs::write(out.join("bench-io.json"), serde_json::to_string_pretty(&meta)?)?;
     let series: Vec<Series> = ["strata", "raw", "qcow2"]
         .iter()
-        .map(|s| Series { name: if *s == "strata" { "strata".into() } else { format!("qemu-nbd {s}") }, values: tests.iter().map(|t| get(s, t) / get("raw", t)).collect() })
+        .map(|s| Series {
+            name: if *s == "strata" { "strata".into() } else { format!("qemu-nbd {s}") },
+            values: tests.iter().map(|t| get(s, t) / get("raw", t)).collect(),
+        })
         .collect();
-    let svg = bars("fio over NBD, relative to qemu-nbd raw (higher is better)", "x qemu-nbd raw", &tests.map(String::from), &series);
+    let svg = bars(
+        "fio over NBD, relative to qemu-nbd raw (higher is better)",
+        "x qemu-nbd raw",
+        &tests.map(String::from),
+        &series,
+    );
     std::fs::write(out.join("bench-io.svg"), svg)?;
     eprintln!("wrote {}/bench-io.{{csv,json,svg}}", out.display());
     Ok(())

@@ -38,10 +38,7 @@ use crate::chart::{bars, Series};
 /// CPU seconds (user + system, all threads) of process `pid`.
 fn process_cpu(pid: u32) -> Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .context("bad /proc stat")?;
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("bad /proc stat")?;
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
         + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
@@ -51,10 +48,7 @@ fn process_cpu(pid: u32) -> Result<f64> {
 }
 
 fn thread_cpu() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
@@ -124,9 +118,7 @@ fn drained(q: &mut QmpClient, dir: &Path, channels: u32) -> Result<(f64, f64, u6
             }
         }
         let wall = t.elapsed().as_secs_f64();
-        let joined = acceptor
-            .join()
-            .map_err(|_| anyhow::anyhow!("acceptor panicked"));
+        let joined = acceptor.join().map_err(|_| anyhow::anyhow!("acceptor panicked"));
         sent.context("migrate into the drained socket")?;
         let (cpu, bytes) = joined??;
         Ok((wall, cpu, bytes))
@@ -172,13 +164,7 @@ pub fn bench_multifd(
         let _ = std::fs::remove_dir_all(&sdir);
         let store = Store::init_local(&sdir, InitOptions::default())?;
         let c0 = process_cpu(pid)?;
-        let r = save(
-            &store,
-            &mut q,
-            "bench",
-            &SaveOptions::new(Mode::Save),
-            &NoProgress,
-        )?;
+        let r = save(&store, &mut q, "bench", &SaveOptions::new(Mode::Save), &NoProgress)?;
         let qcpu = process_cpu(pid)? - c0;
         q.cont()?;
         rows.push(Row {
@@ -291,10 +277,7 @@ pub fn bench_multifd(
             &format!("{mem} MiB guest: CPU time (median of {reps})"),
             "CPU s",
             &cats,
-            &[
-                series("QEMU", &|r| r.qemu_cpu_s),
-                series("receiver", &|r| r.rx_cpu_s),
-            ],
+            &[series("QEMU", &|r| r.qemu_cpu_s), series("receiver", &|r| r.rx_cpu_s)],
         ),
     ]);
     drop(q);

@@ -63,7 +63,8 @@ impl ObjectSync {
         let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         assert!(efd >= 0, "eventfd: {}", std::io::Error::last_os_error());
         // SAFETY: `efd` is a fresh descriptor nobody else owns.
-        let wake = Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) });
+        let wake =
+            Arc::new(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(efd) });
         let (tx, done) = mpsc::channel();
         let (flag, wake2) = (stop.clone(), wake.clone());
         std::thread::Builder::new()
@@ -119,7 +120,11 @@ pub struct Synced {
 impl Synced {
     pub fn of(m: &std::fs::Metadata) -> Synced {
         use std::os::unix::fs::MetadataExt;
-        Synced { ino: m.ino(), len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 }
+        Synced {
+            ino: m.ino(),
+            len: m.len(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+        }
     }
 }
 
@@ -133,7 +138,12 @@ const SYNCERS: usize = 4;
 
 /// The watcher thread: fsync each file under `dir` once, when it lands (on [`SYNCERS`]
 /// threads); answer on `done` once every fsync it started has returned.
-fn watch(dir: PathBuf, flag: Arc<AtomicBool>, wake: Arc<std::os::fd::OwnedFd>, done: mpsc::Sender<SyncedFiles>) {
+fn watch(
+    dir: PathBuf,
+    flag: Arc<AtomicBool>,
+    wake: Arc<std::os::fd::OwnedFd>,
+    done: mpsc::Sender<SyncedFiles>,
+) {
     let mut seen = SyncedFiles::new();
     let Ok(mut w) = Watcher::new() else {
         let _ = done.send(seen);
@@ -302,7 +312,10 @@ impl Watcher {
     /// Watch `dir`, then report what is already in it (files to sync; subdirectories are
     /// watched and scanned the same way), so nothing created before the watch is missed.
     fn add_tree(&mut self, dir: &Path, files: &mut Vec<PathBuf>) {
-        let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str())) else { return };
+        let Ok(c) = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str()))
+        else {
+            return;
+        };
         // SAFETY: valid fd and NUL-terminated path.
         let wd = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), c.as_ptr(), Self::MASK) };
         if wd < 0 {
@@ -342,7 +355,8 @@ impl Watcher {
             let head = std::mem::size_of::<libc::inotify_event>();
             while off + head <= n as usize {
                 // SAFETY: the kernel wrote whole events; read_unaligned copes with the offset.
-                let ev: libc::inotify_event = unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(buf[off..].as_ptr().cast()) };
                 let name = &buf[off + head..(off + head + ev.len as usize).min(n as usize)];
                 let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
                 off += head + ev.len as usize;
@@ -366,8 +380,12 @@ mod tests {
 
     #[test]
     fn only_the_servers_upload_files_are_tracked() {
-        assert!(is_upload(std::path::Path::new("/var/tmp/x/storage/s3/strata/.sgwtmp/#876781 (deleted)")));
-        assert!(!is_upload(std::path::Path::new("/var/tmp/x/storage/s3/strata/sr-128-0/packs/e6/e695")));
+        assert!(is_upload(std::path::Path::new(
+            "/var/tmp/x/storage/s3/strata/.sgwtmp/#876781 (deleted)"
+        )));
+        assert!(!is_upload(std::path::Path::new(
+            "/var/tmp/x/storage/s3/strata/sr-128-0/packs/e6/e695"
+        )));
         assert!(!is_upload(std::path::Path::new("socket:[1234]")));
         assert!(!is_upload(std::path::Path::new("/var/tmp/x/storage/versitygw.log")));
     }
@@ -401,7 +419,11 @@ mod tests {
         std::fs::create_dir_all(&tmp).unwrap();
         let path = tmp.join("upload");
         let mut f = std::fs::File::create(&path).unwrap();
-        let mut server = std::process::Command::new("sleep").arg("30").stdin(File::open(&path).unwrap()).spawn().unwrap();
+        let mut server = std::process::Command::new("sleep")
+            .arg("30")
+            .stdin(File::open(&path).unwrap())
+            .spawn()
+            .unwrap();
         let mut w = Inflight::new(server.id()).expect("the child's /proc entry");
         use std::io::Write;
         f.write_all(&vec![7u8; 5 << 20]).unwrap();

@@ -49,7 +49,10 @@ pub struct Link {
 
 impl Link {
     pub fn since(self, before: Link) -> Link {
-        Link { to_storage: self.to_storage - before.to_storage, from_storage: self.from_storage - before.from_storage }
+        Link {
+            to_storage: self.to_storage - before.to_storage,
+            from_storage: self.from_storage - before.from_storage,
+        }
     }
     pub fn total(self) -> u64 {
         self.to_storage + self.from_storage
@@ -80,18 +83,30 @@ impl StorageHost {
     /// As [`StorageHost::up`], in namespace `ns` on subnet `net` (first three octets), so that
     /// benchmarks with their own namespace share this driver.
     pub fn up_named(scratch: &Path, ns: &str, net: &str) -> Result<StorageHost> {
-        ensure!(unsafe { libc::geteuid() } == 0, "The remote benchmarks need root (ip netns, tc): run them as root");
+        ensure!(
+            unsafe { libc::geteuid() } == 0,
+            "The remote benchmarks need root (ip netns, tc): run them as root"
+        );
         let script = scratch.join("storage-host.sh");
         std::fs::write(&script, SCRIPT)?;
         let dir = scratch.join("storage");
-        let run = |arg: &str| script_cmd(&script, ns, net, &dir, arg).output().context("running scripts/storage-host.sh");
+        let run = |arg: &str| {
+            script_cmd(&script, ns, net, &dir, arg)
+                .output()
+                .context("running scripts/storage-host.sh")
+        };
         // A namespace left by a killed earlier run of this benchmark is ours: remove it.
         let listed = Command::new("ip").args(["netns", "list"]).output()?.stdout;
         if String::from_utf8_lossy(&listed).split_whitespace().any(|w| w == ns) {
             eprintln!("  namespace {ns} left over from an earlier run: removing it");
             let _ = run("down");
         }
-        let tag = Command::new("sh").arg("-c").arg("printf '%s' \"$1\" | cksum | cut -c1-6").arg("sh").arg(ns).output()?;
+        let tag = Command::new("sh")
+            .arg("-c")
+            .arg("printf '%s' \"$1\" | cksum | cut -c1-6")
+            .arg("sh")
+            .arg(ns)
+            .output()?;
         let veth = format!("sh{}", String::from_utf8_lossy(&tag.stdout).trim());
         let mut host = StorageHost {
             script: script.clone(),
@@ -109,7 +124,9 @@ impl StorageHost {
             bail!("Cannot start the storage host: {}", String::from_utf8_lossy(&o.stderr).trim());
         }
         for line in String::from_utf8_lossy(&o.stdout).lines() {
-            let Some((k, v)) = line.strip_prefix("export ").and_then(|l| l.split_once('=')) else { continue };
+            let Some((k, v)) = line.strip_prefix("export ").and_then(|l| l.split_once('=')) else {
+                continue;
+            };
             match k {
                 "STRATA_S3_URL" => host.s3_url = v.to_string(),
                 "STRATA_REDIS_URL" => host.redis_url = v.to_string(),
@@ -118,8 +135,16 @@ impl StorageHost {
             }
         }
         ensure!(!host.s3_url.is_empty(), "storage-host.sh printed no S3 URL");
-        ensure!(Path::new("/sys/class/net").join(&host.veth).exists(), "veth {} not found after setup", host.veth);
-        eprintln!("  storage host: namespace {ns}, 1 Gbit/s tbf, S3 {} (bucket {BUCKET}), {}", std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(), host.redis_url);
+        ensure!(
+            Path::new("/sys/class/net").join(&host.veth).exists(),
+            "veth {} not found after setup",
+            host.veth
+        );
+        eprintln!(
+            "  storage host: namespace {ns}, 1 Gbit/s tbf, S3 {} (bucket {BUCKET}), {}",
+            std::env::var("AWS_ENDPOINT_URL").unwrap_or_default(),
+            host.redis_url
+        );
         Ok(host)
     }
 
@@ -141,7 +166,10 @@ impl StorageHost {
 
     pub fn link(&self) -> Link {
         let rd = |f: &str| -> u64 {
-            std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{f}", self.veth)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+            std::fs::read_to_string(format!("/sys/class/net/{}/statistics/{f}", self.veth))
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(0)
         };
         Link { to_storage: rd("tx_bytes"), from_storage: rd("rx_bytes") }
     }
@@ -173,7 +201,10 @@ impl StorageHost {
             b.put(&format!("w{i}"), &data)?;
         }
         for i in 0..n {
-            ensure!(b.get(&format!("w{i}"))?.len() == data.len(), "warm-up object w{i} came back short");
+            ensure!(
+                b.get(&format!("w{i}"))?.len() == data.len(),
+                "warm-up object w{i} came back short"
+            );
         }
         for i in 0..n {
             b.delete(&format!("w{i}"))?;
@@ -188,7 +219,11 @@ impl StorageHost {
     }
 
     /// The S3 backend at `prefix` behind retries, optionally under an SSD cache.
-    pub fn s3(&self, prefix: &str, cache: Option<(&Path, u64)>) -> Result<(DynBackend, Option<Arc<CacheBackend>>)> {
+    pub fn s3(
+        &self,
+        prefix: &str,
+        cache: Option<(&Path, u64)>,
+    ) -> Result<(DynBackend, Option<Arc<CacheBackend>>)> {
         let b = self.s3_backend(prefix)?;
         Ok(match cache {
             None => (b, None),
@@ -205,13 +240,19 @@ impl StorageHost {
     pub fn init_store(backend: DynBackend, local: &Path, codec: Codec) -> Result<Store> {
         std::fs::create_dir_all(local)?;
         let pack_size = backend.capabilities().preferred_pack_size;
-        Ok(Store::init(backend, &local.join("meta.redb"), InitOptions { pack_size, default_codec: codec })?)
+        Ok(Store::init(
+            backend,
+            &local.join("meta.redb"),
+            InitOptions { pack_size, default_codec: codec },
+        )?)
     }
 
     /// fsync, as they land, the objects a save puts under `dir`, and start the writeback of
     /// those still arriving as the relay does for a stream (`bench_objsync.rs`).
     pub fn sync_objects(&self, dir: PathBuf) -> crate::bench_objsync::ObjectSync {
-        let pid = std::fs::read_to_string(self.dir.join("versitygw.pid")).ok().and_then(|p| p.trim().parse().ok());
+        let pid = std::fs::read_to_string(self.dir.join("versitygw.pid"))
+            .ok()
+            .and_then(|p| p.trim().parse().ok());
         crate::bench_objsync::ObjectSync::start(dir, pid)
     }
 
@@ -222,7 +263,10 @@ impl StorageHost {
     /// synced too unless [`names_durable_with_files`] holds there, exactly when the relay
     /// syncs its file's directory (until session 37 they always were, while the relay never
     /// did: ~4 ms of a 128 MiB save's commit-to-durable, measured below).
-    pub fn fsync_tree(dir: &Path, synced: &crate::bench_objsync::SyncedFiles) -> Result<(u64, u64)> {
+    pub fn fsync_tree(
+        dir: &Path,
+        synced: &crate::bench_objsync::SyncedFiles,
+    ) -> Result<(u64, u64)> {
         let mut files = Vec::new();
         let mut dirs = Vec::new();
         let mut skipped = 0u64;
@@ -235,7 +279,9 @@ impl StorageHost {
                     stack.push(e.path());
                 } else if ft.is_file() {
                     let p = e.path();
-                    let same = synced.get(&p).is_some_and(|s| e.metadata().is_ok_and(|m| crate::bench_objsync::Synced::of(&m) == *s));
+                    let same = synced.get(&p).is_some_and(|s| {
+                        e.metadata().is_ok_and(|m| crate::bench_objsync::Synced::of(&m) == *s)
+                    });
                     if same {
                         skipped += 1;
                     } else {
@@ -296,7 +342,12 @@ impl Drop for StorageHost {
 /// `scripts/storage-host.sh VERB` for namespace `ns`.
 fn script_cmd(script: &Path, ns: &str, net: &str, dir: &Path, verb: &str) -> Command {
     let mut c = Command::new("bash");
-    c.arg(script).arg(verb).env("STRATA_NS", ns).env("STRATA_NET", net).env("STRATA_DIR", dir).env("STRATA_BUCKET", BUCKET);
+    c.arg(script)
+        .arg(verb)
+        .env("STRATA_NS", ns)
+        .env("STRATA_NET", net)
+        .env("STRATA_DIR", dir)
+        .env("STRATA_BUCKET", BUCKET);
     c
 }
 
@@ -304,7 +355,8 @@ fn script_cmd(script: &Path, ns: &str, net: &str, dir: &Path, verb: &str) -> Com
 pub fn pack_splitter() -> Splitter {
     Arc::new(|_key: &str, bytes: &[u8]| match strata::store::pack::parse_pack(bytes) {
         Ok((_, entries)) => {
-            let mut v: Vec<(u64, u64)> = entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
+            let mut v: Vec<(u64, u64)> =
+                entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
             v.sort_unstable();
             v.dedup();
             v
@@ -314,9 +366,12 @@ pub fn pack_splitter() -> Splitter {
 }
 
 /// Run `f` on a thread inside the storage host's network namespace.
-fn in_namespace<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> JoinHandle<Result<T>> {
+fn in_namespace<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> JoinHandle<Result<T>> {
     std::thread::spawn(move || {
-        let ns = std::fs::File::open(format!("/var/run/netns/{NS}")).context("the storage host's namespace is gone")?;
+        let ns = std::fs::File::open(format!("/var/run/netns/{NS}"))
+            .context("the storage host's namespace is gone")?;
         // SAFETY: setns on a valid namespace fd; it changes this thread's namespace only.
         let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
         ensure!(rc == 0, "setns into {NS}: {}", std::io::Error::last_os_error());
@@ -329,7 +384,12 @@ fn in_namespace<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'stati
 pub(crate) fn start_writeback(f: &std::fs::File, off: u64, len: u64) {
     // SAFETY: a valid fd; SYNC_FILE_RANGE_WRITE only queues writeback of dirty pages.
     unsafe {
-        libc::sync_file_range(f.as_raw_fd(), off as libc::off64_t, len as libc::off64_t, libc::SYNC_FILE_RANGE_WRITE);
+        libc::sync_file_range(
+            f.as_raw_fd(),
+            off as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
     }
 }
 
@@ -375,7 +435,11 @@ pub struct Relay {
 }
 
 impl Relay {
-    fn listen(host: &StorageHost, port: u16, work: impl FnOnce(std::net::TcpStream) -> Result<u64> + Send + 'static) -> Result<Relay> {
+    fn listen(
+        host: &StorageHost,
+        port: u16,
+        work: impl FnOnce(std::net::TcpStream) -> Result<u64> + Send + 'static,
+    ) -> Result<Relay> {
         let addr: SocketAddr = format!("{}:{port}", host.ip).parse()?;
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = in_namespace(move || {
@@ -396,7 +460,11 @@ impl Relay {
         match rx.recv() {
             Ok(Ok(())) => Ok(Relay { addr, thread: Some(thread) }),
             Ok(Err(e)) => bail!("Cannot listen on the storage host at {addr}: {e}"),
-            Err(_) => Err(thread.join().map_err(|_| anyhow::anyhow!("relay thread panicked"))?.err().unwrap_or_else(|| anyhow::anyhow!("relay failed"))),
+            Err(_) => Err(thread
+                .join()
+                .map_err(|_| anyhow::anyhow!("relay thread panicked"))?
+                .err()
+                .unwrap_or_else(|| anyhow::anyhow!("relay failed"))),
         }
     }
 
@@ -469,7 +537,11 @@ impl Drop for Relay {
         // Unblock a relay still waiting in accept() so its thread ends.
         if let Some(t) = self.thread.take() {
             let addr = self.addr;
-            let _ = in_namespace(move || Ok(std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(1)).map(|_| ())?)).join();
+            let _ = in_namespace(move || {
+                Ok(std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(1))
+                    .map(|_| ())?)
+            })
+            .join();
             let _ = t.join();
         }
     }
@@ -504,7 +576,14 @@ pub fn proc_cpu_s(stat: &str) -> f64 {
 /// link-bound one on this 2-core host.
 pub fn host_cpu_s() -> (f64, f64) {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let f: Vec<f64> = text.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+    let f: Vec<f64> = text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let total: f64 = f.iter().take(8).sum();
@@ -516,7 +595,10 @@ pub fn host_cpu_s() -> (f64, f64) {
 /// `cpuacct.usage` (cgroup v1, nanosecond resolution) where it exists, else
 /// [`host_cpu_s`]'s 10 ms ticks. A 0.2 s save needs the former: two ticks of error are 10% of it.
 pub fn host_busy_ns() -> u64 {
-    match std::fs::read_to_string("/sys/fs/cgroup/cpuacct/cpuacct.usage").ok().and_then(|t| t.trim().parse().ok()) {
+    match std::fs::read_to_string("/sys/fs/cgroup/cpuacct/cpuacct.usage")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+    {
         Some(ns) => ns,
         None => (host_cpu_s().0 * 1e9) as u64,
     }
@@ -540,14 +622,24 @@ impl HostCpu {
         HostCpu::between(start, HostCpu::start())
     }
 
-    pub fn between((ns0, t0): (u64, std::time::Instant), (ns1, t1): (u64, std::time::Instant)) -> HostCpu {
+    pub fn between(
+        (ns0, t0): (u64, std::time::Instant),
+        (ns1, t1): (u64, std::time::Instant),
+    ) -> HostCpu {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        HostCpu { host_busy_s: ns1.saturating_sub(ns0) as f64 / 1e9, host_avail_s: t1.duration_since(t0).as_secs_f64() * cores }
+        HostCpu {
+            host_busy_s: ns1.saturating_sub(ns0) as f64 / 1e9,
+            host_avail_s: t1.duration_since(t0).as_secs_f64() * cores,
+        }
     }
 
     /// Busy over available, 0 when nothing was measured.
     pub fn load(&self) -> f64 {
-        if self.host_avail_s > 0.0 { self.host_busy_s / self.host_avail_s } else { 0.0 }
+        if self.host_avail_s > 0.0 {
+            self.host_busy_s / self.host_avail_s
+        } else {
+            0.0
+        }
     }
 }
 
@@ -570,7 +662,10 @@ mod tests {
         assert!(on_ext4(Path::new("/var/tmp/storage/m128-zstd.bin"), INFO));
         assert!(!on_ext4(Path::new("/tmp/storage"), INFO));
         assert!(on_ext4(Path::new("/tmp/ext/storage"), INFO));
-        assert!(!on_ext4(Path::new("/tmp/extra"), INFO), "a mount point is a path prefix, not a string prefix");
+        assert!(
+            !on_ext4(Path::new("/tmp/extra"), INFO),
+            "a mount point is a path prefix, not a string prefix"
+        );
         assert!(!on_ext4(Path::new("/var/my data/objects"), INFO));
         assert!(!on_ext4(Path::new("/x"), ""));
     }

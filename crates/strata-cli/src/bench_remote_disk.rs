@@ -55,7 +55,8 @@ impl Strata {
         if let Some(h) = self.handle.take() {
             h.shutdown();
         }
-        let vol = self.exports.volume("io").map(|v| serde_json::to_value(v.stats()).unwrap_or_default());
+        let vol =
+            self.exports.volume("io").map(|v| serde_json::to_value(v.stats()).unwrap_or_default());
         self.exports.close_all()?;
         Ok(vol)
     }
@@ -68,17 +69,39 @@ struct RemoteNbd {
 }
 
 impl RemoteNbd {
-    fn start(host: &StorageHost, file: &Path, fmt: &str, port: u16, readonly: bool) -> Result<RemoteNbd> {
+    fn start(
+        host: &StorageHost,
+        file: &Path,
+        fmt: &str,
+        port: u16,
+        readonly: bool,
+    ) -> Result<RemoteNbd> {
         let mut c = host.exec("qemu-nbd");
-        c.args(["-f", fmt, "--cache=writeback", "--aio=threads", "-t", "-x", "x", "-b", &host.ip, "-p", &port.to_string()]);
+        c.args([
+            "-f",
+            fmt,
+            "--cache=writeback",
+            "--aio=threads",
+            "-t",
+            "-x",
+            "x",
+            "-b",
+            &host.ip,
+            "-p",
+            &port.to_string(),
+        ]);
         if readonly {
             c.arg("-r");
         }
-        let child = c.arg(file).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+        let child =
+            c.arg(file).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
         let addr: std::net::SocketAddr = format!("{}:{port}", host.ip).parse()?;
         let t = Instant::now();
         while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
-            ensure!(t.elapsed() < Duration::from_secs(30), "qemu-nbd on the storage host did not listen on {addr}");
+            ensure!(
+                t.elapsed() < Duration::from_secs(30),
+                "qemu-nbd on the storage host did not listen on {addr}"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(RemoteNbd { child, uri: format!("nbd://{addr}/x") })
@@ -118,9 +141,22 @@ struct IoRow {
 }
 
 /// fio over NBD; `work` is a fixed io_size, or None for `runtime` seconds.
-fn fio(uri: &str, rw: &str, bs: &str, region: &str, work: Option<&str>, runtime: u32) -> Result<(f64, f64)> {
+fn fio(
+    uri: &str,
+    rw: &str,
+    bs: &str,
+    region: &str,
+    work: Option<&str>,
+    runtime: u32,
+) -> Result<(f64, f64)> {
     let mut c = Command::new("fio");
-    c.args(["--name=t", "--ioengine=nbd", &format!("--uri={uri}"), &format!("--rw={rw}"), &format!("--bs={bs}")]);
+    c.args([
+        "--name=t",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        &format!("--rw={rw}"),
+        &format!("--bs={bs}"),
+    ]);
     c.args([&format!("--size={region}"), "--iodepth=16", "--output-format=json", "--randrepeat=1"]);
     match work {
         Some(w) => c.arg(format!("--io_size={w}")),
@@ -129,7 +165,8 @@ fn fio(uri: &str, rw: &str, bs: &str, region: &str, work: Option<&str>, runtime:
     let o = c.output().context("running fio")?;
     ensure!(o.status.success(), "fio {rw} failed: {}", String::from_utf8_lossy(&o.stderr));
     let text = String::from_utf8_lossy(&o.stdout);
-    let v: serde_json::Value = serde_json::from_str(&text[text.find('{').context("fio printed no JSON")?..])?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text[text.find('{').context("fio printed no JSON")?..])?;
     let side = if rw.contains("read") { &v["jobs"][0]["read"] } else { &v["jobs"][0]["write"] };
     Ok((side["iops"].as_f64().unwrap_or(0.0), side["bw"].as_f64().unwrap_or(0.0) / 1024.0))
 }
@@ -147,8 +184,16 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     let reads = [("4k randread", "randread", "4k", "64M"), ("1M read", "read", "1M", "1G")];
     let writes = [("4k randwrite", "randwrite", "4k"), ("1M write", "write", "1M")];
     let mut rows: Vec<IoRow> = Vec::new();
-    let push = |rows: &mut Vec<IoRow>, system: &str, test: &str, (iops, mib): (f64, f64), secs: f64, link: Link| {
-        eprintln!("  {system:<18} {test:<13} {iops:>8.0} IOPS {mib:>7.1} MiB/s  link {:>6.0} MB", mb(link.total()));
+    let push = |rows: &mut Vec<IoRow>,
+                system: &str,
+                test: &str,
+                (iops, mib): (f64, f64),
+                secs: f64,
+                link: Link| {
+        eprintln!(
+            "  {system:<18} {test:<13} {iops:>8.0} IOPS {mib:>7.1} MiB/s  link {:>6.0} MB",
+            mb(link.total())
+        );
         rows.push(IoRow { system: system.into(), test: test.into(), iops, mib_s: mib, secs, link });
     };
 
@@ -174,8 +219,10 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
         wb.0,
         mb(wb.1.total())
     );
-    let mut writeback = vec![serde_json::json!({"what": "fill 1 GiB (fio 1M write; the volume compacts to S3 when its log reaches its threshold, inside this time)",
-        "fill_s": fill.0, "fill_link": fill.1, "close_writeback_s": wb.0, "close_link": wb.1})];
+    let mut writeback = vec![
+        serde_json::json!({"what": "fill 1 GiB (fio 1M write; the volume compacts to S3 when its log reaches its threshold, inside this time)",
+        "fill_s": fill.0, "fill_link": fill.1, "close_writeback_s": wb.0, "close_link": wb.1}),
+    ];
     drop(store);
 
     let meta = local.join("meta.redb");
@@ -225,7 +272,11 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     for (i, fmt) in ["raw", "qcow2"].into_iter().enumerate() {
         eprintln!("bench io --remote: qemu-nbd {fmt} on the storage host");
         let f = host.dir().join(format!("io.{fmt}"));
-        let o = Command::new("qemu-img").args(["create", "-q", "-f", fmt]).arg(&f).arg(size.to_string()).output()?;
+        let o = Command::new("qemu-img")
+            .args(["create", "-q", "-f", fmt])
+            .arg(&f)
+            .arg(size.to_string())
+            .output()?;
         ensure!(o.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&o.stderr));
         let port = 10809 + i as u16;
         let n = RemoteNbd::start(&host, &f, fmt, port, false)?;
@@ -248,14 +299,26 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     }
     drop(host);
 
-    let get = |sys: &str, test: &str| rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.mib_s).unwrap_or(0.0);
+    let get = |sys: &str, test: &str| {
+        rows.iter().find(|r| r.system == sys && r.test == test).map(|r| r.mib_s).unwrap_or(0.0)
+    };
     let raw = "qemu-nbd raw (storage host)";
     let tests = ["4k randread", "1M read", "4k randwrite", "1M write"];
-    let systems = ["strata no cache", "strata cold cache", "strata warm cache", "strata", raw, "qemu-nbd qcow2 (storage host)"];
+    let systems = [
+        "strata no cache",
+        "strata cold cache",
+        "strata warm cache",
+        "strata",
+        raw,
+        "qemu-nbd qcow2 (storage host)",
+    ];
     let mut ratios = serde_json::Map::new();
     for t in tests {
         for s in systems.iter().filter(|s| s.starts_with("strata") && get(s, t) > 0.0) {
-            ratios.insert(format!("{t}: {s} / qemu-nbd raw"), serde_json::json!(get(s, t) / get(raw, t)));
+            ratios.insert(
+                format!("{t}: {s} / qemu-nbd raw"),
+                serde_json::json!(get(s, t) / get(raw, t)),
+            );
         }
     }
     for (k, v) in &ratios {
@@ -264,7 +327,10 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     std::fs::create_dir_all(out)?;
     let mut csv = String::from("system,test,iops,mib_s,secs,link_to_storage,link_from_storage\n");
     for r in &rows {
-        csv += &format!("{},{},{:.0},{:.1},{:.2},{},{}\n", r.system, r.test, r.iops, r.mib_s, r.secs, r.link.to_storage, r.link.from_storage);
+        csv += &format!(
+            "{},{},{:.0},{:.1},{:.2},{},{}\n",
+            r.system, r.test, r.iops, r.mib_s, r.secs, r.link.to_storage, r.link.from_storage
+        );
     }
     std::fs::write(out.join("bench-io-remote.csv"), csv)?;
     let json = serde_json::json!({
@@ -283,7 +349,12 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
         .iter()
         .map(|s| Series { name: s.to_string(), values: tests.iter().map(|t| get(s, t)).collect() })
         .collect();
-    let svg = bars("fio over NBD with the data on a 1 Gbit/s storage host (MiB/s, higher is better)", "MiB/s", &tests.map(String::from), &series);
+    let svg = bars(
+        "fio over NBD with the data on a 1 Gbit/s storage host (MiB/s, higher is better)",
+        "MiB/s",
+        &tests.map(String::from),
+        &series,
+    );
     std::fs::write(out.join("bench-io-remote.svg"), svg)?;
     eprintln!("wrote {}/bench-io-remote.{{csv,json,svg}}", out.display());
     Ok(())
@@ -309,17 +380,33 @@ fn free_bytes(p: &Path) -> u64 {
     s.f_bavail as u64 * s.f_frsize as u64
 }
 
-pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_clone_remote(
+    size: u64,
+    data: u64,
+    copies: &[usize],
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     for t in ["qemu-nbd", "qemu-img"] {
         crate::bench_disk::ensure_tool(t)?;
     }
     let tmp = crate::bench_guest::scratch_dir(scratch)?;
     let most = copies.iter().copied().max().unwrap_or(1) as u64;
     let need = data * (most + 3);
-    ensure!(free_bytes(tmp.path()) > need + (8 << 30), "Not enough disk space for {} copies of {} GiB of data: free {} GiB or pass --data smaller", most, data >> 30, need >> 30);
+    ensure!(
+        free_bytes(tmp.path()) > need + (8 << 30),
+        "Not enough disk space for {} copies of {} GiB of data: free {} GiB or pass --data smaller",
+        most,
+        data >> 30,
+        need >> 30
+    );
     let host = StorageHost::up(tmp.path())?;
     let img = tmp.path().join("golden.raw");
-    eprintln!("bench clone --remote: {} GiB image with {:.1} GiB of data on the storage host", size >> 30, data as f64 / (1u64 << 30) as f64);
+    eprintln!(
+        "bench clone --remote: {} GiB image with {:.1} GiB of data on the storage host",
+        size >> 30,
+        data as f64 / (1u64 << 30) as f64
+    );
     crate::bench_disk::make_image(&img, size, data)?;
     // The baseline's golden image sits on the storage host (a local copy: setup, not measured).
     let golden = host.dir().join("golden.raw");
@@ -331,7 +418,11 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
     let (l0, t) = (host.link(), Instant::now());
     disk::import(&store, "golden", &img, Codec::Lz4, &NoProgress)?;
     let import = (t.elapsed().as_secs_f64(), host.link().since(l0));
-    eprintln!("  strata import (one-time): {:.1} s, {:.0} MB over the link", import.0, mb(import.1.total()));
+    eprintln!(
+        "  strata import (one-time): {:.1} s, {:.0} MB over the link",
+        import.0,
+        mb(import.1.total())
+    );
     std::fs::remove_file(&img).ok();
 
     let src = RemoteNbd::start(&host, &golden, "raw", 10900, true)?;
@@ -351,7 +442,19 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
             let f = host.dir().join(format!("copy{i}.raw"));
             std::fs::File::create(&f)?.set_len(size)?;
             let dst = RemoteNbd::start(&host, &f, "raw", 10901, false)?;
-            let o = Command::new("qemu-img").args(["convert", "-n", "--target-is-zero", "-f", "raw", "-O", "raw", &src.uri, &dst.uri]).output()?;
+            let o = Command::new("qemu-img")
+                .args([
+                    "convert",
+                    "-n",
+                    "--target-is-zero",
+                    "-f",
+                    "raw",
+                    "-O",
+                    "raw",
+                    &src.uri,
+                    &dst.uri,
+                ])
+                .output()?;
             ensure!(o.status.success(), "qemu-img convert: {}", String::from_utf8_lossy(&o.stderr));
             dst.stop()?;
             std::fs::File::open(&f)?.sync_all()?;
@@ -369,7 +472,14 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
             mb(q.1.total()),
             q.0 / strata.0
         );
-        rows.push(CloneRow { copies: n, strata_s: strata.0, strata_link: strata.1, qemu_img_s: q.0, qemu_img_link: q.1, qemu_img_over_strata: q.0 / strata.0 });
+        rows.push(CloneRow {
+            copies: n,
+            strata_s: strata.0,
+            strata_link: strata.1,
+            qemu_img_s: q.0,
+            qemu_img_link: q.1,
+            qemu_img_over_strata: q.0 / strata.0,
+        });
     }
     src.stop()?;
     drop(store);
@@ -377,7 +487,15 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
     std::fs::create_dir_all(out)?;
     let mut csv = String::from("copies,strata_s,strata_link_bytes,qemu_img_convert_s,qemu_img_link_bytes,qemu_img_over_strata\n");
     for r in &rows {
-        csv += &format!("{},{:.4},{},{:.2},{},{:.1}\n", r.copies, r.strata_s, r.strata_link.total(), r.qemu_img_s, r.qemu_img_link.total(), r.qemu_img_over_strata);
+        csv += &format!(
+            "{},{:.4},{},{:.2},{},{:.1}\n",
+            r.copies,
+            r.strata_s,
+            r.strata_link.total(),
+            r.qemu_img_s,
+            r.qemu_img_link.total(),
+            r.qemu_img_over_strata
+        );
     }
     std::fs::write(out.join("bench-clone-remote.csv"), csv)?;
     let gib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 30) as f64);
@@ -393,12 +511,22 @@ pub fn bench_clone_remote(size: u64, data: u64, copies: &[usize], out: &Path, sc
     std::fs::write(out.join("bench-clone-remote.json"), serde_json::to_string_pretty(&json)?)?;
     let cats: Vec<String> = rows.iter().map(|r| format!("{} copies", r.copies)).collect();
     let svg = bars(
-        &format!("Full clones of a {} GiB image holding {} GiB on a 1 Gbit/s storage host (seconds)", size >> 30, gib(data)),
+        &format!(
+            "Full clones of a {} GiB image holding {} GiB on a 1 Gbit/s storage host (seconds)",
+            size >> 30,
+            gib(data)
+        ),
         "seconds",
         &cats,
         &[
-            Series { name: "strata clone --full (S3)".into(), values: rows.iter().map(|r| r.strata_s).collect() },
-            Series { name: "qemu-img convert via NBD".into(), values: rows.iter().map(|r| r.qemu_img_s).collect() },
+            Series {
+                name: "strata clone --full (S3)".into(),
+                values: rows.iter().map(|r| r.strata_s).collect(),
+            },
+            Series {
+                name: "qemu-img convert via NBD".into(),
+                values: rows.iter().map(|r| r.qemu_img_s).collect(),
+            },
         ],
     );
     std::fs::write(out.join("bench-clone-remote.svg"), svg)?;

@@ -32,17 +32,23 @@ use anyhow::{Context, Result};
 use strata::backend::open::open_location;
 use strata::backend::retry::RetryPolicy;
 use strata::fixtures::{Fixtures, Guest, Machine};
+use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{RestoreOptions, RestoreReport};
-use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{check_sum, desktop_guest, results_name, workload_guest, Workload, WorkloadMix, CheckpointCost, dirty_checkpoint, env_json, machine, qemu_restore, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES};
+use crate::bench_guest::{
+    check_sum, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, results_name,
+    scratch_dir, stack, start_dest, workload_guest, write_outputs, CheckpointCost, Workload,
+    WorkloadMix, LIVE_MODES,
+};
 use crate::bench_hostmem::{retake, warm_host, warm_mib};
-use crate::bench_remote::{host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost};
+use crate::bench_remote::{
+    host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost,
+};
 use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -113,7 +119,11 @@ impl std::fmt::Display for RestoreCpu {
 /// Save the running guest with QEMU through `relay` (`stop`, then `migrate`); seconds from the
 /// `stop` until the file is fsynced there. strata's `vm save` stops the guest inside its own
 /// clock too, so both clocks start at the same point: a running desktop and a save request.
-fn qemu_save_remote(q: &mut strata::qmp::QmpClient, uri: &str, relay: Relay) -> Result<(f64, u64, HostCpu)> {
+fn qemu_save_remote(
+    q: &mut strata::qmp::QmpClient,
+    uri: &str,
+    relay: Relay,
+) -> Result<(f64, u64, HostCpu)> {
     let c0 = HostCpu::start();
     let t = c0.1;
     q.stop()?;
@@ -134,8 +144,11 @@ const WARM_S3_MIB: usize = 256;
 const RESTORE_READ_BYTES: u64 = strata::memory::restore::DEFAULT_READ_BYTES;
 
 /// The three QEMU streams: decoder, encoder and file name on the storage host.
-const STREAMS: [(&str, &str, &str, &str); 3] =
-    [("exec:cat", "", "", "cat.bin"), ("exec:zstd -1", "zstd -1 -q", "zstd -dc", "zstd.bin"), ("exec:lzop", "lzop -c", "lzop -dc", "lzop.bin")];
+const STREAMS: [(&str, &str, &str, &str); 3] = [
+    ("exec:cat", "", "", "cat.bin"),
+    ("exec:zstd -1", "zstd -1 -q", "zstd -dc", "zstd.bin"),
+    ("exec:lzop", "lzop -c", "lzop -dc", "lzop.bin"),
+];
 
 /// One QEMU stream's save: seconds, bytes stored, link bytes, and its file there.
 struct StreamSaved {
@@ -148,7 +161,14 @@ struct StreamSaved {
     remote: std::path::PathBuf,
 }
 
-fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: usize, port: &mut u16, warm: u32) -> Result<StreamSaved> {
+fn save_stream(
+    host: &StorageHost,
+    q: &mut strata::qmp::QmpClient,
+    mem: u32,
+    i: usize,
+    port: &mut u16,
+    warm: u32,
+) -> Result<StreamSaved> {
     let (name, enc, dec, file) = STREAMS[i];
     let remote = host.dir().join(format!("m{mem}-{file}"));
     *port += 1;
@@ -171,8 +191,19 @@ fn save_stream(host: &StorageHost, q: &mut strata::qmp::QmpClient, mem: u32, i: 
 
 /// A stream's restore into a fresh `-incoming defer` QEMU: seconds and link bytes. The file
 /// is removed afterwards.
-fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, port: &mut u16, warm: u32) -> Result<(f64, Link, RestoreCpu)> {
-    let mut d = start_dest(g, dir, &format!("dst-{}", s.name.trim_start_matches("exec:").replace(' ', "")))?;
+fn restore_stream(
+    host: &StorageHost,
+    g: &Guest,
+    dir: &Path,
+    s: &StreamSaved,
+    port: &mut u16,
+    warm: u32,
+) -> Result<(f64, Link, RestoreCpu)> {
+    let mut d = start_dest(
+        g,
+        dir,
+        &format!("dst-{}", s.name.trim_start_matches("exec:").replace(' ', "")),
+    )?;
     *port += 1;
     let relay = Relay::send(host, *port, s.remote.clone())?;
     let uri = relay.exec_restore(s.decoder);
@@ -184,7 +215,11 @@ fn restore_stream(host: &StorageHost, g: &Guest, dir: &Path, s: &StreamSaved, po
     let rl = host.link().since(l0);
     retake(warm);
     relay.wait()?;
-    eprintln!("  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (CPU s: {cpu})", s.name, mb(rl.total()));
+    eprintln!(
+        "  {:<14} restore {t:>6.2} s  {:>6.0} MB over the link (CPU s: {cpu})",
+        s.name,
+        mb(rl.total())
+    );
     std::fs::remove_file(&s.remote).ok();
     Ok((t, rl, cpu))
 }
@@ -222,7 +257,11 @@ fn peak_rss_reset() -> f64 {
 fn status_mb(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(0.0, |kb| kb * 1024.0 / 1e6)
 }
 
@@ -245,7 +284,13 @@ struct DurableAtCommit {
 
 impl DurableAtCommit {
     fn new(sync: crate::bench_objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
-        DurableAtCommit { phase: Default::default(), sync: std::sync::Mutex::new(Some(sync)), dir, done: Default::default(), durable_at: Default::default() }
+        DurableAtCommit {
+            phase: Default::default(),
+            sync: std::sync::Mutex::new(Some(sync)),
+            dir,
+            done: Default::default(),
+            durable_at: Default::default(),
+        }
     }
 }
 
@@ -262,7 +307,8 @@ impl strata::progress::Progress for DurableAtCommit {
             let t = Instant::now();
             let live = wb.stop();
             let stop_ms = t.elapsed().as_secs_f64() * 1e3;
-            let r = StorageHost::fsync_tree(&self.dir, &live).map(|(files, _)| (live.len() as u64, files, t.elapsed().as_secs_f64()));
+            let r = StorageHost::fsync_tree(&self.dir, &live)
+                .map(|(files, _)| (live.len() as u64, files, t.elapsed().as_secs_f64()));
             tracing::debug!(target: "strata::bench", stop_ms, total_ms = t.elapsed().as_secs_f64() * 1e3, "save's objects durable");
             *self.durable_at.lock().unwrap() = Some(HostCpu::start());
             *self.done.lock().unwrap() = Some(r);
@@ -270,7 +316,14 @@ impl strata::progress::Progress for DurableAtCommit {
     }
 }
 
-fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, prefix: &str, codec: CodecPolicy, warm: u32) -> Result<StrataSaved> {
+fn strata_save(
+    host: &StorageHost,
+    q: &mut strata::qmp::QmpClient,
+    dir: &Path,
+    prefix: &str,
+    codec: CodecPolicy,
+    warm: u32,
+) -> Result<StrataSaved> {
     let (backend, _) = host.s3(prefix, None)?;
     let meta = dir.join(format!("{prefix}-meta"));
     let store = StorageHost::init_store(backend, &meta, Codec::Lz4)?;
@@ -339,7 +392,20 @@ fn strata_save(host: &StorageHost, q: &mut strata::qmp::QmpClient, dir: &Path, p
             t.heap_bytes as f64 / 1e6
         );
     }
-    Ok(StrataSaved { store, report: r, save_s, link, fsync_s, synced_live, cpu, sys, faults, object_bytes, host_cpu, rss_mb })
+    Ok(StrataSaved {
+        store,
+        report: r,
+        save_s,
+        link,
+        fsync_s,
+        synced_live,
+        cpu,
+        sys,
+        faults,
+        object_bytes,
+        host_cpu,
+        rss_mb,
+    })
 }
 
 /// Bytes of the objects a save put under its prefix on the storage host: its packs (frames,
@@ -374,13 +440,24 @@ fn save_object_bytes(prefix_dir: &Path) -> Result<u64> {
 /// them), the pages come over the link.
 /// Seconds until QEMU reported the load completed, as for the streams (resuming the guest
 /// after it, in `total_ms`, is not in their times either).
-fn strata_restore(host: &StorageHost, s: &StrataSaved, g: &Guest, dir: &Path, w: &Workload, workers: usize, warm: u32, cold_maps: bool) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
+fn strata_restore(
+    host: &StorageHost,
+    s: &StrataSaved,
+    g: &Guest,
+    dir: &Path,
+    w: &Workload,
+    workers: usize,
+    warm: u32,
+    cold_maps: bool,
+) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
     let mut d = start_dest(g, dir, "dst-strata")?;
     if cold_maps {
         // As on a host that did not save it: the page maps come over the link.
         // And its copy of the ref: the ref GET comes first, as there.
-        let trees = s.store.tree_cache().context("an S3 store has a tree cache")?.dir().to_path_buf();
-        let refs = s.store.ref_copies().context("an S3 store keeps ref copies")?.dir().to_path_buf();
+        let trees =
+            s.store.tree_cache().context("an S3 store has a tree cache")?.dir().to_path_buf();
+        let refs =
+            s.store.ref_copies().context("an S3 store keeps ref copies")?.dir().to_path_buf();
         for d in [trees, refs] {
             if d.exists() {
                 std::fs::remove_dir_all(&d).with_context(|| format!("removing {}", d.display()))?;
@@ -431,7 +508,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn median_row(rs: &[&Row]) -> Row {
     let save_s = median(rs.iter().map(|r| r.save_s).collect());
     let restore_s = median(rs.iter().map(|r| r.restore_s).collect());
-    let near = |f: &dyn Fn(&Row) -> f64, m: f64| *rs.iter().min_by(|a, b| (f(a) - m).abs().total_cmp(&(f(b) - m).abs())).unwrap();
+    let near = |f: &dyn Fn(&Row) -> f64, m: f64| {
+        *rs.iter().min_by(|a, b| (f(a) - m).abs().total_cmp(&(f(b) - m).abs())).unwrap()
+    };
     let (sr, rr) = (near(&|r| r.save_s, save_s), near(&|r| r.restore_s, restore_s));
     let mut codecs: Vec<&str> = rs.iter().map(|r| r.codec.as_str()).collect();
     codecs.sort();
@@ -456,7 +535,10 @@ fn median_row(rs: &[&Row]) -> Row {
 fn slower_cells(rows: &[Row]) -> Vec<(u32, Option<u32>, &'static str, f64)> {
     let mut out = Vec::new();
     for s in rows.iter().filter(|r| r.method == "strata") {
-        let peers = || rows.iter().filter(|r| r.mem_mib == s.mem_mib && r.round == s.round && r.method != "strata");
+        let peers = || {
+            rows.iter()
+                .filter(|r| r.mem_mib == s.mem_mib && r.round == s.round && r.method != "strata")
+        };
         let best_save = peers().map(|r| r.save_s).fold(f64::MAX, f64::min);
         let best_restore = peers().map(|r| r.restore_s).fold(f64::MAX, f64::min);
         if s.save_s > best_save {
@@ -470,7 +552,18 @@ fn slower_cells(rows: &[Row]) -> Vec<(u32, Option<u32>, &'static str, f64)> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, codec: CodecPolicy, rounds: u32, warm_memory: bool, cold_maps: bool, mix: &WorkloadMix, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_save_restore_remote(
+    sizes: &[u32],
+    mach: &str,
+    workers: usize,
+    codec: CodecPolicy,
+    rounds: u32,
+    warm_memory: bool,
+    cold_maps: bool,
+    mix: &WorkloadMix,
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let m = machine(mach)?;
     let tmp = scratch_dir(scratch)?;
@@ -515,7 +608,8 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                     stream_saved[k] = Some(save_stream(&host, &mut q, mem, k, &mut port, warm)?);
                 }
             }
-            let streams: Vec<StreamSaved> = stream_saved.into_iter().map(|s| s.expect("saved")).collect();
+            let streams: Vec<StreamSaved> =
+                stream_saved.into_iter().map(|s| s.expect("saved")).collect();
             let st = st.expect("saved");
             let mut stream_restored: Vec<Option<(f64, Link, RestoreCpu)>> = vec![None; 3];
             let mut sr = None;
@@ -523,10 +617,12 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
                 if k == 3 {
                     sr = Some(strata_restore(&host, &st, &g, &dir, &w, workers, warm, cold_maps)?);
                 } else {
-                    stream_restored[k] = Some(restore_stream(&host, &g, &dir, &streams[k], &mut port, warm)?);
+                    stream_restored[k] =
+                        Some(restore_stream(&host, &g, &dir, &streams[k], &mut port, warm)?);
                 }
             }
-            let restored: Vec<(f64, Link, RestoreCpu)> = stream_restored.into_iter().map(|r| r.expect("restored")).collect();
+            let restored: Vec<(f64, Link, RestoreCpu)> =
+                stream_restored.into_iter().map(|r| r.expect("restored")).collect();
             let (t, restore_link, rr, restore_cpu, host_cpu) = sr.expect("restored");
             let (cat_save, cat_restore) = (streams[0].save_s, restored[0].0);
             for (s, (rt, rl, rc)) in streams.iter().zip(&restored) {
@@ -581,7 +677,8 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     let mut rows: Vec<Row> = Vec::new();
     for &mem in sizes {
         for n in names {
-            let rs: Vec<&Row> = round_rows.iter().filter(|r| r.mem_mib == mem && r.method == n).collect();
+            let rs: Vec<&Row> =
+                round_rows.iter().filter(|r| r.mem_mib == mem && r.method == n).collect();
             rows.push(median_row(&rs));
         }
         let (cat_save, cat_restore) = {
@@ -599,11 +696,21 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     if rounds > 1 {
         eprintln!("  medians of {rounds} rounds:");
         for r in &rows {
-            eprintln!("  {:>5} MiB {:<14} save {:>6.3} s  restore {:>6.3} s  {:>6.0} MB stored", r.mem_mib, r.method, r.save_s, r.restore_s, mb(r.stored_bytes));
+            eprintln!(
+                "  {:>5} MiB {:<14} save {:>6.3} s  restore {:>6.3} s  {:>6.0} MB stored",
+                r.mem_mib,
+                r.method,
+                r.save_s,
+                r.restore_s,
+                mb(r.stored_bytes)
+            );
         }
     }
     for (mem, round, what, ratio) in &slower_rounds {
-        eprintln!("  slower than the best stream: {mem} MiB {what}, round {}: {ratio:.3} of its time", round.map_or(0, |r| r + 1));
+        eprintln!(
+            "  slower than the best stream: {mem} MiB {what}, round {}: {ratio:.3} of its time",
+            round.map_or(0, |r| r + 1)
+        );
     }
     eprintln!(
         "  strata slower than the best stream: {} of {cells} cells by median, {} of {} cells in single rounds",
@@ -617,7 +724,12 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
     let at = |meth: &str| rows.iter().find(|r| r.mem_mib == big && r.method == meth);
     let mut targets = serde_json::Value::Null;
     if let (Some(c), Some(s)) = (at("exec:cat"), at("strata")) {
-        let best = |mem: u32, f: &dyn Fn(&Row) -> f64| rows.iter().filter(|r| r.mem_mib == mem && r.method != "strata").map(f).fold(f64::MAX, f64::min);
+        let best = |mem: u32, f: &dyn Fn(&Row) -> f64| {
+            rows.iter()
+                .filter(|r| r.mem_mib == mem && r.method != "strata")
+                .map(f)
+                .fold(f64::MAX, f64::min)
+        };
         let never_slower = slower_median.is_empty();
         let (best_save, best_restore) = (best(big, &|r| r.save_s), best(big, &|r| r.restore_s));
         let cell = |c: &(u32, Option<u32>, &str, f64)| serde_json::json!({"mem_mib": c.0, "round": c.1, "what": c.2, "vs_best_stream": c.3});
@@ -643,7 +755,15 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
         );
     }
     for &mem in sizes {
-        let load = |m: &str| median(round_rows.iter().filter(|r| r.mem_mib == mem && r.method == m).map(|r| r.save_cpu.load()).collect());
+        let load = |m: &str| {
+            median(
+                round_rows
+                    .iter()
+                    .filter(|r| r.mem_mib == mem && r.method == m)
+                    .map(|r| r.save_cpu.load())
+                    .collect(),
+            )
+        };
         eprintln!(
             "  {mem} MiB: host CPU busy during saves (median share of both cores): exec:zstd -1 {:.2}, strata {:.2}",
             load("exec:zstd -1"),
@@ -712,15 +832,38 @@ pub fn bench_save_restore_remote(sizes: &[u32], mach: &str, workers: usize, code
             .iter()
             .map(|n| Series {
                 name: n.to_string(),
-                values: sizes.iter().map(|s| rows.iter().find(|r| r.mem_mib == *s && r.method == *n).map(f).unwrap_or(0.0)).collect(),
+                values: sizes
+                    .iter()
+                    .map(|s| {
+                        rows.iter()
+                            .find(|r| r.mem_mib == *s && r.method == *n)
+                            .map(f)
+                            .unwrap_or(0.0)
+                    })
+                    .collect(),
             })
             .collect()
     };
     let med = if rounds > 1 { format!(", median of {rounds} rounds") } else { String::new() };
     let svg = stack(vec![
-        bars(&format!("Save over 1 Gbit/s to the storage host (durable), seconds{med}"), "seconds", &cats, &series(&|r| r.save_s)),
-        bars(&format!("Restore over 1 Gbit/s from the storage host, seconds{med}"), "seconds", &cats, &series(&|r| r.restore_s)),
-        bars("Stored bytes on the storage host", "MB", &cats, &series(&|r| r.stored_bytes as f64 / 1e6)),
+        bars(
+            &format!("Save over 1 Gbit/s to the storage host (durable), seconds{med}"),
+            "seconds",
+            &cats,
+            &series(&|r| r.save_s),
+        ),
+        bars(
+            &format!("Restore over 1 Gbit/s from the storage host, seconds{med}"),
+            "seconds",
+            &cats,
+            &series(&|r| r.restore_s),
+        ),
+        bars(
+            "Stored bytes on the storage host",
+            "MB",
+            &cats,
+            &series(&|r| r.stored_bytes as f64 / 1e6),
+        ),
     ]);
     write_outputs(out, &results_name("save-restore-remote", mix), csv, &json, svg)
 }
@@ -751,7 +894,10 @@ impl std::ops::Deref for LiveRow {
 }
 
 fn redis_store(host: &StorageHost, prefix: &str, local: &Path) -> Result<Store> {
-    let b = open_location(&format!("{}?prefix={prefix}", host.redis_url), Some(RetryPolicy::default()))?;
+    let b = open_location(
+        &format!("{}?prefix={prefix}", host.redis_url),
+        Some(RetryPolicy::default()),
+    )?;
     StorageHost::init_store(b, local, Codec::Lz4)
 }
 
@@ -810,9 +956,20 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
         let mut bg_store: Option<Store> = None;
         for (label, mode) in LIVE_MODES {
             n += 1;
-            let store = redis_store(&host, &format!("live{n}"), &tmp.path().join(format!("meta{n}")))?;
+            let store =
+                redis_store(&host, &format!("live{n}"), &tmp.path().join(format!("meta{n}")))?;
             let l0 = host.link();
-            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt", mode, rate, rate, Duration::from_secs(1)).with_context(|| format!("{label} into Redis"))?;
+            let (r, written) = dirty_checkpoint(
+                &mut g,
+                &mut q,
+                &store,
+                "ckpt",
+                mode,
+                rate,
+                rate,
+                Duration::from_secs(1),
+            )
+            .with_context(|| format!("{label} into Redis"))?;
             let lr = row(rate, label, &r, host.link().since(l0), written);
             print(&lr, label);
             rows.push(lr);
@@ -824,8 +981,18 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
         }
         if let Some(store) = bg_store {
             let l0 = host.link();
-            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt2", Mode::BackgroundSnapshot, rate, rate + 1000, Duration::from_secs(5))?;
-            let lr = row(rate, "2nd background-snapshot (+5 s)", &r, host.link().since(l0), written);
+            let (r, written) = dirty_checkpoint(
+                &mut g,
+                &mut q,
+                &store,
+                "ckpt2",
+                Mode::BackgroundSnapshot,
+                rate,
+                rate + 1000,
+                Duration::from_secs(5),
+            )?;
+            let lr =
+                row(rate, "2nd background-snapshot (+5 s)", &r, host.link().since(l0), written);
             print(&lr, "2nd bg-snapshot");
             rows.push(lr);
             wipe(store)?;
@@ -838,7 +1005,24 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
         let d = r.delta_reads.clone().unwrap_or_default();
         csv += &format!(
             "{},{},{:.2},{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-            r.rate_mib_s, r.method, r.pause_ms, r.total_ms, r.pages_sent, r.pages_stored, r.pages_deduped, r.zero_pages, r.stored_bytes, r.link_bytes, r.link_to_storage, r.link_from_storage, r.guest_pages_dirtied, r.codec, r.delta_pages, d.chunks, d.frames_read, d.bytes_read
+            r.rate_mib_s,
+            r.method,
+            r.pause_ms,
+            r.total_ms,
+            r.pages_sent,
+            r.pages_stored,
+            r.pages_deduped,
+            r.zero_pages,
+            r.stored_bytes,
+            r.link_bytes,
+            r.link_to_storage,
+            r.link_from_storage,
+            r.guest_pages_dirtied,
+            r.codec,
+            r.delta_pages,
+            d.chunks,
+            d.frames_read,
+            d.bytes_read
         );
     }
     let json = serde_json::json!({
@@ -850,18 +1034,38 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
         "env": env_json(),
         "rows": rows,
     });
-    let cats: Vec<String> = rows.iter().map(|r| format!("{} @{}", r.method, r.rate_mib_s)).collect();
+    let cats: Vec<String> =
+        rows.iter().map(|r| format!("{} @{}", r.method, r.rate_mib_s)).collect();
     let svg = stack(vec![
-        bars("Guest pause per checkpoint into Redis over 1 Gbit/s", "ms", &cats, &[Series { name: "pause".into(), values: rows.iter().map(|r| r.pause_ms).collect() }]),
-        bars("Total checkpoint time", "ms", &cats, &[Series { name: "total".into(), values: rows.iter().map(|r| r.total_ms).collect() }]),
+        bars(
+            "Guest pause per checkpoint into Redis over 1 Gbit/s",
+            "ms",
+            &cats,
+            &[Series { name: "pause".into(), values: rows.iter().map(|r| r.pause_ms).collect() }],
+        ),
+        bars(
+            "Total checkpoint time",
+            "ms",
+            &cats,
+            &[Series { name: "total".into(), values: rows.iter().map(|r| r.total_ms).collect() }],
+        ),
         bars(
             "Pages per checkpoint",
             "pages",
             &cats,
             &[
-                Series { name: "sent".into(), values: rows.iter().map(|r| r.pages_sent as f64).collect() },
-                Series { name: "stored".into(), values: rows.iter().map(|r| r.pages_stored as f64).collect() },
-                Series { name: "skipped by dedup".into(), values: rows.iter().map(|r| r.pages_deduped as f64).collect() },
+                Series {
+                    name: "sent".into(),
+                    values: rows.iter().map(|r| r.pages_sent as f64).collect(),
+                },
+                Series {
+                    name: "stored".into(),
+                    values: rows.iter().map(|r| r.pages_stored as f64).collect(),
+                },
+                Series {
+                    name: "skipped by dedup".into(),
+                    values: rows.iter().map(|r| r.pages_deduped as f64).collect(),
+                },
             ],
         ),
     ]);

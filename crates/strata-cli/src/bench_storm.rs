@@ -96,7 +96,11 @@ fn open_host(sh: &StorageHost, dir: &Path, cache_size: Option<u64>, init: bool) 
     std::fs::create_dir_all(dir)?;
     let s3 = sh.s3_backend("storm")?;
     let cache = match cache_size {
-        Some(size) => Some(Arc::new(CacheBackend::open(s3.clone(), &dir.join("cache"), CacheOptions::new(size))?)),
+        Some(size) => Some(Arc::new(CacheBackend::open(
+            s3.clone(),
+            &dir.join("cache"),
+            CacheOptions::new(size),
+        )?)),
         None => None,
     };
     let backend: DynBackend = match &cache {
@@ -188,7 +192,10 @@ struct ReplayRow {
     digest: Option<String>,
 }
 
-fn cache_delta(c: &Option<Arc<CacheBackend>>, before: &Option<strata::backend::cache::CacheCounters>) -> Option<CacheFigures> {
+fn cache_delta(
+    c: &Option<Arc<CacheBackend>>,
+    before: &Option<strata::backend::cache::CacheCounters>,
+) -> Option<CacheFigures> {
     let (c, b) = (c.as_ref()?, before.as_ref()?);
     let a = c.counters();
     Some(CacheFigures {
@@ -210,7 +217,10 @@ struct Ctx<'a> {
 /// Launch `drives.len()` guests at once; returns each one's (seconds to ready, bootset_ms).
 fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
     // Outside the clock, for every mode alike: the guests' RAM comes from backed memory.
-    crate::bench_hostmem::warm_host(crate::bench_hostmem::warm_mib(drives.len() as u32 * ctx.opts.memory_mib, true));
+    crate::bench_hostmem::warm_host(crate::bench_hostmem::warm_mib(
+        drives.len() as u32 * ctx.opts.memory_mib,
+        true,
+    ));
     let barrier = Barrier::new(drives.len());
     let t0 = std::sync::OnceLock::new();
     let results: Vec<Result<(f64, u64, strata::fixtures::Guest)>> = std::thread::scope(|s| {
@@ -236,13 +246,19 @@ fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
                     let g = b.launch().context("guest did not boot")?;
                     let secs = start.elapsed().as_secs_f64();
                     let line = g.ready_line().unwrap_or_default().to_string();
-                    ensure!(reply_field(&line, "bootset_rc") == Some("0"), "guest could not read its boot working set: {line}");
-                    let ms = reply_field(&line, "bootset_ms").and_then(|v| v.parse().ok()).unwrap_or(0);
+                    ensure!(
+                        reply_field(&line, "bootset_rc") == Some("0"),
+                        "guest could not read its boot working set: {line}"
+                    );
+                    let ms =
+                        reply_field(&line, "bootset_ms").and_then(|v| v.parse().ok()).unwrap_or(0);
                     Ok((secs, ms, g))
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("guest thread panicked")))).collect()
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("guest thread panicked"))))
+            .collect()
     });
     let mut out = Vec::new();
     let mut guests = Vec::new();
@@ -261,7 +277,12 @@ enum Drive {
 }
 
 /// One strata storm or replay: fresh host B, `n` clones, served in this process.
-fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> Result<(Option<GuestRow>, Option<ReplayRow>)> {
+fn strata_run(
+    ctx: &mut Ctx,
+    mode: Mode,
+    n: usize,
+    reads: Option<(&[(u64, u64)], usize)>,
+) -> Result<(Option<GuestRow>, Option<ReplayRow>)> {
     ctx.run += 1;
     let dir = ctx.scratch.join(format!("host-b-{}", ctx.run));
     let cached = mode != Mode::NoCache;
@@ -276,7 +297,13 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
         let rep = workset::warm(&host.store, GOLDEN, host.cache.as_deref(), 16)?;
         warm_s = Some(rep.secs);
         warm_rx = Some(counters(ctx.sh).0 - rx0);
-        eprintln!("    warm: {} chunks, {} ranges, {:.1} MiB from S3 in {:.2} s", rep.chunks, rep.ranges, rep.backend_bytes as f64 / 1048576.0, rep.secs);
+        eprintln!(
+            "    warm: {} chunks, {} ranges, {:.1} MiB from S3 in {:.2} s",
+            rep.chunks,
+            rep.ranges,
+            rep.backend_bytes as f64 / 1048576.0,
+            rep.secs
+        );
     }
     let exports = DiskExports::new(host.store.clone());
     if let (Some(c), true) = (&host.cache, mode != Mode::CacheNoPrefetch) {
@@ -288,19 +315,31 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
     let (rx0, tx0) = counters(ctx.sh);
     let result = match reads {
         None => {
-            let drives: Vec<Drive> = names.iter().map(|nm| Drive::Nbd(sock.clone(), nm.clone())).collect();
+            let drives: Vec<Drive> =
+                names.iter().map(|nm| Drive::Nbd(sock.clone(), nm.clone())).collect();
             boot_guests(ctx, &drives).map(|r| (Some(guest_row(mode, n, &r)), None))
         }
         Some((reads, depth)) => {
-            let clients: Vec<(Target, String)> = names.iter().map(|nm| (Target::Unix(sock.clone()), nm.clone())).collect();
-            replay::replay(&clients, reads, depth).map_err(anyhow::Error::from).map(|r| (None, Some(replay_row(mode, n, &r))))
+            let clients: Vec<(Target, String)> =
+                names.iter().map(|nm| (Target::Unix(sock.clone()), nm.clone())).collect();
+            replay::replay(&clients, reads, depth)
+                .map_err(anyhow::Error::from)
+                .map(|r| (None, Some(replay_row(mode, n, &r))))
         }
     };
     let (rx1, tx1) = counters(ctx.sh);
     let figs = cache_delta(&host.cache, &before);
     let prefetch = exports.prefetches().into_iter().next();
     for p in exports.prefetches() {
-        eprintln!("    prefetch of {}: {}, {}/{} ranges, {:.1} MiB in {:.2} s", p.image, p.state, p.ranges_done, p.ranges, p.bytes_done as f64 / 1048576.0, p.secs);
+        eprintln!(
+            "    prefetch of {}: {}, {}/{} ranges, {:.1} MiB in {:.2} s",
+            p.image,
+            p.state,
+            p.ranges_done,
+            p.ranges,
+            p.bytes_done as f64 / 1048576.0,
+            p.secs
+        );
     }
     handle.shutdown();
     exports.close_all()?;
@@ -311,10 +350,12 @@ fn strata_run(ctx: &mut Ctx, mode: Mode, n: usize, reads: Option<(&[(u64, u64)],
     let _ = std::fs::remove_dir_all(&dir);
     let (mut g, mut r) = result?;
     if let Some(g) = g.as_mut() {
-        (g.link_rx_bytes, g.link_tx_bytes, g.cache, g.warm_s, g.warm_link_rx_bytes) = (rx1 - rx0, tx1 - tx0, figs, warm_s, warm_rx);
+        (g.link_rx_bytes, g.link_tx_bytes, g.cache, g.warm_s, g.warm_link_rx_bytes) =
+            (rx1 - rx0, tx1 - tx0, figs, warm_s, warm_rx);
     }
     if let Some(r) = r.as_mut() {
-        (r.link_rx_bytes, r.link_tx_bytes, r.cache, r.prefetch) = (rx1 - rx0, tx1 - tx0, figs, prefetch);
+        (r.link_rx_bytes, r.link_tx_bytes, r.cache, r.prefetch) =
+            (rx1 - rx0, tx1 - tx0, figs, prefetch);
     }
     Ok((g, r))
 }
@@ -347,12 +388,19 @@ fn replay_row(mode: Mode, n: usize, r: &[replay::ClientRun]) -> ReplayRow {
         link_tx_bytes: 0,
         cache: None,
         prefetch: None,
-        digest: r.first().filter(|a| r.iter().all(|b| b.digest == a.digest && b.bytes == a.bytes)).map(|a| format!("{:016x}", a.digest)),
+        digest: r
+            .first()
+            .filter(|a| r.iter().all(|b| b.digest == a.digest && b.bytes == a.bytes))
+            .map(|a| format!("{:016x}", a.digest)),
     }
 }
 
 /// The qcow2 baseline: overlays on this host backed by qemu-nbd on the storage host.
-fn qcow2_run(ctx: &mut Ctx, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> Result<(Option<GuestRow>, Option<ReplayRow>)> {
+fn qcow2_run(
+    ctx: &mut Ctx,
+    n: usize,
+    reads: Option<(&[(u64, u64)], usize)>,
+) -> Result<(Option<GuestRow>, Option<ReplayRow>)> {
     ctx.run += 1;
     let url = format!("nbd://{}:{NBD_PORT}/golden", ctx.sh.ip);
     let dir = ctx.scratch.join(format!("qcow2-{}", ctx.run));
@@ -363,8 +411,15 @@ fn qcow2_run(ctx: &mut Ctx, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> 
             let mut drives = Vec::new();
             for i in 0..n {
                 let ovl = dir.join(format!("ovl{i}.qcow2"));
-                let o = Command::new("qemu-img").args(["create", "-q", "-f", "qcow2", "-b", &url, "-F", "raw"]).arg(&ovl).output()?;
-                ensure!(o.status.success(), "qemu-img create overlay failed: {}", String::from_utf8_lossy(&o.stderr));
+                let o = Command::new("qemu-img")
+                    .args(["create", "-q", "-f", "qcow2", "-b", &url, "-F", "raw"])
+                    .arg(&ovl)
+                    .output()?;
+                ensure!(
+                    o.status.success(),
+                    "qemu-img create overlay failed: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
                 drives.push(Drive::Qcow2(ovl));
             }
             // Creating overlays probes the backing file over the link: measure the boot only.
@@ -376,7 +431,8 @@ fn qcow2_run(ctx: &mut Ctx, n: usize, reads: Option<(&[(u64, u64)], usize)>) -> 
         }
         Some((reads, depth)) => {
             let addr: std::net::SocketAddr = format!("{}:{NBD_PORT}", ctx.sh.ip).parse()?;
-            let clients: Vec<(Target, String)> = (0..n).map(|_| (Target::Tcp(addr), "golden".to_string())).collect();
+            let clients: Vec<(Target, String)> =
+                (0..n).map(|_| (Target::Tcp(addr), "golden".to_string())).collect();
             let runs = replay::replay(&clients, reads, depth)?;
             let mut row = replay_row(Mode::Qcow2, n, &runs);
             let (rx1, tx1) = counters(ctx.sh);
@@ -417,7 +473,11 @@ fn record_trace(ctx: &mut Ctx) -> Result<Trace> {
     let trace = rec.trace();
     let ws = workset::from_trace(&host.store, GOLDEN, &trace)?;
     workset::save(&host.store, GOLDEN, &ws)?;
-    eprintln!("  working set of {GOLDEN}: {} chunks, saved as {}", ws.chunks.len(), workset::key(GOLDEN));
+    eprintln!(
+        "  working set of {GOLDEN}: {} chunks, saved as {}",
+        ws.chunks.len(),
+        workset::key(GOLDEN)
+    );
     disk::remove(&host.store, "trace0")?;
     drop(host);
     let _ = std::fs::remove_dir_all(&dir);
@@ -436,7 +496,12 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
     };
     let scratch = tmp.path();
-    eprintln!("bench storm: guests {:?}, {} MiB each, scratch {}", o.guests, o.memory_mib, scratch.display());
+    eprintln!(
+        "bench storm: guests {:?}, {} MiB each, scratch {}",
+        o.guests,
+        o.memory_mib,
+        scratch.display()
+    );
     let sh = StorageHost::up_named(&scratch, &o.ns, &o.net)?;
 
     // Host A imports the golden image into the bucket.
@@ -450,16 +515,27 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     }
     let import_s = t.elapsed().as_secs_f64();
     let import_tx = counters(&sh).1 - tx0;
-    eprintln!("  host A imported {} in {import_s:.1} s ({:.0} MiB over the link)", fx.golden().display(), import_tx as f64 / 1048576.0);
+    eprintln!(
+        "  host A imported {} in {import_s:.1} s ({:.0} MiB over the link)",
+        fx.golden().display(),
+        import_tx as f64 / 1048576.0
+    );
 
     // The qcow2 golden image on the storage host, served by qemu-nbd there.
     let qcow = sh.dir().join("golden.qcow2");
-    let st = Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2"]).arg(fx.golden()).arg(&qcow).status()?;
+    let st = Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "qcow2"])
+        .arg(fx.golden())
+        .arg(&qcow)
+        .status()?;
     ensure!(st.success(), "qemu-img convert failed");
     let ip = sh.ip.clone();
     let _qnbd = Proc(
         Command::new("ip")
-            .args(["netns", "exec", &sh.ns, "qemu-nbd", "-f", "qcow2", "-r", "-t", "-e", "64", "-x", "golden", "-b", &ip, "-p"])
+            .args([
+                "netns", "exec", &sh.ns, "qemu-nbd", "-f", "qcow2", "-r", "-t", "-e", "64", "-x",
+                "golden", "-b", &ip, "-p",
+            ])
             .arg(NBD_PORT.to_string())
             .arg(&qcow)
             .stdout(Stdio::null())
@@ -469,12 +545,22 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     );
     wait_tcp(&format!("{ip}:{NBD_PORT}"), "qemu-nbd")?;
     // The storage host's page cache holds both copies, as a busy file server's would.
-    let _ = Command::new("sh").arg("-c").arg(format!("cat {}/golden.qcow2 $(find {}/s3 -type f) > /dev/null", sh.dir().display(), sh.dir().display())).status();
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "cat {}/golden.qcow2 $(find {}/s3 -type f) > /dev/null",
+            sh.dir().display(),
+            sh.dir().display()
+        ))
+        .status();
 
     let mut ctx = Ctx { fx: &fx, sh: &sh, scratch, opts: o, run: 0 };
     let trace = match &o.trace {
         Some(p) => {
-            let t = Trace::parse_csv(&std::fs::read_to_string(p).with_context(|| format!("Cannot read {}", p.display()))?)?;
+            let t = Trace::parse_csv(
+                &std::fs::read_to_string(p)
+                    .with_context(|| format!("Cannot read {}", p.display()))?,
+            )?;
             // The working set still comes from the trace, for the warm row.
             let h = open_host(&sh, &scratch.join("host-ws"), None, false)?;
             workset::save(&h.store, GOLDEN, &workset::from_trace(&h.store, GOLDEN, &t)?)?;
@@ -485,7 +571,12 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     let sum = trace.summary();
     let reads = trace.reads();
     let mean_inflight = {
-        let r: Vec<u32> = trace.records.iter().filter(|r| r.op == strata::boot::trace::Op::Read).map(|r| r.inflight).collect();
+        let r: Vec<u32> = trace
+            .records
+            .iter()
+            .filter(|r| r.op == strata::boot::trace::Op::Read)
+            .map(|r| r.inflight)
+            .collect();
         (r.iter().map(|&x| x as f64).sum::<f64>() / r.len().max(1) as f64).ceil() as usize
     };
     let depth = if o.depth == 0 { mean_inflight.max(1) } else { o.depth };
@@ -535,7 +626,12 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
         let n = *o.guests.iter().max().expect("nonempty");
         let (g, _) = strata_run(&mut ctx, Mode::Warm, n, None)?;
         let g = g.expect("guest row");
-        eprintln!("  guests {:<28} N={n:<2} all ready {:>6.1} s, link {:>7.1} MiB (+ warm)", g.mode, g.all_ready_s, g.link_rx_bytes as f64 / 1048576.0);
+        eprintln!(
+            "  guests {:<28} N={n:<2} all ready {:>6.1} s, link {:>7.1} MiB (+ warm)",
+            g.mode,
+            g.all_ready_s,
+            g.link_rx_bytes as f64 / 1048576.0
+        );
         guests.push(g);
     }
     write_results(o, &fx, &trace, depth, import_s, &guests, &replays)?;
@@ -548,7 +644,15 @@ fn find<'a, T>(rows: &'a [T], f: impl Fn(&T) -> bool) -> Option<&'a T> {
     rows.iter().find(|r| f(r))
 }
 
-fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, import_s: f64, guests: &[GuestRow], replays: &[ReplayRow]) -> Result<()> {
+fn write_results(
+    o: &StormOpts,
+    fx: &Fixtures,
+    trace: &Trace,
+    depth: usize,
+    import_s: f64,
+    guests: &[GuestRow],
+    replays: &[ReplayRow],
+) -> Result<()> {
     let nmax = *o.guests.iter().max().unwrap_or(&1);
     let nmin = *o.guests.iter().min().unwrap_or(&1);
     let mib = |b: u64| b as f64 / 1048576.0;
@@ -572,7 +676,8 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         (Some(a), Some(b)) => Some((a.all_done_s + a.connect_s) / (b.all_done_s + b.connect_s)),
         _ => None,
     };
-    let replay_speedup_no_prefetch = match (r(Mode::NoCache, nmax), r(Mode::CacheNoPrefetch, nmax)) {
+    let replay_speedup_no_prefetch = match (r(Mode::NoCache, nmax), r(Mode::CacheNoPrefetch, nmax))
+    {
         (Some(a), Some(b)) => Some(a.all_done_s / b.all_done_s),
         _ => None,
     };
@@ -593,12 +698,33 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         _ => None,
     };
     let fmt = |x: Option<f64>| x.map(|v| format!("{v:.2}")).unwrap_or_else(|| "n/a".into());
-    eprintln!("  link bytes, strata+cache N={nmax} over N={nmin}: {} (target <= 1.2)", fmt(bytes_ratio));
-    eprintln!("  replay N={nmax}: no cache / cache (prefetch) = {} (target >= 5), qcow2 / cache = {}", fmt(replay_speedup), fmt(replay_vs_qcow2));
-    eprintln!("  replay N={nmax}, connecting included: no cache / cache (prefetch) = {}", fmt(replay_speedup_incl_connect));
-    eprintln!("  replay N={nmax}: no cache / cache without prefetch = {}, no prefetch / prefetch = {}", fmt(replay_speedup_no_prefetch), fmt(replay_prefetch_gain));
-    eprintln!("  replay link bytes, strata+cache N={nmax} over N={nmin}: {}", fmt(replay_bytes_ratio));
-    eprintln!("  guests N={nmax}: no cache / cache = {}, qcow2 / cache = {}", fmt(guest_speedup), fmt(guest_vs_qcow2));
+    eprintln!(
+        "  link bytes, strata+cache N={nmax} over N={nmin}: {} (target <= 1.2)",
+        fmt(bytes_ratio)
+    );
+    eprintln!(
+        "  replay N={nmax}: no cache / cache (prefetch) = {} (target >= 5), qcow2 / cache = {}",
+        fmt(replay_speedup),
+        fmt(replay_vs_qcow2)
+    );
+    eprintln!(
+        "  replay N={nmax}, connecting included: no cache / cache (prefetch) = {}",
+        fmt(replay_speedup_incl_connect)
+    );
+    eprintln!(
+        "  replay N={nmax}: no cache / cache without prefetch = {}, no prefetch / prefetch = {}",
+        fmt(replay_speedup_no_prefetch),
+        fmt(replay_prefetch_gain)
+    );
+    eprintln!(
+        "  replay link bytes, strata+cache N={nmax} over N={nmin}: {}",
+        fmt(replay_bytes_ratio)
+    );
+    eprintln!(
+        "  guests N={nmax}: no cache / cache = {}, qcow2 / cache = {}",
+        fmt(guest_speedup),
+        fmt(guest_vs_qcow2)
+    );
 
     let cache_cols = |c: &Option<CacheFigures>| match c {
         Some(c) => format!("{},{},{},{}", c.hits, c.misses, c.coalesced, c.bytes_from_backend),
@@ -608,15 +734,32 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     for x in guests {
         csv += &format!(
             "\"{}\",{},{:.2},{:.2},{:.0},{},{:.2},{:.2},{},{},{}\n",
-            x.mode, x.guests, x.all_ready_s, x.mean_ready_s, x.mean_bootset_ms, x.max_bootset_ms, mib(x.link_rx_bytes), mib(x.link_tx_bytes),
-            cache_cols(&x.cache), x.warm_s.map(|v| format!("{v:.2}")).unwrap_or_default(), x.warm_link_rx_bytes.map(|v| format!("{:.2}", mib(v))).unwrap_or_default()
+            x.mode,
+            x.guests,
+            x.all_ready_s,
+            x.mean_ready_s,
+            x.mean_bootset_ms,
+            x.max_bootset_ms,
+            mib(x.link_rx_bytes),
+            mib(x.link_tx_bytes),
+            cache_cols(&x.cache),
+            x.warm_s.map(|v| format!("{v:.2}")).unwrap_or_default(),
+            x.warm_link_rx_bytes.map(|v| format!("{:.2}", mib(v))).unwrap_or_default()
         );
     }
     let mut rcsv = String::from("mode,clients,all_done_s,mean_s,connect_s,mib_per_client,link_rx_mib,link_tx_mib,cache_hits,cache_misses,cache_coalesced,cache_backend_bytes,digest\n");
     for x in replays {
         rcsv += &format!(
             "\"{}\",{},{:.3},{:.3},{:.3},{:.2},{:.2},{:.2},{},{}\n",
-            x.mode, x.clients, x.all_done_s, x.mean_s, x.connect_s, mib(x.bytes_per_client), mib(x.link_rx_bytes), mib(x.link_tx_bytes), cache_cols(&x.cache),
+            x.mode,
+            x.clients,
+            x.all_done_s,
+            x.mean_s,
+            x.connect_s,
+            mib(x.bytes_per_client),
+            mib(x.link_rx_bytes),
+            mib(x.link_tx_bytes),
+            cache_cols(&x.cache),
             x.digest.as_deref().unwrap_or("MISMATCH")
         );
     }
@@ -656,12 +799,25 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
         let series = |val: &dyn Fn(&GuestRow) -> f64| -> Vec<Series> {
             [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2]
                 .iter()
-                .map(|m| Series { name: m.label().into(), values: ns.iter().map(|&n| g(*m, n).map(val).unwrap_or(0.0)).collect() })
+                .map(|m| Series {
+                    name: m.label().into(),
+                    values: ns.iter().map(|&n| g(*m, n).map(val).unwrap_or(0.0)).collect(),
+                })
                 .collect()
         };
-        let svg = bars("Boot storm: time until every guest is ready (s, lower is better)", "seconds", &cats, &series(&|r| r.all_ready_s));
+        let svg = bars(
+            "Boot storm: time until every guest is ready (s, lower is better)",
+            "seconds",
+            &cats,
+            &series(&|r| r.all_ready_s),
+        );
         std::fs::write(o.out.join("bench-storm.svg"), svg)?;
-        let svg = bars("Boot storm: MiB fetched over the 1 Gbit/s link (lower is better)", "MiB", &cats, &series(&|r| mib(r.link_rx_bytes)));
+        let svg = bars(
+            "Boot storm: MiB fetched over the 1 Gbit/s link (lower is better)",
+            "MiB",
+            &cats,
+            &series(&|r| mib(r.link_rx_bytes)),
+        );
         std::fs::write(o.out.join("bench-storm-bytes.svg"), svg)?;
     }
     let meta = serde_json::json!({
@@ -691,9 +847,24 @@ fn write_results(o: &StormOpts, fx: &Fixtures, trace: &Trace, depth: usize, impo
     let cats: Vec<String> = o.guests.iter().map(|n| format!("{n} clients")).collect();
     let series: Vec<Series> = [Mode::Cache, Mode::CacheNoPrefetch, Mode::NoCache, Mode::Qcow2]
         .iter()
-        .map(|m| Series { name: m.label().into(), values: o.guests.iter().map(|&n| r(*m, n).map(|x| x.all_done_s).unwrap_or(0.0)).collect() })
+        .map(|m| Series {
+            name: m.label().into(),
+            values: o
+                .guests
+                .iter()
+                .map(|&n| r(*m, n).map(|x| x.all_done_s).unwrap_or(0.0))
+                .collect(),
+        })
         .collect();
-    std::fs::write(o.out.join("bench-storm-replay.svg"), bars("Boot-trace replay: time until every client is done (s, lower is better)", "seconds", &cats, &series))?;
+    std::fs::write(
+        o.out.join("bench-storm-replay.svg"),
+        bars(
+            "Boot-trace replay: time until every client is done (s, lower is better)",
+            "seconds",
+            &cats,
+            &series,
+        ),
+    )?;
     // Every client of every mode read the same blocks of the same image: same bytes.
     if replays.iter().any(|r| r.digest.is_none() || r.digest != replays[0].digest) {
         bail!("replay clients read different bytes (digest column of bench-storm-replay.csv): a server returned wrong data");

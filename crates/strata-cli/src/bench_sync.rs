@@ -73,7 +73,12 @@ fn qemu_io(uri: &str, cmds: &[String]) -> Result<f64> {
     }
     let t = Instant::now();
     let o = cmd.output().context("running qemu-io")?;
-    anyhow::ensure!(o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("failed"), "qemu-io failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    anyhow::ensure!(
+        o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("failed"),
+        "qemu-io failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -110,7 +115,8 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
                 continue; // raw files have no clones
             }
             let mut server = match system {
-                "strata" => Server::strata_disk(dir, &format!("{case}"), size, case == "clone-4k").with_context(|| format!("{case}/{system}"))?,
+                "strata" => Server::strata_disk(dir, &format!("{case}"), size, case == "clone-4k")
+                    .with_context(|| format!("{case}/{system}"))?,
                 "raw" => {
                     let f = dir.join(format!("{case}.raw"));
                     std::fs::File::create(&f)?.set_len(size)?;
@@ -157,7 +163,9 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
     // Throughput: 64 KiB append + flush, 800 ops, with servers not under strace.
     crate::bench_disk::set_tracing(false);
     let ops = 800;
-    let cmds: Vec<String> = (0..ops).flat_map(|i| [format!("write -P 7 {} 64k", i as u64 * 65536), "flush".to_string()]).collect();
+    let cmds: Vec<String> = (0..ops)
+        .flat_map(|i| [format!("write -P 7 {} 64k", i as u64 * 65536), "flush".to_string()])
+        .collect();
     let mut tput = Vec::new();
     for round in 0..3 {
         for system in ["strata", "raw", "qcow2"] {
@@ -170,7 +178,12 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
                 }
                 _ => {
                     let f = dir.join(format!("tput{round}.qcow2"));
-                    anyhow::ensure!(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&f).arg(size.to_string()).status()?.success());
+                    anyhow::ensure!(Command::new("qemu-img")
+                        .args(["create", "-q", "-f", "qcow2"])
+                        .arg(&f)
+                        .arg(size.to_string())
+                        .status()?
+                        .success());
                     Server::qemu_nbd(dir, &f, "qcow2")?
                 }
             };
@@ -184,13 +197,25 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
     }
     let best = |s: &str| tput.iter().filter(|t| t.system == s).map(|t| t.mib_s).fold(0.0, f64::max);
     let (st, raw, q) = (best("strata"), best("raw"), best("qcow2"));
-    eprintln!("  append+flush best of 3: strata/raw = {:.2}, strata/qcow2 = {:.2}", st / raw, st / q);
+    eprintln!(
+        "  append+flush best of 3: strata/raw = {:.2}, strata/qcow2 = {:.2}",
+        st / raw,
+        st / q
+    );
     let guest = if guest_dd { in_guest_dd(dir)? } else { Vec::new() };
 
     std::fs::create_dir_all(out)?;
     let mut csv = String::from("case,system,flushes,host_syncs,syncs_per_flush,strata_counter\n");
     for r in &rows {
-        csv += &format!("{},{},{},{},{:.3},{}\n", r.case, r.system, r.flushes, r.host_syncs, r.syncs_per_flush, r.strata_counter.map(|c| c.to_string()).unwrap_or_default());
+        csv += &format!(
+            "{},{},{},{},{:.3},{}\n",
+            r.case,
+            r.system,
+            r.flushes,
+            r.host_syncs,
+            r.syncs_per_flush,
+            r.strata_counter.map(|c| c.to_string()).unwrap_or_default()
+        );
     }
     csv += "\nsystem,ops,seconds,mib_s\n";
     for t in &tput {
@@ -214,10 +239,23 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
         .iter()
         .map(|s| Series {
             name: s.to_string(),
-            values: cases.iter().map(|c| rows.iter().find(|r| r.case == *c && r.system == *s).map(|r| r.syncs_per_flush).unwrap_or(0.0)).collect(),
+            values: cases
+                .iter()
+                .map(|c| {
+                    rows.iter()
+                        .find(|r| r.case == *c && r.system == *s)
+                        .map(|r| r.syncs_per_flush)
+                        .unwrap_or(0.0)
+                })
+                .collect(),
         })
         .collect();
-    let svg = bars("Host syncs per guest flush (lower is better; 0 = not applicable)", "syncs per flush", &cases.map(String::from), &series);
+    let svg = bars(
+        "Host syncs per guest flush (lower is better; 0 = not applicable)",
+        "syncs per flush",
+        &cases.map(String::from),
+        &series,
+    );
     std::fs::write(out.join("bench-sync.svg"), svg)?;
     eprintln!("wrote {}/bench-sync.{{csv,json,svg}}", out.display());
     Ok(())
@@ -249,7 +287,12 @@ fn in_guest_dd(dir: &Path) -> Result<Vec<GuestRow>> {
             }
             _ => {
                 let f = dir.join("dd.qcow2");
-                anyhow::ensure!(Command::new("qemu-img").args(["create", "-q", "-f", "qcow2"]).arg(&f).arg(data_size.to_string()).status()?.success());
+                anyhow::ensure!(Command::new("qemu-img")
+                    .args(["create", "-q", "-f", "qcow2"])
+                    .arg(&f)
+                    .arg(data_size.to_string())
+                    .status()?
+                    .success());
                 Server::qemu_nbd(dir, &f, "qcow2")?
             }
         };
@@ -266,13 +309,18 @@ fn in_guest_dd(dir: &Path) -> Result<Vec<GuestRow>> {
             .mode(GuestMode::Root)
             .memory_mib(512)
             .drive_file(&overlay, "qcow2")
-            .drive(&format!("file=nbd:unix:{sock}:exportname={export},if=virtio,format=raw,cache=none"))
+            .drive(&format!(
+                "file=nbd:unix:{sock}:exportname={export},if=virtio,format=raw,cache=none"
+            ))
             .name(&format!("dd-{system}"))
             .launch()
             .context("boot the dd guest")?;
         for pass in ["append", "overwrite"] {
             let t = Instant::now();
-            let out = g.command("sh /bin/dd if=/dev/zero of=/dev/vdb bs=64k count=4096 oflag=dsync 2>&1", Duration::from_secs(1800))?;
+            let out = g.command(
+                "sh /bin/dd if=/dev/zero of=/dev/vdb bs=64k count=4096 oflag=dsync 2>&1",
+                Duration::from_secs(1800),
+            )?;
             let secs = t.elapsed().as_secs_f64();
             anyhow::ensure!(out.contains("268435456 bytes"), "dd in the guest failed: {out}");
             let mb_s = 268.435456 / secs;

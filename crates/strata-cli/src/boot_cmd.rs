@@ -21,7 +21,14 @@ use strata::nbd::{ExportSet, Server};
 use strata::serve::DiskExports;
 use strata::{disk, Store};
 
-pub fn record_boot(s: &Store, name: &str, socket: Option<&Path>, trace_out: Option<&Path>, timeout: u64, json: bool) -> Result<()> {
+pub fn record_boot(
+    s: &Store,
+    name: &str,
+    socket: Option<&Path>,
+    trace_out: Option<&Path>,
+    timeout: u64,
+    json: bool,
+) -> Result<()> {
     // Block SIGINT/SIGTERM in every thread; the wait loop below polls for them.
     let set = crate::block_stop_signals();
     disk::info(s, name)?;
@@ -31,7 +38,8 @@ pub fn record_boot(s: &Store, name: &str, socket: Option<&Path>, trace_out: Opti
     disk::remove(s, &tmp).with_context(|| format!("Cannot remove the temporary clone '{tmp}'"))?;
     let trace = result?;
     if let Some(p) = trace_out {
-        std::fs::write(p, trace.to_csv()).with_context(|| format!("Cannot write {}", p.display()))?;
+        std::fs::write(p, trace.to_csv())
+            .with_context(|| format!("Cannot write {}", p.display()))?;
     }
     let ws = workset::from_trace(s, name, &trace)?;
     workset::save(s, name, &ws)?;
@@ -53,17 +61,30 @@ pub fn record_boot(s: &Store, name: &str, socket: Option<&Path>, trace_out: Opti
 }
 
 fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     t ^ std::process::id().rotate_left(16)
 }
 
-fn serve_and_record(s: &Store, name: &str, tmp: &str, socket: Option<&Path>, timeout: u64, set: &libc::sigset_t) -> Result<strata::boot::Trace> {
+fn serve_and_record(
+    s: &Store,
+    name: &str,
+    tmp: &str,
+    socket: Option<&Path>,
+    timeout: u64,
+    set: &libc::sigset_t,
+) -> Result<strata::boot::Trace> {
     let rec = Recorder::new(&[tmp]);
     let exports = DiskExports::new(s.clone());
     let traced: std::sync::Arc<dyn ExportSet> = TracingExports::new(exports.clone(), rec.clone());
-    let path = socket.map(Path::to_path_buf).unwrap_or_else(|| s.local_dir().join("record-boot.sock"));
+    let path =
+        socket.map(Path::to_path_buf).unwrap_or_else(|| s.local_dir().join("record-boot.sock"));
     let _ = std::fs::remove_file(&path);
-    let handle = Server::bind_unix(&path)?.serve(traced).with_context(|| format!("Cannot listen on {}", path.display()))?;
+    let handle = Server::bind_unix(&path)?
+        .serve(traced)
+        .with_context(|| format!("Cannot listen on {}", path.display()))?;
     eprintln!(
         "Recording the boot of '{name}': boot a guest with\n  -drive file=nbd:unix:{}:exportname={tmp},if=virtio,format=raw\n\
          Recording stops when it disconnects, on Ctrl-C, or after {timeout} s.",
@@ -93,7 +114,13 @@ fn serve_and_record(s: &Store, name: &str, tmp: &str, socket: Option<&Path>, tim
     Ok(rec.trace())
 }
 
-pub fn warm(s: &Store, cache: Option<&CacheBackend>, name: &str, parallel: usize, json: bool) -> Result<()> {
+pub fn warm(
+    s: &Store,
+    cache: Option<&CacheBackend>,
+    name: &str,
+    parallel: usize,
+    json: bool,
+) -> Result<()> {
     let rep = workset::warm(s, name, cache, parallel)?;
     ui::emit(json, &rep, || {
         format!(

@@ -17,7 +17,8 @@ pub fn bars(title: &str, y_label: &str, categories: &[String], series: &[Series]
     let (w, h, left, bottom, top) = (960.0, 420.0, 70.0, 90.0, 40.0);
     let plot_w = w - left - 20.0;
     let plot_h = h - top - bottom;
-    let max = series.iter().flat_map(|s| s.values.iter().copied()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
+    let max =
+        series.iter().flat_map(|s| s.values.iter().copied()).fold(0.0f64, f64::max).max(1e-9) * 1.1;
     let group_w = plot_w / categories.len().max(1) as f64;
     let bar_w = (group_w * 0.8) / series.len().max(1) as f64;
     let mut s = format!(

@@ -44,16 +44,22 @@ impl Control {
     pub fn start(store: Store) -> Result<Control> {
         let path = socket_path(store.local_dir());
         if UnixStream::connect(&path).is_ok() {
-            bail!("Another strata serve already runs for this store ({}): stop it first", path.display());
+            bail!(
+                "Another strata serve already runs for this store ({}): stop it first",
+                path.display()
+            );
         }
         let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).with_context(|| format!("Cannot listen on {}", path.display()))?;
+        let listener = UnixListener::bind(&path)
+            .with_context(|| format!("Cannot listen on {}", path.display()))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();
-            std::thread::Builder::new().name("control".into()).spawn(move || accept_loop(listener, store, stop))?
+            std::thread::Builder::new()
+                .name("control".into())
+                .spawn(move || accept_loop(listener, store, stop))?
         };
         Ok(Control { path, stop, thread: Some(thread) })
     }
@@ -78,7 +84,9 @@ fn accept_loop(listener: UnixListener, store: Store, stop: Arc<AtomicBool>) {
                     tracing::warn!(target: "strata::control", error = %format!("{e:#}"), "control request failed");
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
             Err(e) => {
                 tracing::warn!(target: "strata::control", error = %e, "control accept failed");
                 std::thread::sleep(Duration::from_millis(100));
@@ -100,7 +108,9 @@ fn handle(conn: UnixStream, store: &Store) -> Result<()> {
                     Err(e) => serde_json::json!({"ok": false, "error": chain(&e)}),
                 }
             }
-            _ => serde_json::json!({"ok": false, "error": "Unknown control request: this daemon knows {\"op\": \"gc\"}"}),
+            _ => {
+                serde_json::json!({"ok": false, "error": "Unknown control request: this daemon knows {\"op\": \"gc\"}"})
+            }
         },
         Err(_) => serde_json::json!({"ok": false, "error": "Control requests are one JSON line"}),
     };
@@ -119,11 +129,17 @@ pub fn request(local_dir: &Path, op: &str) -> Result<Option<serde_json::Value>> 
     let mut w = &conn;
     w.write_all(format!("{}\n", serde_json::json!({"op": op})).as_bytes())?;
     let mut line = String::new();
-    BufReader::new(&conn).read_line(&mut line).context("The serving daemon closed the control socket without a reply")?;
-    let v: serde_json::Value = serde_json::from_str(line.trim()).context("The serving daemon sent a malformed reply")?;
+    BufReader::new(&conn)
+        .read_line(&mut line)
+        .context("The serving daemon closed the control socket without a reply")?;
+    let v: serde_json::Value =
+        serde_json::from_str(line.trim()).context("The serving daemon sent a malformed reply")?;
     if v["ok"].as_bool() == Some(true) {
         Ok(Some(v["report"].clone()))
     } else {
-        bail!("The serving daemon could not run {op}: {}", v["error"].as_str().unwrap_or("no reason given"))
+        bail!(
+            "The serving daemon could not run {op}: {}",
+            v["error"].as_str().unwrap_or("no reason given")
+        )
     }
 }

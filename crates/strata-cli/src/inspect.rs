@@ -3,7 +3,9 @@
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use strata::store::objects::{Ref, StoreConfig, Tree};
-use strata::store::pack::{parse_pack, parse_pack_footer, ChunkKind, IndexObject, PackEntry, PACK_VERSION_RAW};
+use strata::store::pack::{
+    parse_pack, parse_pack_footer, ChunkKind, IndexObject, PackEntry, PACK_VERSION_RAW,
+};
 use strata::store::Store;
 use strata::{ChunkId, PackId};
 
@@ -13,7 +15,11 @@ fn version_at(b: &[u8], off: usize) -> u16 {
 
 /// How a pack's or index object's entry table of `version` is stored.
 fn table_encoding(version: u16) -> &'static str {
-    if version == PACK_VERSION_RAW { "raw" } else { "zstd" }
+    if version == PACK_VERSION_RAW {
+        "raw"
+    } else {
+        "zstd"
+    }
 }
 
 fn entry_json(e: &PackEntry) -> serde_json::Value {
@@ -28,7 +34,11 @@ fn entry_json(e: &PackEntry) -> serde_json::Value {
 pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<()> {
     let be = s.backend();
     let need = || what.context("Name the object: strata inspect KIND NAME-OR-ID");
-    let pack_id = |w: &str| PackId::from_hex(w).with_context(|| format!("'{w}' is not a 32-digit hex pack id (see `strata inspect chunk ID`)"));
+    let pack_id = |w: &str| {
+        PackId::from_hex(w).with_context(|| {
+            format!("'{w}' is not a 32-digit hex pack id (see `strata inspect chunk ID`)")
+        })
+    };
     let v = match kind {
         "config" => {
             let b = be.get("config")?;
@@ -38,7 +48,9 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
         "ref" => {
             let name = need()?;
             let key = format!("refs/{name}");
-            let b = be.get(&key).with_context(|| format!("No ref '{name}' (list them with `strata refs`)"))?;
+            let b = be
+                .get(&key)
+                .with_context(|| format!("No ref '{name}' (list them with `strata refs`)"))?;
             let r = Ref::decode(&b)?;
             json!({
                 "object": key, "format_version": version_at(&b, 8), "bytes": b.len(), "generation": r.generation,
@@ -63,7 +75,11 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
         "index" => {
             let id = pack_id(need()?)?;
             let b = match be.get(&id.index_key()) {
-                Err(e) if e.is_not_found() && be.capabilities().network && be.get_range(&id.pack_key(), 0, 32).is_ok() => {
+                Err(e)
+                    if e.is_not_found()
+                        && be.capabilities().network
+                        && be.get_range(&id.pack_key(), 0, 32).is_ok() =>
+                {
                     bail!("Pack {id} has no index object: on a network backend a pack is its own index; use `strata inspect pack {id}`")
                 }
                 r => r?,
@@ -78,7 +94,8 @@ pub fn run(s: &Store, kind: &str, what: Option<&str>, as_json: bool) -> Result<(
         }
         "chunk" => {
             let w = need()?;
-            let id = ChunkId::from_hex(w).with_context(|| format!("'{w}' is not a 64-digit hex chunk id"))?;
+            let id = ChunkId::from_hex(w)
+                .with_context(|| format!("'{w}' is not a 64-digit hex chunk id"))?;
             let Some((pid, e)) = s.locate(&id) else { bail!("Chunk {id} is not in the store") };
             let data = s.get(&id)?;
             let mut v = json!({"object": "chunk", "pack": pid.to_hex(), "location": entry_json(&e), "verified": true});

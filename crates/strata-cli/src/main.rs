@@ -17,8 +17,8 @@ mod bench_remote;
 mod bench_remote_disk;
 mod bench_remote_mem;
 mod bench_storm;
-mod boot_cmd;
 mod bench_sync;
+mod boot_cmd;
 mod chart;
 mod control;
 mod inspect;
@@ -213,7 +213,9 @@ fn main() {
     tune_malloc();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(cli) {
@@ -258,7 +260,10 @@ pub fn parse_size(s: &str) -> Result<u64> {
         }
         None => (s, 1),
     };
-    let n: u64 = num.trim().parse().with_context(|| format!("Invalid size '{s}': expected e.g. 4096, 64K, 30G"))?;
+    let n: u64 = num
+        .trim()
+        .parse()
+        .with_context(|| format!("Invalid size '{s}': expected e.g. 4096, 64K, 30G"))?;
     n.checked_mul(mult).with_context(|| format!("Size '{s}' is too large"))
 }
 
@@ -279,11 +284,23 @@ fn run(cli: Cli) -> Result<()> {
             let codec: Codec = codec.parse()?;
             let pack_size = pack_size.as_deref().map(parse_size).transpose()?.unwrap_or(0);
             let cache = match (cache, cache_size) {
-                (Some(dir), Some(size)) => Some(strata::host::CacheConfig { dir: dir.clone(), size: parse_size(size)? }),
+                (Some(dir), Some(size)) => {
+                    Some(strata::host::CacheConfig { dir: dir.clone(), size: parse_size(size)? })
+                }
                 _ => None,
             };
-            let (h, created) = strata::host::init(&loc, backend.as_deref(), cache, InitOptions { pack_size, default_codec: codec })
-                .with_context(|| format!("Cannot create store at {}", backend.as_deref().unwrap_or(&loc.display().to_string())))?;
+            let (h, created) = strata::host::init(
+                &loc,
+                backend.as_deref(),
+                cache,
+                InitOptions { pack_size, default_codec: codec },
+            )
+            .with_context(|| {
+                format!(
+                    "Cannot create store at {}",
+                    backend.as_deref().unwrap_or(&loc.display().to_string())
+                )
+            })?;
             let where_ = h.store.location().to_string();
             let cfg = h.store.config().settings.clone();
             let cache_dir = h.config.as_ref().and_then(|c| c.cache.clone());
@@ -293,13 +310,21 @@ fn run(cli: Cli) -> Result<()> {
                 &serde_json::json!({"store": loc, "backend": where_, "created": created, "codec": cfg.default_codec,
                     "pack_size": cfg.pack_size, "cache": cache_dir}),
                 || {
-                    let verb = if created { "Created strata store" } else { "Joined the existing strata store" };
-                    let mut t = format!("{verb} in {where_} (codec {}, packs of {} bytes)", cfg.default_codec, cfg.pack_size);
+                    let verb = if created {
+                        "Created strata store"
+                    } else {
+                        "Joined the existing strata store"
+                    };
+                    let mut t = format!(
+                        "{verb} in {where_} (codec {}, packs of {} bytes)",
+                        cfg.default_codec, cfg.pack_size
+                    );
                     if h.config.is_some() {
                         t += &format!("\nThis host's state is in {}", loc.display());
                     }
                     if let Some(c) = &cache_dir {
-                        t += &format!("; SSD cache of {} in {}", ui::human(c.size), c.dir.display());
+                        t +=
+                            &format!("; SSD cache of {} in {}", ui::human(c.size), c.dir.display());
                     }
                     t
                 },
@@ -395,14 +420,21 @@ fn run(cli: Cli) -> Result<()> {
             let h = open_host(&cli, false)?;
             disk_cmd(&h.store, h.cache.as_deref(), cmd, cli.json)?;
         }
-        Cmd::Serve { socket, tcp, no_cache, no_prefetch } => serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?,
+        Cmd::Serve { socket, tcp, no_cache, no_prefetch } => {
+            serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?
+        }
         Cmd::Bench { which } => bench::run(which)?,
         Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }
     Ok(())
 }
 
-fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd: &DiskCmd, json: bool) -> Result<()> {
+fn disk_cmd(
+    s: &Store,
+    cache: Option<&strata::backend::cache::CacheBackend>,
+    cmd: &DiskCmd,
+    json: bool,
+) -> Result<()> {
     use strata::disk;
     match cmd {
         DiskCmd::Import { name, file, codec } => {
@@ -416,7 +448,12 @@ fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd
             drop(p);
             let secs = t.elapsed().as_secs_f64();
             ui::emit(json, &serde_json::json!({"disk": i, "seconds": secs}), || {
-                format!("Imported {} as disk '{name}': {} ({} blocks allocated) in {secs:.2} s", file.display(), ui::human(i.size), i.allocated_blocks)
+                format!(
+                    "Imported {} as disk '{name}': {} ({} blocks allocated) in {secs:.2} s",
+                    file.display(),
+                    ui::human(i.size),
+                    i.allocated_blocks
+                )
             });
         }
         DiskCmd::Export { name, file } => {
@@ -438,14 +475,20 @@ fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd
         DiskCmd::Compact { name } => {
             let v = disk::volume::Volume::open(s, name)?;
             let g = v.compact()?;
-            ui::emit(json, &serde_json::json!({"disk": name, "generation": g}), || format!("Compacted '{name}' (generation {g})"));
+            ui::emit(json, &serde_json::json!({"disk": name, "generation": g}), || {
+                format!("Compacted '{name}' (generation {g})")
+            });
         }
         DiskCmd::Clone { src, dst, full } => {
             let t = std::time::Instant::now();
             let i = disk::clone(s, src, dst, *full)?;
             let secs = t.elapsed().as_secs_f64();
             ui::emit(json, &serde_json::json!({"disk": i, "seconds": secs}), || {
-                format!("Cloned '{src}' to '{dst}' ({}) in {:.1} ms", ui::human(i.size), secs * 1000.0)
+                format!(
+                    "Cloned '{src}' to '{dst}' ({}) in {:.1} ms",
+                    ui::human(i.size),
+                    secs * 1000.0
+                )
             });
         }
         DiskCmd::List => {
@@ -458,7 +501,12 @@ fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd
                             (None, Some(p)) => format!("clone of {p}"),
                             _ => String::new(),
                         };
-                        format!("{:<28} {:>10}  {:>8} blocks  {kind}", d.name, ui::human(d.size), d.allocated_blocks)
+                        format!(
+                            "{:<28} {:>10}  {:>8} blocks  {kind}",
+                            d.name,
+                            ui::human(d.size),
+                            d.allocated_blocks
+                        )
                     })
                     .collect::<Vec<_>>()
                     .join("\n")
@@ -466,13 +514,22 @@ fn disk_cmd(s: &Store, cache: Option<&strata::backend::cache::CacheBackend>, cmd
         }
         DiskCmd::Info { name } => {
             let i = disk::info(s, name)?;
-            ui::emit(json, &i, || format!("{}: {} bytes, block {} bytes, {} blocks allocated, root {}", i.name, i.size, i.block_size, i.allocated_blocks, i.root));
+            ui::emit(json, &i, || {
+                format!(
+                    "{}: {} bytes, block {} bytes, {} blocks allocated, root {}",
+                    i.name, i.size, i.block_size, i.allocated_blocks, i.root
+                )
+            });
         }
-        DiskCmd::RecordBoot { name, socket, trace, timeout } => boot_cmd::record_boot(s, name, socket.as_deref(), trace.as_deref(), *timeout, json)?,
+        DiskCmd::RecordBoot { name, socket, trace, timeout } => {
+            boot_cmd::record_boot(s, name, socket.as_deref(), trace.as_deref(), *timeout, json)?
+        }
         DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, cache, name, *parallel, json)?,
         DiskCmd::Rm { name } => {
             disk::remove(s, name)?;
-            ui::emit(json, &serde_json::json!({"removed": name}), || format!("Removed disk '{name}' (run `strata gc` to reclaim space)"));
+            ui::emit(json, &serde_json::json!({"removed": name}), || {
+                format!("Removed disk '{name}' (run `strata gc` to reclaim space)")
+            });
         }
     }
     Ok(())
@@ -492,7 +549,13 @@ pub(crate) fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
-fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, no_cache: bool, no_prefetch: bool) -> Result<()> {
+fn serve(
+    cli: &Cli,
+    socket: Option<PathBuf>,
+    tcp: Option<std::net::SocketAddr>,
+    no_cache: bool,
+    no_prefetch: bool,
+) -> Result<()> {
     use strata::nbd::Server;
     // Block SIGINT/SIGTERM in every thread; one thread waits for them.
     let set = block_stop_signals();
@@ -505,23 +568,31 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
     let server = match tcp {
         Some(addr) => {
             if !addr.ip().is_loopback() {
-                tracing::warn!("serving on a non-loopback address {addr}: NBD has no authentication");
+                tracing::warn!(
+                    "serving on a non-loopback address {addr}: NBD has no authentication"
+                );
             }
             Server::bind_tcp(addr)?
         }
         None => {
-            let path = socket.unwrap_or_else(|| store_location(&cli.store).join(".meta").join("nbd.sock"));
+            let path =
+                socket.unwrap_or_else(|| store_location(&cli.store).join(".meta").join("nbd.sock"));
             if let Some(d) = path.parent() {
                 std::fs::create_dir_all(d)?;
             }
-            Server::bind_unix(&path).with_context(|| format!("Cannot listen on {}", path.display()))?
+            Server::bind_unix(&path)
+                .with_context(|| format!("Cannot listen on {}", path.display()))?
         }
     };
     let handle = server.serve(exports.clone())?;
     let control = control::Control::start(s.clone())?;
     let disks: Vec<String> = strata::disk::list(&s)?.into_iter().map(|d| d.name).collect();
     ui::emit(cli.json, &serde_json::json!({"uri": handle.uri(""), "exports": disks}), || {
-        format!("Serving {} disk(s) at {} (export name = disk name); Ctrl-C to stop", disks.len(), handle.uri("NAME"))
+        format!(
+            "Serving {} disk(s) at {} (export name = disk name); Ctrl-C to stop",
+            disks.len(),
+            handle.uri("NAME")
+        )
     });
     use std::io::Write;
     std::io::stdout().flush().ok();
@@ -529,7 +600,8 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
     let stats_path = s.local_dir().join(STATS_FILE);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
-        let (stop, exports, cache, path, disks) = (stop.clone(), exports.clone(), host.cache.clone(), stats_path.clone(), disks.clone());
+        let (stop, exports, cache, path, disks) =
+            (stop.clone(), exports.clone(), host.cache.clone(), stats_path.clone(), disks.clone());
         std::thread::spawn(move || {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 write_stats(&path, &exports, cache.as_deref(), &disks);
@@ -551,8 +623,10 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
     let vols: Vec<(String, std::sync::Arc<strata::disk::volume::Volume>)> =
         disks.iter().filter_map(|d| exports.volume(d).map(|v| (d.clone(), v))).collect();
     exports.close_all()?;
-    let stats: serde_json::Map<String, serde_json::Value> =
-        vols.iter().map(|(d, v)| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())).collect();
+    let stats: serde_json::Map<String, serde_json::Value> = vols
+        .iter()
+        .map(|(d, v)| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default()))
+        .collect();
     eprintln!("strata serve: stats {}", serde_json::Value::Object(stats));
     s.close()?;
     Ok(())
@@ -561,7 +635,11 @@ fn serve(cli: &Cli, socket: Option<PathBuf>, tcp: Option<std::net::SocketAddr>, 
 const STATS_FILE: &str = "serve-stats.json";
 
 /// The counters `strata stats` shows: store, SSD cache, backend, and per-disk I/O.
-fn stats_value(store: &Store, cache: Option<&strata::backend::cache::CacheBackend>, volumes: serde_json::Value) -> serde_json::Value {
+fn stats_value(
+    store: &Store,
+    cache: Option<&strata::backend::cache::CacheBackend>,
+    volumes: serde_json::Value,
+) -> serde_json::Value {
     use std::sync::atomic::Ordering::Relaxed;
     let st = store.stats();
     let b = store.backend();
@@ -579,10 +657,19 @@ fn stats_value(store: &Store, cache: Option<&strata::backend::cache::CacheBacken
     })
 }
 
-fn write_stats(path: &std::path::Path, exports: &strata::serve::DiskExports, cache: Option<&strata::backend::cache::CacheBackend>, disks: &[String]) {
+fn write_stats(
+    path: &std::path::Path,
+    exports: &strata::serve::DiskExports,
+    cache: Option<&strata::backend::cache::CacheBackend>,
+    disks: &[String],
+) {
     let vols: serde_json::Map<String, serde_json::Value> = disks
         .iter()
-        .filter_map(|d| exports.volume(d).map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default())))
+        .filter_map(|d| {
+            exports
+                .volume(d)
+                .map(|v| (d.clone(), serde_json::to_value(v.stats()).unwrap_or_default()))
+        })
         .collect();
     let mut v = stats_value(exports.store(), cache, serde_json::Value::Object(vols));
     v["prefetch"] = serde_json::to_value(exports.prefetches()).unwrap_or_default();
@@ -596,20 +683,29 @@ fn stats(cli: &Cli) -> Result<()> {
     let loc = store_location(&cli.store);
     // A running `strata serve` owns the cache; show what it publishes.
     let local = loc.join(".meta");
-    let live = std::fs::read(local.join(STATS_FILE)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).filter(|v| {
-        let pid = v["pid"].as_u64().unwrap_or(0) as i32;
-        // SAFETY: signal 0 only checks that the process exists.
-        pid > 0 && unsafe { libc::kill(pid, 0) } == 0
-    });
+    let live = std::fs::read(local.join(STATS_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .filter(|v| {
+            let pid = v["pid"].as_u64().unwrap_or(0) as i32;
+            // SAFETY: signal 0 only checks that the process exists.
+            pid > 0 && unsafe { libc::kill(pid, 0) } == 0
+        });
     let (v, source) = match live {
         Some(v) => (v, "strata serve"),
         None => {
             let h = open_host(cli, false)?;
-            (stats_value(&h.store, h.cache.as_deref(), serde_json::json!({})), "this process (no strata serve running)")
+            (
+                stats_value(&h.store, h.cache.as_deref(), serde_json::json!({})),
+                "this process (no strata serve running)",
+            )
         }
     };
     ui::emit(cli.json, &v, || {
-        let mut t = format!("Counters of {source}\nbackend {}", v["backend"]["name"].as_str().unwrap_or("?"));
+        let mut t = format!(
+            "Counters of {source}\nbackend {}",
+            v["backend"]["name"].as_str().unwrap_or("?")
+        );
         if let Some(c) = v["cache"].as_object() {
             let k = &c["counters"];
             let (h, m) = (k["hits"].as_u64().unwrap_or(0), k["misses"].as_u64().unwrap_or(0));
@@ -646,7 +742,11 @@ fn stats(cli: &Cli) -> Result<()> {
         let st = &v["store"];
         t += &format!(
             "\nstore: {} new chunks ({} stored), {} dedup hits, {} packs written, {} syncs",
-            st["chunks_new"], ui::human(st["stored_bytes_new"].as_u64().unwrap_or(0)), st["chunks_dedup"], st["packs_written"], st["syncs"]
+            st["chunks_new"],
+            ui::human(st["stored_bytes_new"].as_u64().unwrap_or(0)),
+            st["chunks_dedup"],
+            st["packs_written"],
+            st["syncs"]
         );
         t
     });

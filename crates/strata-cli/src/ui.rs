@@ -32,16 +32,23 @@ impl Progress for Bar {
         self.pb.reset();
         self.pb.set_length(total.unwrap_or(0));
         let tmpl = match (total.is_some(), unit, self.pages) {
-            (true, Unit::Bytes, true) => "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {pages_per_sec} eta {eta}",
-            (true, Unit::Bytes, false) => "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            (true, Unit::Bytes, true) => {
+                "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {pages_per_sec} eta {eta}"
+            }
+            (true, Unit::Bytes, false) => {
+                "{msg:>16} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
+            }
             (true, Unit::Items, _) => "{msg:>16} [{bar:30}] {pos}/{len} {per_sec} eta {eta}",
             (false, _, _) => "{msg:>16} {spinner} {pos}",
         };
         let style = ProgressStyle::with_template(tmpl)
             .expect("valid template")
-            .with_key("pages_per_sec", |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
-                let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
-            })
+            .with_key(
+                "pages_per_sec",
+                |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = write!(w, "{:.0} pages/s", s.per_sec() / 4096.0);
+                },
+            )
             .progress_chars("=> ");
         self.pb.set_style(style);
         self.pb.set_message(name.to_string());

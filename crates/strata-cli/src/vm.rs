@@ -222,16 +222,13 @@ fn date(unix: u64) -> String {
 }
 
 pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
-    let open =
-        || strata::host::open(store_path, &Default::default()).map(|h| h.store).with_context(|| format!("Cannot open store at {}", store_path.display()));
+    let open = || {
+        strata::host::open(store_path, &Default::default())
+            .map(|h| h.store)
+            .with_context(|| format!("Cannot open store at {}", store_path.display()))
+    };
     match cmd {
-        VmCmd::Save { qmp, name, opts }
-        | VmCmd::Checkpoint {
-            qmp,
-            name,
-            opts,
-            precopy: _,
-        } => {
+        VmCmd::Save { qmp, name, opts } | VmCmd::Checkpoint { qmp, name, opts, precopy: _ } => {
             let mode = match cmd {
                 VmCmd::Save { .. } => Mode::Save,
                 VmCmd::Checkpoint { precopy: true, .. } => Mode::Precopy,
@@ -246,20 +243,9 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             ui::emit(json, &r, || save_text(&r));
             store.close()?;
         }
-        VmCmd::Restore {
-            name,
-            qmp,
-            launch,
-            paused,
-            run_dir: rd,
-            qemu,
-            workers,
-        } => {
+        VmCmd::Restore { name, qmp, launch, paused, run_dir: rd, qemu, workers } => {
             let store = open()?;
-            let mut ro = RestoreOptions {
-                resume: !paused,
-                ..Default::default()
-            };
+            let mut ro = RestoreOptions { resume: !paused, ..Default::default() };
             if let Some(w) = workers {
                 ro.workers = (*w).max(1);
             }
@@ -271,7 +257,8 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
                 let l = restore_launch(&store, name, &lo, &bar)?;
                 drop(bar);
                 let mut q = connect(&l.qmp_path)?;
-                let status = q.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+                let status =
+                    q.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
                 let v = serde_json::json!({
                     "restore": l.report, "pid": l.child.id(), "qmp": l.qmp_path, "log": l.log_path,
                     "program": l.program, "args": l.args, "vm_status": status,
@@ -299,7 +286,8 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             let l = catalog::list(&store)?;
             ui::emit(json, &l, || {
                 if l.is_empty() {
-                    return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)".into();
+                    return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)"
+                        .into();
                 }
                 let mut out = format!(
                     "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",

@@ -34,12 +34,21 @@ impl Env {
 }
 
 fn ok(o: &Output) -> String {
-    assert!(o.status.success(), "strata failed: {}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "strata failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 fn fails(o: &Output) -> String {
-    assert!(!o.status.success(), "strata should have failed: {}", String::from_utf8_lossy(&o.stdout));
+    assert!(
+        !o.status.success(),
+        "strata should have failed: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
@@ -66,7 +75,16 @@ fn setup(d: &Path) -> Env {
 fn init(env: &Env, store: &Path, cache: &Path) -> serde_json::Value {
     let o = env.run(
         store,
-        &["init", "--backend", &env.url, "--cache", cache.to_str().unwrap(), "--cache-size", "64M", "--json"],
+        &[
+            "init",
+            "--backend",
+            &env.url,
+            "--cache",
+            cache.to_str().unwrap(),
+            "--cache-size",
+            "64M",
+            "--json",
+        ],
     );
     serde_json::from_str(&ok(&o)).unwrap()
 }
@@ -117,7 +135,11 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
     // Host A creates the store in the bucket; B joins it.
     let ia = init(&env, &a, &d.path().join("cacheA"));
     assert_eq!(ia["created"], true, "{ia}");
-    assert_eq!(ia["pack_size"], strata::backend::s3::S3_PACK_SIZE, "S3's preferred pack size: {ia}");
+    assert_eq!(
+        ia["pack_size"],
+        strata::backend::s3::S3_PACK_SIZE,
+        "S3's preferred pack size: {ia}"
+    );
     assert!(a.join("host.json").is_file());
     let ib = init(&env, &b, &d.path().join("cacheB"));
     assert_eq!(ib["created"], false, "B must join, not create: {ib}");
@@ -133,9 +155,13 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
     assert!(lb.contains("golden@v1"), "{lb}");
     let out = d.path().join("b-export.raw");
     ok(&env.run(&b, &["disk", "export", "golden@v1", out.to_str().unwrap()]));
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(&img).unwrap(), "B reads A's snapshot intact");
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(&img).unwrap(),
+        "B reads A's snapshot intact"
+    );
     // B's reads came through its own cache: stats say so.
-    let st: serde_json::Value = serde_json::from_str(&ok(&env.run(&b, &["stats", "--json"]))).unwrap();
+    let st: serde_json::Value =
+        serde_json::from_str(&ok(&env.run(&b, &["stats", "--json"]))).unwrap();
     assert!(st["cache"]["dir"].as_str().unwrap().ends_with("cacheB"), "{st}");
     assert!(st["backend"]["name"].as_str().unwrap().contains("s3"), "{st}");
 
@@ -162,7 +188,10 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
     ok(&env.run(&b, &["disk", "compact", "desk1"]));
     let x = d.path().join("desk1.raw");
     ok(&env.run(&b, &["disk", "export", "desk1", x.to_str().unwrap()]));
-    assert!(std::fs::read(&x).unwrap()[..65536].iter().all(|&c| c == 0xa1), "A's acknowledged write is in the backend");
+    assert!(
+        std::fs::read(&x).unwrap()[..65536].iter().all(|&c| c == 0xa1),
+        "A's acknowledged write is in the backend"
+    );
 
     // kill -9 on the same host: the pid is dead, so the lease is free at once.
     let mut srv = serve(&env, &a, &sock, None);
@@ -184,10 +213,18 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
         if o.status.success() {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(15), "lease never expired: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "lease never expired: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
-    assert!(t.elapsed() >= Duration::from_millis(1500), "taken over before the TTL: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(1500),
+        "taken over before the TTL: {:?}",
+        t.elapsed()
+    );
 
     // With everyone gone, GC runs (the dead host's presence has expired too) and the store is sound.
     let t = Instant::now();
@@ -196,7 +233,11 @@ fn a_second_host_sees_everything_and_leases_keep_one_writer() {
         if o.status.success() {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(15), "gc refused: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "gc refused: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     assert!(ok(&env.run(&a, &["check"])).contains("No damage found"));

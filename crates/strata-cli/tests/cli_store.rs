@@ -6,11 +6,21 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn strata(store: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata")).arg("--store").arg(store).args(args).output().expect("run strata")
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .output()
+        .expect("run strata")
 }
 
 fn ok(o: &Output) -> String {
-    assert!(o.status.success(), "strata failed: {}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "strata failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
@@ -98,7 +108,10 @@ fn bad_store_directories_are_refused_with_advice() {
     std::fs::write(st.join("config"), &cfg).unwrap();
     let o = strata(&st, &["du"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("version 9") && err.contains("upgrade strata"), "{err}");
+    assert!(
+        !o.status.success() && err.contains("version 9") && err.contains("upgrade strata"),
+        "{err}"
+    );
 }
 
 /// A full filesystem: the import fails with a clear error, nothing half-written is visible,
@@ -183,7 +196,10 @@ fn commands_work_beside_a_running_serve() {
     ok(&strata(&st, &["disk", "import", "b", b.to_str().unwrap()]));
     let x = d.path().join("x.raw");
     ok(&strata(&st, &["disk", "export", "a", x.to_str().unwrap()]));
-    assert!(std::fs::read(&x).unwrap() == std::fs::read(&a).unwrap(), "export beside serve differs");
+    assert!(
+        std::fs::read(&x).unwrap() == std::fs::read(&a).unwrap(),
+        "export beside serve differs"
+    );
     let list = ok(&strata(&st, &["disk", "list"]));
     assert!(st.join(".meta/control.sock").exists(), "the daemon listens on its control socket");
     assert!(list.contains('a') && list.contains('b'), "{list}");
@@ -198,11 +214,15 @@ fn commands_work_beside_a_running_serve() {
     // After the daemon stops, its own cache learns of the packs written beside it.
     let y = d.path().join("y.raw");
     ok(&strata(&st, &["disk", "export", "b", y.to_str().unwrap()]));
-    assert!(std::fs::read(&y).unwrap() == std::fs::read(&b).unwrap(), "disk written beside serve differs");
+    assert!(
+        std::fs::read(&y).unwrap() == std::fs::read(&b).unwrap(),
+        "disk written beside serve differs"
+    );
     let out = ok(&strata(&st, &["check"]));
     assert!(out.contains("No damage found"), "{out}");
     let private = st.join(".meta/private");
-    let left: Vec<_> = std::fs::read_dir(&private).map(|r| r.flatten().collect()).unwrap_or_default();
+    let left: Vec<_> =
+        std::fs::read_dir(&private).map(|r| r.flatten().collect()).unwrap_or_default();
     assert!(left.is_empty(), "private metadata left behind: {left:?}");
     assert_eq!(std::fs::read_dir(st.join(".tmp")).unwrap().count(), 0, "temporaries left behind");
 }

@@ -60,7 +60,8 @@ thread_local! {
 /// frame): on these hosts ~6 ms of a save's first frames per pool worker, while the link
 /// waits for the first pack. Contexts come here from threads that ended and from
 /// [`prewarm_zstd`], which a save runs while its QMP set-up goes back and forth.
-static ZSTD_POOL: parking_lot::Mutex<Vec<(i32, zstd::bulk::Compressor<'static>)>> = parking_lot::Mutex::new(Vec::new());
+static ZSTD_POOL: parking_lot::Mutex<Vec<(i32, zstd::bulk::Compressor<'static>)>> =
+    parking_lot::Mutex::new(Vec::new());
 
 /// Pooled contexts kept per level (beyond this they are freed).
 fn pool_cap() -> usize {
@@ -93,7 +94,10 @@ impl Drop for ThreadCompressors {
 /// Run `f` with this thread's zstd context for `level` (taken from the pool, or created),
 /// telling it whether the context is new (never compressed, so its first use also pays for
 /// its workspace). None if zstd refuses the level.
-pub fn with_zstd_compressor<R>(level: i32, f: impl FnOnce(&mut zstd::bulk::Compressor<'static>, bool) -> R) -> Option<R> {
+pub fn with_zstd_compressor<R>(
+    level: i32,
+    f: impl FnOnce(&mut zstd::bulk::Compressor<'static>, bool) -> R,
+) -> Option<R> {
     ZSTD_C.with(|t| {
         let mut t = t.borrow_mut();
         let (i, fresh) = match t.0.iter().position(|(l, _)| *l == level) {
@@ -172,9 +176,14 @@ pub fn zstd1_min_match(len: usize) -> i32 {
 
 /// Compress `raw` with this thread's context for `level`, its parameters set for `raw`'s size
 /// (see [`zstd1_min_match`]).
-pub fn zstd_compress(c: &mut zstd::bulk::Compressor<'static>, level: i32, raw: &[u8]) -> Option<Vec<u8>> {
+pub fn zstd_compress(
+    c: &mut zstd::bulk::Compressor<'static>,
+    level: i32,
+    raw: &[u8],
+) -> Option<Vec<u8>> {
     if level == 1 {
-        c.set_parameter(zstd::zstd_safe::CParameter::MinMatch(zstd1_min_match(raw.len()) as u32)).ok()?;
+        c.set_parameter(zstd::zstd_safe::CParameter::MinMatch(zstd1_min_match(raw.len()) as u32))
+            .ok()?;
     }
     c.compress(raw).ok()
 }
@@ -237,7 +246,9 @@ impl Codec {
         let out = match self {
             Codec::None => return None,
             Codec::Lz4 => lz4_flex::block::compress(raw),
-            Codec::Zstd(level) => with_zstd_compressor(level, |c, _| zstd_compress(c, level, raw))??,
+            Codec::Zstd(level) => {
+                with_zstd_compressor(level, |c, _| zstd_compress(c, level, raw))??
+            }
         };
         if out.len() + raw.len() / 32 < raw.len() {
             Some(out)
@@ -256,7 +267,12 @@ impl Codec {
     /// As [`decompress`](Self::decompress), into `out`, whose allocation is reused: a restore
     /// decodes every frame into recycled buffers instead of touching fresh memory for each.
     /// On error `out` holds no meaningful bytes.
-    pub fn decompress_into(self, stored: &[u8], raw_len: usize, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    pub fn decompress_into(
+        self,
+        stored: &[u8],
+        raw_len: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), CodecError> {
         if raw_len > MAX_FRAME_RAW {
             return Err(CodecError::TooLarge(raw_len));
         }
@@ -269,7 +285,8 @@ impl Codec {
             Codec::Lz4 => {
                 // A recycled buffer usually has the length already: no zero-fill then.
                 out.resize(raw_len, 0);
-                let n = lz4_flex::block::decompress_into(stored, out).map_err(|e| corrupt(e.to_string()))?;
+                let n = lz4_flex::block::decompress_into(stored, out)
+                    .map_err(|e| corrupt(e.to_string()))?;
                 out.truncate(n);
             }
             Codec::Zstd(_) => {
@@ -283,7 +300,8 @@ impl Codec {
                         }
                         match d.as_mut() {
                             Some(d) => d.decompress_to_buffer(stored, out),
-                            None => zstd::bulk::Decompressor::new().and_then(|mut d| d.decompress_to_buffer(stored, out)),
+                            None => zstd::bulk::Decompressor::new()
+                                .and_then(|mut d| d.decompress_to_buffer(stored, out)),
                         }
                     })
                     .map_err(|e| corrupt(e.to_string()))?;
@@ -334,7 +352,8 @@ mod tests {
     /// Text-like bytes whose matches come in every length, so the minimum match changes the
     /// output.
     fn wordy(len: usize, seed: u64) -> Vec<u8> {
-        let words: [&[u8]; 8] = [b"page ", b"cache ", b"kernel ", b"slab", b"\x00\x00\x01", b"ab", b"vmalloc ", b"zz"];
+        let words: [&[u8]; 8] =
+            [b"page ", b"cache ", b"kernel ", b"slab", b"\x00\x00\x01", b"ab", b"vmalloc ", b"zz"];
         let mut x = seed | 1;
         let mut out = Vec::with_capacity(len + 16);
         while out.len() < len {
@@ -363,7 +382,8 @@ mod tests {
         let wide = wordy(2 * ZSTD1_NARROW_FRAME, 9);
         assert_eq!(zstd1_min_match(narrow.len()), ZSTD1_MIN_MATCH);
         assert_eq!(zstd1_min_match(narrow.len() + 1), ZSTD1_WIDE_MIN_MATCH);
-        let (n7, w5) = (fresh_level1(ZSTD1_MIN_MATCH, &narrow), fresh_level1(ZSTD1_WIDE_MIN_MATCH, &wide));
+        let (n7, w5) =
+            (fresh_level1(ZSTD1_MIN_MATCH, &narrow), fresh_level1(ZSTD1_WIDE_MIN_MATCH, &wide));
         // The two settings differ on these bytes, so the comparisons below can tell them apart.
         assert_ne!(n7, fresh_level1(ZSTD1_WIDE_MIN_MATCH, &narrow));
         assert_ne!(w5, fresh_level1(ZSTD1_MIN_MATCH, &wide));
@@ -428,7 +448,10 @@ mod tests {
         assert!(Codec::Lz4.decompress(&z[..z.len() / 2], data.len()).is_err());
         assert!(Codec::Zstd(1).decompress(b"garbage", 10).is_err());
         assert!(matches!(Codec::None.decompress(b"abc", 4), Err(CodecError::WrongLength { .. })));
-        assert!(matches!(Codec::Lz4.decompress(b"", MAX_FRAME_RAW + 1), Err(CodecError::TooLarge(_))));
+        assert!(matches!(
+            Codec::Lz4.decompress(b"", MAX_FRAME_RAW + 1),
+            Err(CodecError::TooLarge(_))
+        ));
     }
 
     #[test]

@@ -80,26 +80,13 @@ pub enum FixtureError {
         source: io::Error,
     },
     #[error("{tool} failed ({status}): {stderr}")]
-    Tool {
-        tool: &'static str,
-        status: String,
-        stderr: String,
-    },
+    Tool { tool: &'static str, status: String, stderr: String },
     #[error("Invalid guest option: {0}")]
     InvalidOption(String),
     #[error("QEMU exited ({status}) while {during}; QEMU said:\n{stderr}\nlast console lines:\n{console}")]
-    Exited {
-        status: String,
-        during: String,
-        stderr: String,
-        console: String,
-    },
+    Exited { status: String, during: String, stderr: String, console: String },
     #[error("Timed out after {waited:?} waiting for {what}; last console lines:\n{console}")]
-    Timeout {
-        what: String,
-        waited: Duration,
-        console: String,
-    },
+    Timeout { what: String, waited: Duration, console: String },
     #[error("Guest reported an error for {what}: {message}")]
     GuestError { what: String, message: String },
     #[error("Guest agent rejected `{command}`: {message}")]
@@ -113,11 +100,7 @@ pub enum FixtureError {
 type Result<T> = std::result::Result<T, FixtureError>;
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> FixtureError + 'a {
-    move |source| FixtureError::Io {
-        op,
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| FixtureError::Io { op, path: path.to_path_buf(), source }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -178,10 +161,7 @@ impl Fixtures {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|source| FixtureError::Spawn {
-                program: "bash".into(),
-                source,
-            })?;
+            .map_err(|source| FixtureError::Spawn { program: "bash".into(), source })?;
         let mut tail: VecDeque<String> = VecDeque::new();
         if let Some(err) = child.stderr.take() {
             for line in BufReader::new(err).lines() {
@@ -193,10 +173,9 @@ impl Fixtures {
                 tail.push_back(line);
             }
         }
-        let status = child.wait().map_err(|source| FixtureError::Spawn {
-            program: "bash".into(),
-            source,
-        })?;
+        let status = child
+            .wait()
+            .map_err(|source| FixtureError::Spawn { program: "bash".into(), source })?;
         if !status.success() {
             return Err(FixtureError::Build {
                 status: status.to_string(),
@@ -211,15 +190,10 @@ impl Fixtures {
     pub fn at(dir: &Path) -> Result<Fixtures> {
         for name in OUTPUTS {
             if !dir.join(name).is_file() {
-                return Err(FixtureError::Missing {
-                    name,
-                    dir: dir.to_path_buf(),
-                });
+                return Err(FixtureError::Missing { name, dir: dir.to_path_buf() });
             }
         }
-        Ok(Fixtures {
-            dir: dir.to_path_buf(),
-        })
+        Ok(Fixtures { dir: dir.to_path_buf() })
     }
 
     pub fn dir(&self) -> &Path {
@@ -294,10 +268,7 @@ pub fn create_overlay(base: &Path, base_format: &str, path: &Path) -> Result<()>
         .arg(path)
         .stdin(Stdio::null())
         .output()
-        .map_err(|source| FixtureError::Spawn {
-            program: "qemu-img".into(),
-            source,
-        })?;
+        .map_err(|source| FixtureError::Spawn { program: "qemu-img".into(), source })?;
     if !out.status.success() {
         return Err(FixtureError::Tool {
             tool: "qemu-img create",
@@ -325,9 +296,6 @@ mod tests {
     fn missing_fixture_names_the_fix() {
         let e = Fixtures::at(Path::new("/nonexistent/strata-fixtures")).unwrap_err();
         let msg = e.to_string();
-        assert!(
-            msg.contains("vmlinuz") && msg.contains("scripts/fixtures.sh"),
-            "{msg}"
-        );
+        assert!(msg.contains("vmlinuz") && msg.contains("scripts/fixtures.sh"), "{msg}");
     }
 }

@@ -35,7 +35,12 @@ pub enum HostError {
     #[error("Cannot open the cache")]
     Cache(#[from] CacheError),
     #[error("Cannot {op} {path}")]
-    Io { op: &'static str, path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path} is not a valid host config ({detail}); fix it or re-run `strata init --backend ...`")]
     BadConfig { path: PathBuf, detail: String },
     #[error("{dir} already belongs to a store; use another --store directory")]
@@ -68,19 +73,32 @@ impl HostConfig {
         let path = dir.join(HOST_FILE);
         let bytes = match std::fs::metadata(&path) {
             Ok(m) if m.len() > MAX_HOST_FILE => {
-                return Err(HostError::BadConfig { path, detail: format!("larger than {MAX_HOST_FILE} bytes") })
+                return Err(HostError::BadConfig {
+                    path,
+                    detail: format!("larger than {MAX_HOST_FILE} bytes"),
+                })
             }
-            Ok(_) => std::fs::read(&path).map_err(|source| HostError::Io { op: "read", path: path.clone(), source })?,
+            Ok(_) => std::fs::read(&path).map_err(|source| HostError::Io {
+                op: "read",
+                path: path.clone(),
+                source,
+            })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => return Err(HostError::Io { op: "stat", path, source }),
         };
-        let c: HostConfig =
-            serde_json::from_slice(&bytes).map_err(|e| HostError::BadConfig { path: path.clone(), detail: e.to_string() })?;
+        let c: HostConfig = serde_json::from_slice(&bytes)
+            .map_err(|e| HostError::BadConfig { path: path.clone(), detail: e.to_string() })?;
         if c.format != HOST_FORMAT {
-            return Err(HostError::BadConfig { path, detail: format!("format {} (this strata reads {HOST_FORMAT})", c.format) });
+            return Err(HostError::BadConfig {
+                path,
+                detail: format!("format {} (this strata reads {HOST_FORMAT})", c.format),
+            });
         }
         if !matches!(parse_location(&c.backend), Ok(Location::S3(_) | Location::Redis(_))) {
-            return Err(HostError::BadConfig { path, detail: format!("backend '{}' is not s3:// or redis://", c.backend) });
+            return Err(HostError::BadConfig {
+                path,
+                detail: format!("backend '{}' is not s3:// or redis://", c.backend),
+            });
         }
         Ok(Some(c))
     }
@@ -142,7 +160,8 @@ pub fn pack_splitter() -> Splitter {
         }
         match crate::store::pack::parse_pack(data) {
             Ok((_, entries)) => {
-                let mut r: Vec<(u64, u64)> = entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
+                let mut r: Vec<(u64, u64)> =
+                    entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
                 r.sort_unstable();
                 r.dedup();
                 r
@@ -180,7 +199,12 @@ fn stack(config: &HostConfig, no_cache: bool) -> Result<(DynBackend, Option<Arc<
 /// Create a store: locally in `dir` (backend None), or in a remote backend with `dir` holding
 /// this host's state. If the remote backend already holds a store, this host joins it.
 /// Returns the open host and whether the store was newly created.
-pub fn init(dir: &Path, backend: Option<&str>, cache: Option<CacheConfig>, opts: InitOptions) -> Result<(Host, bool)> {
+pub fn init(
+    dir: &Path,
+    backend: Option<&str>,
+    cache: Option<CacheConfig>,
+    opts: InitOptions,
+) -> Result<(Host, bool)> {
     let Some(spec) = backend else {
         if cache.is_some() {
             return Err(HostError::CacheOnLocal);
@@ -201,7 +225,11 @@ pub fn init(dir: &Path, backend: Option<&str>, cache: Option<CacheConfig>, opts:
     if dir.join("config").exists() || HostConfig::read(dir)?.is_some() {
         return Err(HostError::DirInUse { dir: dir.to_path_buf() });
     }
-    std::fs::create_dir_all(dir).map_err(|source| HostError::Io { op: "create", path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| HostError::Io {
+        op: "create",
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let config = HostConfig { format: HOST_FORMAT, backend: spec.to_string(), cache };
     let (backend, cache) = stack(&config, false)?;
     let meta = local_meta_path(dir);
@@ -271,9 +299,14 @@ mod tests {
         assert!(h.cache.is_none());
         let e = open(&d.path().join("nothing"), &OpenOptions::default()).err().unwrap();
         assert!(e.to_string().contains("strata init"), "{e}");
-        let e = init(&d.path().join("x"), None, Some(CacheConfig { dir: "/tmp".into(), size: 1 << 20 }), InitOptions::default())
-            .err()
-            .unwrap();
+        let e = init(
+            &d.path().join("x"),
+            None,
+            Some(CacheConfig { dir: "/tmp".into(), size: 1 << 20 }),
+            InitOptions::default(),
+        )
+        .err()
+        .unwrap();
         assert!(matches!(e, HostError::CacheOnLocal));
     }
 }

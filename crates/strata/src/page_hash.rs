@@ -74,9 +74,7 @@ fn group(p: Platform, pages: &[&[u8; PAGE]], out: &mut [ChunkId]) {
     for (c, cv) in cvs.iter_mut().enumerate() {
         let mut inputs: [&[u8; CHUNK]; LANES] = [&[0u8; CHUNK]; LANES];
         for (slot, page) in inputs.iter_mut().zip(pages) {
-            *slot = page[c * CHUNK..(c + 1) * CHUNK]
-                .try_into()
-                .expect("1 KiB chunk");
+            *slot = page[c * CHUNK..(c + 1) * CHUNK].try_into().expect("1 KiB chunk");
         }
         p.hash_many(
             &inputs[..n],
@@ -99,16 +97,7 @@ fn group(p: Platform, pages: &[&[u8; PAGE]], out: &mut [ChunkId]) {
     }
     let refs: [&[u8; 64]; 2 * LANES] = std::array::from_fn(|i| &blocks[i]);
     let mut parents = [0u8; 64 * LANES];
-    p.hash_many(
-        &refs[..2 * n],
-        &IV,
-        0,
-        IncrementCounter::No,
-        PARENT,
-        0,
-        0,
-        &mut parents[..64 * n],
-    );
+    p.hash_many(&refs[..2 * n], &IV, 0, IncrementCounter::No, PARENT, 0, 0, &mut parents[..64 * n]);
     let roots: [&[u8; 64]; LANES] =
         std::array::from_fn(|i| parents[64 * i..64 * i + 64].try_into().expect("block"));
     let mut hashes = [0u8; 32 * LANES];
@@ -168,16 +157,10 @@ mod tests {
         let (a, b) = data.split_at_mut(20 * PAGE);
         b[..PAGE].copy_from_slice(&a[3 * PAGE..4 * PAGE]);
         b[100] ^= 1;
-        assert!(
-            platform().is_some(),
-            "the self-check must pass on this blake3 version"
-        );
+        assert!(platform().is_some(), "the self-check must pass on this blake3 version");
         for n in [0, 1, 2, 15, 16, 17, 37] {
-            let pages: Vec<&[u8; PAGE]> = data
-                .chunks_exact(PAGE)
-                .take(n)
-                .map(|c| as_page(c).unwrap())
-                .collect();
+            let pages: Vec<&[u8; PAGE]> =
+                data.chunks_exact(PAGE).take(n).map(|c| as_page(c).unwrap()).collect();
             let mut out = vec![ChunkId::ZERO; n];
             hash_pages(&pages, &mut out);
             for (p, id) in pages.iter().zip(&out) {

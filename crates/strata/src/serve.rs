@@ -23,10 +23,14 @@ use std::sync::Arc;
 
 fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
     match e {
-        DiskError::OutOfRange { .. } => ExportError::Invalid { op, offset, reason: "beyond the end of the disk".into() },
+        DiskError::OutOfRange { .. } => {
+            ExportError::Invalid { op, offset, reason: "beyond the end of the disk".into() }
+        }
         DiskError::ReadOnlySnapshot { .. } => ExportError::ReadOnly { op },
         DiskError::Io { source, .. } => ExportError::io(op, offset, source),
-        DiskError::Store(crate::store::StoreError::Backend(b)) if b.kind == crate::backend::ErrorKind::NoSpace => {
+        DiskError::Store(crate::store::StoreError::Backend(b))
+            if b.kind == crate::backend::ErrorKind::NoSpace =>
+        {
             ExportError::NoSpace { op, offset }
         }
         other => {
@@ -67,7 +71,13 @@ impl Export for VolumeExport {
     fn can_fast_zero(&self) -> bool {
         true
     }
-    fn write_zeroes(&self, offset: u64, len: u64, _may_trim: bool, fua: bool) -> Result<(), ExportError> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        _may_trim: bool,
+        fua: bool,
+    ) -> Result<(), ExportError> {
         // One small log record whatever the length: always fast.
         self.0.write_zeroes(offset, len, fua).map_err(|e| map_err("write_zeroes", offset, e))
     }
@@ -102,7 +112,11 @@ impl Export for SnapshotExport {
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
         if offset.checked_add(buf.len() as u64).is_none_or(|e| e > self.size) {
-            return Err(ExportError::Invalid { op: "read", offset, reason: "beyond the end of the disk".into() });
+            return Err(ExportError::Invalid {
+                op: "read",
+                offset,
+                reason: "beyond the end of the disk".into(),
+            });
         }
         // The blocks of one read are fetched together (see `Store::read_ranges`).
         let mut reads = Vec::new();
@@ -122,7 +136,10 @@ impl Export for SnapshotExport {
                 reads.push(RangeRead { id, offset: inb, buf: part });
             }
         }
-        let got = self.store.read_ranges(&mut reads).map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
+        let got = self
+            .store
+            .read_ranges(&mut reads)
+            .map_err(|e| map_err("read", offset, DiskError::Store(e)))?;
         for (r, n) in reads.into_iter().zip(got) {
             r.buf[n..].fill(0);
         }
@@ -237,7 +254,8 @@ impl DiskExports {
 
     /// The prefetches started so far (image, progress).
     pub fn prefetches(&self) -> Vec<PrefetchStatus> {
-        let mut v: Vec<PrefetchStatus> = self.prefetch.lock().by_image.values().map(|p| p.status()).collect();
+        let mut v: Vec<PrefetchStatus> =
+            self.prefetch.lock().by_image.values().map(|p| p.status()).collect();
         v.sort_by(|a, b| a.image.cmp(&b.image));
         v
     }
@@ -256,9 +274,14 @@ impl DiskExports {
             return;
         }
         let (store, state, name) = (self.store.clone(), self.prefetch.clone(), name.to_string());
-        match std::thread::Builder::new().name("strata-bootset".into()).spawn(move || start_prefetch(&store, &state, &name)) {
+        match std::thread::Builder::new()
+            .name("strata-bootset".into())
+            .spawn(move || start_prefetch(&store, &state, &name))
+        {
             Ok(h) => st.lookups.push(h),
-            Err(e) => tracing::warn!(target: "strata::serve", error = %e, "cannot start the boot working set lookup"),
+            Err(e) => {
+                tracing::warn!(target: "strata::serve", error = %e, "cannot start the boot working set lookup")
+            }
         }
     }
 
@@ -318,7 +341,11 @@ impl ExportSet for DiskExports {
             Ok(l) => l
                 .into_iter()
                 .map(|d| ExportInfo {
-                    description: Some(if d.snapshot_of.is_some() { "strata snapshot (read-only)".into() } else { "strata disk".into() }),
+                    description: Some(if d.snapshot_of.is_some() {
+                        "strata snapshot (read-only)".into()
+                    } else {
+                        "strata disk".into()
+                    }),
                     name: d.name,
                 })
                 .collect(),
@@ -337,7 +364,8 @@ impl ExportSet for DiskExports {
         let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
         self.maybe_prefetch(name);
         if m.snapshot_of.is_some() {
-            let blocks = disk::map::read_map(&self.store, &r.roots[0]).map_err(|e| unavailable(DiskError::Store(e)))?;
+            let blocks = disk::map::read_map(&self.store, &r.roots[0])
+                .map_err(|e| unavailable(DiskError::Store(e)))?;
             return Ok(Arc::new(SnapshotExport {
                 store: self.store.clone(),
                 size: m.size,

@@ -1,16 +1,16 @@
 //! The SSD cache decorator against the store and real files: conformance, miss coalescing,
 //! lazy fill, eviction, restart recovery with hash verification, write-through fill of packs.
 
-use strata::backend::cache::{CacheBackend, CacheOptions, Splitter};
-use strata::backend::{conformance, local::LocalBackend, memory::MemoryBackend};
-use strata::backend::{BResult, Backend, DynBackend, ObjectInfo};
-use strata::store::pack::ChunkKind;
-use strata::progress::NoProgress;
-use strata::store::check::CheckOptions;
-use strata::store::{InitOptions, Store};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use strata::backend::cache::{CacheBackend, CacheOptions, Splitter};
+use strata::backend::{conformance, local::LocalBackend, memory::MemoryBackend};
+use strata::backend::{BResult, Backend, DynBackend, ObjectInfo};
+use strata::progress::NoProgress;
+use strata::store::check::CheckOptions;
+use strata::store::pack::ChunkKind;
+use strata::store::{InitOptions, Store};
 
 /// Counts what reaches the backend, optionally slowly (a remote link).
 #[derive(Debug)]
@@ -23,7 +23,12 @@ struct Counting {
 
 impl Counting {
     fn new(delay: Duration) -> Arc<Counting> {
-        Arc::new(Counting { inner: MemoryBackend::new(), range_reads: AtomicU64::new(0), range_bytes: AtomicU64::new(0), delay })
+        Arc::new(Counting {
+            inner: MemoryBackend::new(),
+            range_reads: AtomicU64::new(0),
+            range_bytes: AtomicU64::new(0),
+            delay,
+        })
     }
     fn reads(&self) -> u64 {
         self.range_reads.load(Ordering::SeqCst)
@@ -76,7 +81,8 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 fn pack_frames() -> Splitter {
     Arc::new(|_key: &str, bytes: &[u8]| match strata::store::pack::parse_pack(bytes) {
         Ok((_, entries)) => {
-            let mut v: Vec<(u64, u64)> = entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
+            let mut v: Vec<(u64, u64)> =
+                entries.iter().map(|e| (e.frame_off, e.frame_len as u64)).collect();
             v.sort_unstable();
             v.dedup();
             v
@@ -88,11 +94,21 @@ fn pack_frames() -> Splitter {
 #[test]
 fn cache_over_memory_and_local_conforms() {
     let d = tempfile::tempdir().unwrap();
-    let c = CacheBackend::open(Arc::new(MemoryBackend::new()), &d.path().join("c1"), CacheOptions::new(16 << 20)).unwrap();
+    let c = CacheBackend::open(
+        Arc::new(MemoryBackend::new()),
+        &d.path().join("c1"),
+        CacheOptions::new(16 << 20),
+    )
+    .unwrap();
     conformance::run_all(&c);
     // The conformance keys are not packs: make every key cacheable to exercise the cache path.
     let all = CacheOptions { cacheable: |_| true, ..CacheOptions::new(16 << 20) };
-    let c = CacheBackend::open(Arc::new(LocalBackend::open(d.path().join("be")).unwrap()), &d.path().join("c2"), all.clone()).unwrap();
+    let c = CacheBackend::open(
+        Arc::new(LocalBackend::open(d.path().join("be")).unwrap()),
+        &d.path().join("c2"),
+        all.clone(),
+    )
+    .unwrap();
     conformance::run_all(&c);
     assert!(c.counters().hits + c.counters().misses > 0, "the cache path must have been used");
     let c = CacheBackend::open(Arc::new(MemoryBackend::new()), &d.path().join("c3"), all).unwrap();
@@ -142,7 +158,10 @@ fn a_miss_is_answered_before_the_fill_and_then_hits() {
     be.put("packs/bb/p", &data).unwrap();
     let c = CacheBackend::open(be.clone(), d.path(), CacheOptions::new(8 << 20)).unwrap();
     for i in 0..64u64 {
-        assert_eq!(c.get_range("packs/bb/p", i * 16384, 16384).unwrap(), &data[(i * 16384) as usize..((i + 1) * 16384) as usize]);
+        assert_eq!(
+            c.get_range("packs/bb/p", i * 16384, 16384).unwrap(),
+            &data[(i * 16384) as usize..((i + 1) * 16384) as usize]
+        );
     }
     assert_eq!(be.reads(), 64);
     // Reads right after the misses are hits whether the fill is done or still staged.
@@ -219,7 +238,10 @@ fn the_cache_survives_a_restart_and_verifies_entries() {
         let c = CacheBackend::open(be.clone(), d.path(), CacheOptions::new(16 << 20)).unwrap();
         assert_eq!(c.counters().recovered, 50);
         for &(o, l) in &ranges {
-            assert_eq!(c.get_range("packs/dd/p", o, l).unwrap(), &data[o as usize..(o + l) as usize]);
+            assert_eq!(
+                c.get_range("packs/dd/p", o, l).unwrap(),
+                &data[o as usize..(o + l) as usize]
+            );
         }
         assert_eq!(be.reads(), reads, "a restarted cache serves its entries");
         assert_eq!(c.verify_all(), (50, 0));
@@ -230,18 +252,27 @@ fn the_cache_survives_a_restart_and_verifies_entries() {
     let victim = recs
         .iter()
         .find_map(|r| match r {
-            strata::backend::cache::format::Record::Insert { block, obj_off, len, .. } if *obj_off == ranges[7].0 => Some((*block, *len)),
+            strata::backend::cache::format::Record::Insert { block, obj_off, len, .. }
+                if *obj_off == ranges[7].0 =>
+            {
+                Some((*block, *len))
+            }
             _ => None,
         })
         .unwrap();
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(d.path().join("cache.data")).unwrap();
-        f.write_all_at(&[0x5A ^ data[(ranges[7].0 + 100) as usize]], 4096 + victim.0 + 100).unwrap();
+        f.write_all_at(&[0x5A ^ data[(ranges[7].0 + 100) as usize]], 4096 + victim.0 + 100)
+            .unwrap();
     }
     let c = CacheBackend::open(be.clone(), d.path(), CacheOptions::new(16 << 20)).unwrap();
     let (o, l) = ranges[7];
-    assert_eq!(c.get_range("packs/dd/p", o, l).unwrap(), &data[o as usize..(o + l) as usize], "never wrong bytes");
+    assert_eq!(
+        c.get_range("packs/dd/p", o, l).unwrap(),
+        &data[o as usize..(o + l) as usize],
+        "never wrong bytes"
+    );
     assert_eq!(c.counters().verify_failed, 1);
     assert_eq!(be.reads(), reads + 1);
     c.wait_idle();
@@ -266,12 +297,20 @@ fn write_through_fills_packs_and_the_store_reads_from_the_cache() {
     let d = tempfile::tempdir().unwrap();
     let be = Counting::new(Duration::ZERO);
     let opts = CacheOptions { splitter: Some(pack_frames()), ..CacheOptions::new(64 << 20) };
-    let cache: Arc<CacheBackend> = Arc::new(CacheBackend::open(be.clone(), &d.path().join("cache"), opts.clone()).unwrap());
-    let store = Store::init(cache.clone() as DynBackend, &d.path().join("meta.redb"), InitOptions { pack_size: 1 << 20, ..Default::default() }).unwrap();
+    let cache: Arc<CacheBackend> =
+        Arc::new(CacheBackend::open(be.clone(), &d.path().join("cache"), opts.clone()).unwrap());
+    let store = Store::init(
+        cache.clone() as DynBackend,
+        &d.path().join("meta.redb"),
+        InitOptions { pack_size: 1 << 20, ..Default::default() },
+    )
+    .unwrap();
     let ses = store.session();
     let chunks: Vec<Vec<u8>> = (0..300).map(|i| pattern(100 + i, 16384)).collect();
     let ids: Vec<_> = chunks.iter().map(|c| ses.put(c, ChunkKind::Data).unwrap()).collect();
-    let root = ses.put_tree(&strata::store::objects::Tree { children: ids.clone(), payload: vec![] }).unwrap();
+    let root = ses
+        .put_tree(&strata::store::objects::Tree { children: ids.clone(), payload: vec![] })
+        .unwrap();
     ses.commit_ref("disk/golden", strata::store::objects::Ref::new(vec![root], vec![])).unwrap();
     drop(ses);
     cache.wait_idle();
@@ -329,40 +368,56 @@ fn concurrent_readers_under_eviction_never_see_wrong_bytes() {
     });
     c.wait_idle();
     let k = c.counters();
-    assert!(k.evictions > 0 && k.hits > 0 && k.part_hits > 0 && k.used_bytes <= k.capacity, "{k:?}");
+    assert!(
+        k.evictions > 0 && k.hits > 0 && k.part_hits > 0 && k.used_bytes <= k.capacity,
+        "{k:?}"
+    );
     assert_eq!(c.verify_all().1, 0);
 }
 
 #[test]
 fn one_process_per_cache_directory() {
     let d = tempfile::tempdir().unwrap();
-    let a = CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20)).unwrap();
-    let e = CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20)).unwrap_err();
+    let a =
+        CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20))
+            .unwrap();
+    let e =
+        CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20))
+            .unwrap_err();
     assert!(e.to_string().contains("in use by another strata process"), "{e}");
     drop(a);
-    CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20)).unwrap();
+    CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1 << 20))
+        .unwrap();
 }
 
 #[test]
 fn too_small_and_unwritable_caches_name_the_fix() {
     let d = tempfile::tempdir().unwrap();
-    let e = CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1000)).unwrap_err();
+    let e = CacheBackend::open(Arc::new(MemoryBackend::new()), d.path(), CacheOptions::new(1000))
+        .unwrap_err();
     assert!(e.to_string().contains("--cache-size"), "{e}");
     let file = d.path().join("file");
     std::fs::write(&file, b"x").unwrap();
-    let e = CacheBackend::open(Arc::new(MemoryBackend::new()), &file.join("sub"), CacheOptions::new(1 << 20)).unwrap_err();
+    let e = CacheBackend::open(
+        Arc::new(MemoryBackend::new()),
+        &file.join("sub"),
+        CacheOptions::new(1 << 20),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("writable"), "{e}");
 }
 
 /// Where `needle` (unique random bytes) sits in the cache's data file.
 fn find_in_cache_file(dir: &std::path::Path, needle: &[u8]) -> u64 {
     let file = std::fs::read(dir.join("cache.data")).unwrap();
-    file.windows(needle.len()).position(|w| w == needle).expect("the bytes are in the cache file") as u64
+    file.windows(needle.len()).position(|w| w == needle).expect("the bytes are in the cache file")
+        as u64
 }
 
 fn flip_byte(dir: &std::path::Path, at: u64) {
     use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join("cache.data")).unwrap();
+    let f =
+        std::fs::OpenOptions::new().read(true).write(true).open(dir.join("cache.data")).unwrap();
     let mut b = [0u8];
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[b[0] ^ 0x5A], at).unwrap();
@@ -409,11 +464,18 @@ fn a_piece_gone_bad_in_a_verified_entry_is_caught_by_the_store_and_refetched() {
     let opts = CacheOptions { splitter: Some(pack_frames()), ..CacheOptions::new(64 << 20) };
     let cdir = d.path().join("cache");
     let cache: Arc<CacheBackend> = Arc::new(CacheBackend::open(be.clone(), &cdir, opts).unwrap());
-    let store = Store::init(cache.clone() as DynBackend, &d.path().join("meta.redb"), InitOptions { pack_size: 1 << 20, ..Default::default() }).unwrap();
+    let store = Store::init(
+        cache.clone() as DynBackend,
+        &d.path().join("meta.redb"),
+        InitOptions { pack_size: 1 << 20, ..Default::default() },
+    )
+    .unwrap();
     let ses = store.session();
     let block = pattern(77, 65536); // incompressible: stored raw, read piece by piece
     let id = ses.put(&block, ChunkKind::Data).unwrap();
-    let root = ses.put_tree(&strata::store::objects::Tree { children: vec![id], payload: vec![] }).unwrap();
+    let root = ses
+        .put_tree(&strata::store::objects::Tree { children: vec![id], payload: vec![] })
+        .unwrap();
     ses.commit_ref("disk/d", strata::store::objects::Ref::new(vec![root], vec![])).unwrap();
     drop(ses);
     drop(store);
@@ -426,7 +488,10 @@ fn a_piece_gone_bad_in_a_verified_entry_is_caught_by_the_store_and_refetched() {
     store.read_range(&id, 8192, &mut buf).unwrap();
     assert_eq!(buf, &block[8192..12288]);
     let k = cache.counters();
-    assert!(k.part_hits >= 1 && k.verify_failed == 0, "the piece came from the verified entry: {k:?}");
+    assert!(
+        k.part_hits >= 1 && k.verify_failed == 0,
+        "the piece came from the verified entry: {k:?}"
+    );
     let reads = be.reads();
 
     // The SSD flips a bit inside that piece. The cache serves the part unhashed; the store

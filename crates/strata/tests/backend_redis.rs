@@ -4,6 +4,8 @@
 #[path = "backend_common/mod.rs"]
 mod backend_common;
 use backend_common::CrashRun;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use strata::backend::redis::{Durability, RedisBackend, RedisConfig, RedisError, REDIS_PACK_SIZE};
 use strata::backend::servers::{free_port, raw_command, RedisCluster, RedisServer};
 use strata::backend::{conformance, Backend, DynBackend, ErrorKind};
@@ -12,8 +14,6 @@ use strata::store::check::CheckOptions;
 use strata::store::objects::{Ref, Tree};
 use strata::store::pack::ChunkKind;
 use strata::store::{InitOptions, Store};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 fn open(url: &str) -> RedisBackend {
     RedisBackend::open(RedisConfig::from_url(url).unwrap()).unwrap_or_else(|e| panic!("{e}"))
@@ -61,7 +61,10 @@ fn redis_cluster_conforms_and_spreads_keys_over_masters() {
             r.trim().trim_start_matches(':').parse().unwrap()
         })
         .collect();
-    assert!(per_node.iter().filter(|&&n| n > 0).count() == 3, "keys live on all masters: {per_node:?}");
+    assert!(
+        per_node.iter().filter(|&&n| n > 0).count() == 3,
+        "keys live on all masters: {per_node:?}"
+    );
     // Any node's address works as the URL.
     let via_other = open(&c.nodes[2].url());
     assert_eq!(via_other.get("packs/07/obj").unwrap(), [7u8; 100]);
@@ -75,7 +78,12 @@ fn a_store_round_trips_on_redis() {
     let chunks: Vec<Vec<u8>> = (0..300).map(|i| chunk(i, 4096)).collect();
     let ids = {
         let be: DynBackend = Arc::new(open(&url));
-        let store = Store::init(be, &d.path().join("a.redb"), InitOptions { pack_size: 256 << 10, ..Default::default() }).unwrap();
+        let store = Store::init(
+            be,
+            &d.path().join("a.redb"),
+            InitOptions { pack_size: 256 << 10, ..Default::default() },
+        )
+        .unwrap();
         let ses = store.session();
         let ids: Vec<_> = chunks.iter().map(|c| ses.put(c, ChunkKind::Data).unwrap()).collect();
         let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
@@ -97,20 +105,29 @@ fn durability_is_checked_and_errors_name_the_fix() {
     let e = RedisBackend::open(RedisConfig::from_url(&r.url()).unwrap()).unwrap_err();
     assert!(matches!(e, RedisError::NotDurable { .. }), "{e}");
     let msg = e.to_string();
-    assert!(msg.contains("CONFIG SET appendfsync always") && msg.contains("durability=volatile"), "{msg}");
+    assert!(
+        msg.contains("CONFIG SET appendfsync always") && msg.contains("durability=volatile"),
+        "{msg}"
+    );
     let be = open(&format!("{}?durability=volatile", r.url()));
     assert_eq!(be.config().durability, Durability::Volatile);
     assert!(!be.capabilities().persistent);
 
     let t = Instant::now();
-    let e = RedisBackend::open(RedisConfig::from_url(&format!("redis://127.0.0.1:{}", free_port(false))).unwrap()).unwrap_err();
+    let e = RedisBackend::open(
+        RedisConfig::from_url(&format!("redis://127.0.0.1:{}", free_port(false))).unwrap(),
+    )
+    .unwrap_err();
     assert!(matches!(e, RedisError::Unreachable { .. }), "{e}");
     assert!(e.to_string().contains("redis-server is running"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(10));
 
     let r2 = RedisServer::start(&d.path().join("auth"), true).unwrap();
     raw_command(&r2.addr(), &["CONFIG", "SET", "requirepass", "s3cret"]).unwrap();
-    let e = RedisBackend::open(RedisConfig::from_url(&format!("redis://:wrong@{}", r2.addr())).unwrap()).unwrap_err();
+    let e = RedisBackend::open(
+        RedisConfig::from_url(&format!("redis://:wrong@{}", r2.addr())).unwrap(),
+    )
+    .unwrap_err();
     assert!(matches!(e, RedisError::Auth { .. }), "{e}");
     assert!(e.to_string().contains("USER:PASSWORD"), "{e}");
     let e = RedisBackend::open(RedisConfig::from_url(&r2.url()).unwrap()).unwrap_err();
@@ -120,7 +137,17 @@ fn durability_is_checked_and_errors_name_the_fix() {
 
     // A full server (maxmemory) is NoSpace.
     let mut cmd = std::process::Command::new("redis-cli");
-    cmd.args(["-p", &r2.port.to_string(), "-a", "s3cret", "--no-auth-warning", "CONFIG", "SET", "maxmemory", "1"]);
+    cmd.args([
+        "-p",
+        &r2.port.to_string(),
+        "-a",
+        "s3cret",
+        "--no-auth-warning",
+        "CONFIG",
+        "SET",
+        "maxmemory",
+        "1",
+    ]);
     assert!(cmd.output().unwrap().status.success());
     let e = ok.put("big", &[7u8; 4096]).unwrap_err();
     assert_eq!(e.kind, ErrorKind::NoSpace, "{e}");
@@ -131,13 +158,24 @@ fn durability_is_checked_and_errors_name_the_fix() {
 #[test]
 fn killing_redis_mid_write_loses_nothing_acknowledged() {
     let d = tempfile::tempdir().unwrap();
-    let s = Arc::new(std::sync::Mutex::new(RedisServer::start(&d.path().join("redis"), true).unwrap()));
+    let s =
+        Arc::new(std::sync::Mutex::new(RedisServer::start(&d.path().join("redis"), true).unwrap()));
     let url = s.lock().unwrap().url();
-    let store = Store::init(Arc::new(open(&url)), &d.path().join("a.redb"), InitOptions { pack_size: 128 << 10, ..Default::default() }).unwrap();
+    let store = Store::init(
+        Arc::new(open(&url)),
+        &d.path().join("a.redb"),
+        InitOptions { pack_size: 128 << 10, ..Default::default() },
+    )
+    .unwrap();
     let run = CrashRun { chunks: 32, chunk_len: 8192, alphabet: 5, jitter_ms: 20 };
     let killer = s.clone();
-    backend_common::kill_mid_write(store, &run, move || killer.lock().unwrap().kill(), || {
-        s.lock().unwrap().restart().unwrap();
-        Store::open(Arc::new(open(&url)), &d.path().join("b.redb")).unwrap()
-    });
+    backend_common::kill_mid_write(
+        store,
+        &run,
+        move || killer.lock().unwrap().kill(),
+        || {
+            s.lock().unwrap().restart().unwrap();
+            Store::open(Arc::new(open(&url)), &d.path().join("b.redb")).unwrap()
+        },
+    );
 }

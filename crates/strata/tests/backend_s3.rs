@@ -4,6 +4,8 @@
 #[path = "backend_common/mod.rs"]
 mod backend_common;
 use backend_common::CrashRun;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use strata::backend::cache::{CacheBackend, CacheOptions};
 use strata::backend::retry::{RetryBackend, RetryPolicy};
 use strata::backend::s3::{S3Backend, S3Error, S3_PACK_SIZE};
@@ -14,8 +16,6 @@ use strata::store::check::CheckOptions;
 use strata::store::objects::{Ref, Tree};
 use strata::store::pack::ChunkKind;
 use strata::store::{InitOptions, Store, StoreError};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 fn server(dir: &std::path::Path) -> S3Server {
     let s = S3Server::start(&dir.join("s3root")).unwrap_or_else(|e| panic!("{e}"));
@@ -41,7 +41,9 @@ fn s3_backend_conforms_on_versitygw() {
     // Under a prefix, and concurrently (conditional puts race on the server).
     let be = S3Backend::open(s.config("s3://strata-test/hosts/a").unwrap()).unwrap();
     conformance::run_all(&be);
-    conformance::run_concurrent(Arc::new(S3Backend::open(s.config("s3://strata-test/race").unwrap()).unwrap()));
+    conformance::run_concurrent(Arc::new(
+        S3Backend::open(s.config("s3://strata-test/race").unwrap()).unwrap(),
+    ));
     // The prefix really is a prefix in the bucket.
     assert!(s.root.join("strata-test/hosts/a/conf/a").is_file());
 }
@@ -50,13 +52,21 @@ fn s3_backend_conforms_on_versitygw() {
 fn a_store_round_trips_on_s3_and_a_second_host_sees_it() {
     let d = tempfile::tempdir().unwrap();
     let s = server(d.path());
-    let open = || -> DynBackend { Arc::new(S3Backend::open(s.config("s3://strata-test/store").unwrap()).unwrap()) };
+    let open = || -> DynBackend {
+        Arc::new(S3Backend::open(s.config("s3://strata-test/store").unwrap()).unwrap())
+    };
     let chunks: Vec<Vec<u8>> = (0..200).map(|i| chunk(i, 32768)).collect();
     let ids = {
-        let store = Store::init(open(), &d.path().join("a/meta.redb"), InitOptions { pack_size: 1 << 20, ..Default::default() }).unwrap();
+        let store = Store::init(
+            open(),
+            &d.path().join("a/meta.redb"),
+            InitOptions { pack_size: 1 << 20, ..Default::default() },
+        )
+        .unwrap();
         let ses = store.session();
         let ids: Vec<_> = chunks.iter().map(|c| ses.put(c, ChunkKind::Data).unwrap()).collect();
-        let root = ses.put_tree(&Tree { children: ids.clone(), payload: b"golden".to_vec() }).unwrap();
+        let root =
+            ses.put_tree(&Tree { children: ids.clone(), payload: b"golden".to_vec() }).unwrap();
         ses.commit_ref("disk/golden", Ref::new(vec![root], b"{}".to_vec())).unwrap();
         ids
     };
@@ -70,7 +80,9 @@ fn a_store_round_trips_on_s3_and_a_second_host_sees_it() {
     assert_eq!(rep.errors(), 0, "{:?}", rep.problems);
     assert!(rep.packs >= 3, "several packs were written: {}", rep.packs);
     // A second init on the same prefix is refused.
-    let e = Store::init(open(), &d.path().join("c/meta.redb"), InitOptions::default()).err().expect("second init refused");
+    let e = Store::init(open(), &d.path().join("c/meta.redb"), InitOptions::default())
+        .err()
+        .expect("second init refused");
     assert!(matches!(e, StoreError::AlreadyExists { .. }), "{e}");
 }
 
@@ -99,7 +111,11 @@ fn wrong_credentials_missing_bucket_and_dead_server_name_the_fix() {
     let e = S3Backend::open(cfg).unwrap_err();
     assert!(matches!(e, S3Error::Unreachable { .. }), "{e}");
     assert!(e.to_string().contains("AWS_ENDPOINT_URL"), "{e}");
-    assert!(t.elapsed() < Duration::from_secs(10), "a dead endpoint must fail fast: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a dead endpoint must fail fast: {:?}",
+        t.elapsed()
+    );
 
     let be = S3Backend::open(s.config("s3://strata-test").unwrap()).unwrap();
     be.put("k", b"v").unwrap();
@@ -109,7 +125,10 @@ fn wrong_credentials_missing_bucket_and_dead_server_name_the_fix() {
     std::fs::remove_dir_all(s.root.join("strata-test")).unwrap();
     let e = be.get("k").unwrap_err();
     assert_ne!(e.kind, ErrorKind::NotFound, "{e}");
-    let msg = format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default());
+    let msg = format!(
+        "{e}: {}",
+        std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()
+    );
     assert!(msg.contains("Bucket 'strata-test' does not exist"), "{msg}");
 }
 
@@ -118,7 +137,8 @@ fn callable_from_inside_an_async_runtime() {
     let d = tempfile::tempdir().unwrap();
     let s = server(d.path());
     let cfg = s.config("s3://strata-test").unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     rt.block_on(async move {
         // A blocking backend call from an async task must not panic ("runtime within runtime").
         let be = S3Backend::open(cfg).unwrap();
@@ -137,15 +157,25 @@ fn killing_the_server_mid_write_loses_nothing_acknowledged() {
     let s = Arc::new(std::sync::Mutex::new(server(d.path())));
     let url = "s3://strata-test/crash";
     let be: DynBackend = Arc::new(S3Backend::open(s.lock().unwrap().config(url).unwrap()).unwrap());
-    let store = Store::init(be, &d.path().join("a.redb"), InitOptions { pack_size: 256 << 10, ..Default::default() }).unwrap();
+    let store = Store::init(
+        be,
+        &d.path().join("a.redb"),
+        InitOptions { pack_size: 256 << 10, ..Default::default() },
+    )
+    .unwrap();
     let run = CrashRun { chunks: 40, chunk_len: 16384, alphabet: 7, jitter_ms: 40 };
     let killer = s.clone();
-    backend_common::kill_mid_write(store, &run, move || killer.lock().unwrap().kill(), || {
-        let mut s = s.lock().unwrap();
-        s.restart().unwrap();
-        let be: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
-        Store::open(be, &d.path().join("b.redb")).unwrap()
-    });
+    backend_common::kill_mid_write(
+        store,
+        &run,
+        move || killer.lock().unwrap().kill(),
+        || {
+            let mut s = s.lock().unwrap();
+            s.restart().unwrap();
+            let be: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
+            Store::open(be, &d.path().join("b.redb")).unwrap()
+        },
+    );
 }
 
 /// With the retry decorator, a server that dies and comes back within the retry budget is
@@ -157,9 +187,19 @@ fn retry_rides_out_a_server_restart() {
     let url = "s3://strata-test/retry";
     let retry = Arc::new(RetryBackend::new(
         Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap()),
-        RetryPolicy { max_attempts: 40, base_delay: Duration::from_millis(50), max_delay: Duration::from_millis(500), max_elapsed: Duration::from_secs(30) },
+        RetryPolicy {
+            max_attempts: 40,
+            base_delay: Duration::from_millis(50),
+            max_delay: Duration::from_millis(500),
+            max_elapsed: Duration::from_secs(30),
+        },
     ));
-    let store = Store::init(retry.clone(), &d.path().join("m.redb"), InitOptions { pack_size: 256 << 10, ..Default::default() }).unwrap();
+    let store = Store::init(
+        retry.clone(),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 256 << 10, ..Default::default() },
+    )
+    .unwrap();
     s.kill();
     let restarter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(1500));
@@ -167,7 +207,8 @@ fn retry_rides_out_a_server_restart() {
         s
     });
     let ses = store.session();
-    let ids: Vec<_> = (0..64).map(|i| ses.put(&chunk(i, 16384), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<_> =
+        (0..64).map(|i| ses.put(&chunk(i, 16384), ChunkKind::Data).unwrap()).collect();
     let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
     ses.commit_ref("survivor", Ref::new(vec![root], vec![])).unwrap();
     let _s = restarter.join().unwrap();
@@ -188,7 +229,12 @@ fn cache_in_front_of_s3_serves_rereads_locally() {
     let chunks: Vec<Vec<u8>> = (0..150).map(|i| chunk(1000 + i, 65536)).collect();
     let ids = {
         let be: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
-        let store = Store::init(be, &d.path().join("a.redb"), InitOptions { pack_size: 2 << 20, ..Default::default() }).unwrap();
+        let store = Store::init(
+            be,
+            &d.path().join("a.redb"),
+            InitOptions { pack_size: 2 << 20, ..Default::default() },
+        )
+        .unwrap();
         let ses = store.session();
         let ids: Vec<_> = chunks.iter().map(|c| ses.put(c, ChunkKind::Data).unwrap()).collect();
         let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
@@ -197,7 +243,9 @@ fn cache_in_front_of_s3_serves_rereads_locally() {
     };
     let s3: DynBackend = Arc::new(S3Backend::open(s.config(url).unwrap()).unwrap());
     let retry: DynBackend = Arc::new(RetryBackend::new(s3, RetryPolicy::default()));
-    let cache = Arc::new(CacheBackend::open(retry, &d.path().join("cache-b"), CacheOptions::new(64 << 20)).unwrap());
+    let cache = Arc::new(
+        CacheBackend::open(retry, &d.path().join("cache-b"), CacheOptions::new(64 << 20)).unwrap(),
+    );
     let store = Store::open(cache.clone(), &d.path().join("b.redb")).unwrap();
     for (id, c) in ids.iter().zip(&chunks) {
         assert_eq!(&store.get(id).unwrap(), c);
@@ -227,13 +275,22 @@ fn the_storage_host_link_is_one_gigabit() {
     let net = format!("10.{}.{}", 200 + std::process::id() % 50, std::process::id() % 250);
     let run = |arg: &str, extra: Option<&str>| {
         let mut c = std::process::Command::new("bash");
-        c.arg(&script).arg(arg).env("STRATA_NS", &ns).env("STRATA_NET", &net).env("STRATA_DIR", d.path());
+        c.arg(&script)
+            .arg(arg)
+            .env("STRATA_NS", &ns)
+            .env("STRATA_NET", &net)
+            .env("STRATA_DIR", d.path());
         if let Some(x) = extra {
             c.arg(x);
         }
         let out = c.output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(out.status.success(), "storage-host.sh {arg} failed: {}{}", text, String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "storage-host.sh {arg} failed: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        );
         text
     };
     struct Down<'a>(&'a dyn Fn());
@@ -252,7 +309,10 @@ fn the_storage_host_link_is_one_gigabit() {
             .env("STRATA_DIR", d.path())
             .output();
     });
-    let rates: Vec<f64> = run("measure", Some("256")).lines().filter_map(|l| l.split_whitespace().nth(1)?.parse().ok()).collect();
+    let rates: Vec<f64> = run("measure", Some("256"))
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .collect();
     eprintln!("raw TCP through the link (host->storage, storage->host): {rates:?} MB/s");
     assert_eq!(rates.len(), 2);
     for r in &rates {
@@ -261,10 +321,13 @@ fn the_storage_host_link_is_one_gigabit() {
     }
     let env: Vec<(String, String)> = env_text
         .lines()
-        .filter_map(|l| l.strip_prefix("export ")?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .filter_map(|l| {
+            l.strip_prefix("export ")?.split_once('=').map(|(k, v)| (k.to_string(), v.to_string()))
+        })
         .collect();
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-    let cfg = strata::backend::s3::S3Config::from_url_with(&get("STRATA_S3_URL").unwrap(), get).unwrap();
+    let cfg =
+        strata::backend::s3::S3Config::from_url_with(&get("STRATA_S3_URL").unwrap(), get).unwrap();
     let be = S3Backend::open(cfg).unwrap();
     let pack = chunk(7, 64 << 20);
     let t = Instant::now();

@@ -45,7 +45,8 @@ fn image(path: &Path) -> Vec<u8> {
 
 /// A boot-like read pattern: scattered, some reads crossing 64 KiB block boundaries.
 fn boot_reads() -> Vec<(u64, u32)> {
-    let mut v = vec![(0u64, 4096u32), (1024, 65536), (3 * MIB, 128 << 10), (5 * MIB + 60_000, 20_000)];
+    let mut v =
+        vec![(0u64, 4096u32), (1024, 65536), (3 * MIB, 128 << 10), (5 * MIB + 60_000, 20_000)];
     for i in 0..40u64 {
         v.push(((i * 7919 * 4096) % (22 * MIB), 32 << 10));
     }
@@ -60,21 +61,31 @@ struct Host {
 
 fn host(s: &S3Server, dir: &Path, cached: bool, init: bool) -> Host {
     let s3: DynBackend = Arc::new(S3Backend::open(s.config("s3://boot/store").unwrap()).unwrap());
-    let cache = cached.then(|| Arc::new(CacheBackend::open(s3.clone(), &dir.join("cache"), CacheOptions::new(64 * MIB)).unwrap()));
+    let cache = cached.then(|| {
+        Arc::new(
+            CacheBackend::open(s3.clone(), &dir.join("cache"), CacheOptions::new(64 * MIB))
+                .unwrap(),
+        )
+    });
     let backend: DynBackend = match &cache {
         Some(c) => c.clone(),
         None => s3,
     };
     let meta = strata::store::local_meta_path(dir);
     let store = if init {
-        Store::init(backend, &meta, InitOptions { pack_size: 4 * MIB, default_codec: Codec::Lz4 }).unwrap()
+        Store::init(backend, &meta, InitOptions { pack_size: 4 * MIB, default_codec: Codec::Lz4 })
+            .unwrap()
     } else {
         Store::open(backend, &meta).unwrap()
     };
     Host { store, cache }
 }
 
-fn serve(store: &Store, sock: &Path, rec: Option<Arc<Recorder>>) -> (strata::nbd::ServerHandle, Arc<DiskExports>) {
+fn serve(
+    store: &Store,
+    sock: &Path,
+    rec: Option<Arc<Recorder>>,
+) -> (strata::nbd::ServerHandle, Arc<DiskExports>) {
     let exports = DiskExports::new(store.clone());
     let set: Arc<dyn strata::nbd::ExportSet> = match rec {
         Some(r) => TracingExports::new(exports.clone(), r),
@@ -147,7 +158,10 @@ fn a_recorded_boot_warms_another_hosts_cache_so_the_boot_costs_no_backend_bytes(
         disk::remove(&b.store, "rec").unwrap();
         t
     };
-    assert!(s.root.join("boot/store/bootsets/golden@base").is_file(), "working set is in the bucket");
+    assert!(
+        s.root.join("boot/store/bootsets/golden@base").is_file(),
+        "working set is in the bucket"
+    );
 
     // Host C: own metadata, cold cache. Without warming, the boot reads hit S3.
     let c = host(&s, &d.path().join("c"), true, false);
@@ -183,19 +197,28 @@ fn a_recorded_boot_warms_another_hosts_cache_so_the_boot_costs_no_backend_bytes(
     }
     cl.disconnect().unwrap();
     let after = cache.counters();
-    assert_eq!(after.bytes_from_backend(), opened.bytes_from_backend(), "after warm, the boot fetched from S3");
+    assert_eq!(
+        after.bytes_from_backend(),
+        opened.bytes_from_backend(),
+        "after warm, the boot fetched from S3"
+    );
     assert!(after.hits > opened.hits);
     // A second warm finds everything cached.
     assert_eq!(workset::warm(&c.store, "golden@base", Some(&cache), 4).unwrap().backend_bytes, 0);
 
     // Replay the recorded trace with three clients: same bytes for all, all from the cache.
     let before = cache.counters();
-    let clients: Vec<(Target, String)> = ["d1", "d2", "d3"].iter().map(|n| (Target::Unix(sock.clone()), n.to_string())).collect();
+    let clients: Vec<(Target, String)> =
+        ["d1", "d2", "d3"].iter().map(|n| (Target::Unix(sock.clone()), n.to_string())).collect();
     let runs = replay::replay(&clients, &trace.reads(), 4).unwrap();
     let want_bytes: u64 = reads.iter().map(|r| r.1 as u64).sum();
     assert_eq!(runs.len(), 3);
     for r in &runs {
-        assert_eq!((r.bytes, r.requests, r.digest), (want_bytes, reads.len() as u64, runs[0].digest), "{r:?}");
+        assert_eq!(
+            (r.bytes, r.requests, r.digest),
+            (want_bytes, reads.len() as u64, runs[0].digest),
+            "{r:?}"
+        );
     }
     let after = cache.counters();
     assert_eq!(after.miss_bytes, before.miss_bytes, "replay fetched pack data from S3");
@@ -237,7 +260,14 @@ fn trace_of(reads: &[(u64, u32)]) -> strata::boot::Trace {
     let records = reads
         .iter()
         .enumerate()
-        .map(|(i, &(offset, len))| strata::boot::trace::Record { t_us: i as u64 * 100, dur_us: 50, op: Op::Read, offset, len: len as u64, inflight: 1 })
+        .map(|(i, &(offset, len))| strata::boot::trace::Record {
+            t_us: i as u64 * 100,
+            dur_us: 50,
+            op: Op::Read,
+            offset,
+            len: len as u64,
+            inflight: 1,
+        })
         .collect();
     strata::boot::Trace { records }
 }
@@ -300,8 +330,15 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     let p = ex.prefetch_of("golden@base").unwrap();
     p.wait();
     let st = p.status();
-    assert_eq!((st.state, st.ranges_done, st.ranges_failed, st.missing), ("done", st.ranges, 0, 0), "{st:?}");
-    assert!(st.ranges as usize >= cold_misses as usize && st.bytes_done == st.bytes && st.bytes > 0, "{st:?}");
+    assert_eq!(
+        (st.state, st.ranges_done, st.ranges_failed, st.missing),
+        ("done", st.ranges, 0, 0),
+        "{st:?}"
+    );
+    assert!(
+        st.ranges as usize >= cold_misses as usize && st.bytes_done == st.bytes && st.bytes > 0,
+        "{st:?}"
+    );
     cache.wait_idle();
     cl.disconnect().unwrap();
     cl2.disconnect().unwrap();
@@ -324,7 +361,8 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     let (h, ex) = serve(&c.store, &sock2, None);
     ex.enable_prefetch(cache.clone(), 8);
     let before = cache.counters();
-    let clients: Vec<(Target, String)> = ["c1", "c2"].iter().map(|n| (Target::Unix(sock2.clone()), n.to_string())).collect();
+    let clients: Vec<(Target, String)> =
+        ["c1", "c2"].iter().map(|n| (Target::Unix(sock2.clone()), n.to_string())).collect();
     let runs = replay::replay(&clients, &trace_of(&reads).reads(), 4).unwrap();
     let want_bytes: u64 = reads.iter().map(|r| r.1 as u64).sum();
     assert!(runs.iter().all(|r| r.bytes == want_bytes && r.digest == runs[0].digest), "{runs:?}");
@@ -337,7 +375,11 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     // that starts before the prefetch reaches its frame, for a range of a different shape
     // than the whole frame, is its own miss.)
     let fetched = after.miss_bytes - before.miss_bytes;
-    assert!(fetched >= st.bytes && fetched <= st.bytes * 5 / 4, "{fetched} bytes fetched for a working set of {}: {before:?} {after:?}", st.bytes);
+    assert!(
+        fetched >= st.bytes && fetched <= st.bytes * 5 / 4,
+        "{fetched} bytes fetched for a working set of {}: {before:?} {after:?}",
+        st.bytes
+    );
     h.shutdown();
     ex.close_all().unwrap();
 }

@@ -39,7 +39,11 @@ fn chunk(seed: u64) -> Vec<u8> {
 type Model = BTreeMap<String, Option<Vec<ChunkId>>>;
 
 /// Runs until done or the backend dies. Returns the acknowledged state and the op in flight.
-fn workload(store: &Store, acked: &mut Model, inflight: &mut Option<(String, Option<Vec<ChunkId>>)>) -> Result<(), String> {
+fn workload(
+    store: &Store,
+    acked: &mut Model,
+    inflight: &mut Option<(String, Option<Vec<ChunkId>>)>,
+) -> Result<(), String> {
     for round in 0..ROUNDS {
         let ses = store.session();
         let name = format!("vm/{}", round % 7);
@@ -50,9 +54,12 @@ fn workload(store: &Store, acked: &mut Model, inflight: &mut Option<(String, Opt
                 ses.put(&chunk(seed), ChunkKind::Data).map_err(|e| e.to_string())
             })
             .collect::<Result<_, _>>()?;
-        let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).map_err(|e| e.to_string())?;
+        let root = ses
+            .put_tree(&Tree { children: ids.clone(), payload: vec![] })
+            .map_err(|e| e.to_string())?;
         *inflight = Some((name.clone(), Some(ids.clone())));
-        ses.commit_ref(&name, Ref::new(vec![root], round.to_le_bytes().to_vec())).map_err(|e| e.to_string())?;
+        ses.commit_ref(&name, Ref::new(vec![root], round.to_le_bytes().to_vec()))
+            .map_err(|e| e.to_string())?;
         acked.insert(name, Some(ids));
         *inflight = None;
         drop(ses);
@@ -73,8 +80,11 @@ fn workload(store: &Store, acked: &mut Model, inflight: &mut Option<(String, Opt
 }
 
 fn ref_content(store: &Store, name: &str) -> Option<Vec<ChunkId>> {
-    let r = store.get_ref(name).unwrap_or_else(|e| panic!("ref {name} unreadable after crash: {e}"))?;
-    let tree = Tree::decode(&store.get(&r.roots[0]).unwrap_or_else(|e| panic!("root of {name}: {e}"))).unwrap();
+    let r =
+        store.get_ref(name).unwrap_or_else(|e| panic!("ref {name} unreadable after crash: {e}"))?;
+    let tree =
+        Tree::decode(&store.get(&r.roots[0]).unwrap_or_else(|e| panic!("root of {name}: {e}")))
+            .unwrap();
     for id in &tree.children {
         store.get(id).unwrap_or_else(|e| panic!("chunk {id} of {name} lost after crash: {e}"));
     }
@@ -84,7 +94,12 @@ fn ref_content(store: &Store, name: &str) -> Option<Vec<ChunkId>> {
 fn fresh_base() -> (tempfile::TempDir, MemoryBackend) {
     let d = tempfile::tempdir().unwrap();
     let base = MemoryBackend::new();
-    let s = Store::init(Arc::new(base.clone()), &d.path().join("init.redb"), InitOptions { pack_size: 64 << 10, default_codec: Codec::Lz4 }).unwrap();
+    let s = Store::init(
+        Arc::new(base.clone()),
+        &d.path().join("init.redb"),
+        InitOptions { pack_size: 64 << 10, default_codec: Codec::Lz4 },
+    )
+    .unwrap();
     s.close().unwrap();
     (d, base)
 }
@@ -124,18 +139,28 @@ fn power_cut_at_every_sync_point_loses_nothing_acknowledged() {
         // Reopen what survived: alternately with the stale local cache and a fresh one.
         let survivor = Arc::new(fb.durable());
         let meta2 = if n % 2 == 0 { meta.clone() } else { d.path().join("fresh.redb") };
-        let s = Store::open(survivor.clone(), &meta2).unwrap_or_else(|e| panic!("reopen after cut {n}: {e}"));
+        let s = Store::open(survivor.clone(), &meta2)
+            .unwrap_or_else(|e| panic!("reopen after cut {n}: {e}"));
         let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
         assert!(!rep.is_damaged(), "cut at sync {n}: check found damage: {:#?}", rep.problems);
         for (name, want) in &acked {
             let got = ref_content(&s, name);
-            let ok = got == *want || inflight.as_ref().is_some_and(|(iname, iv)| iname == name && got == *iv);
-            assert!(ok, "cut at sync {n}: ref {name} is {:?}, acknowledged {:?}", got.map(|v| v.len()), want.as_ref().map(|v| v.len()));
+            let ok = got == *want
+                || inflight.as_ref().is_some_and(|(iname, iv)| iname == name && got == *iv);
+            assert!(
+                ok,
+                "cut at sync {n}: ref {name} is {:?}, acknowledged {:?}",
+                got.map(|v| v.len()),
+                want.as_ref().map(|v| v.len())
+            );
         }
         if let Some((iname, iv)) = &inflight {
             if !acked.contains_key(iname) {
                 let got = ref_content(&s, iname);
-                assert!(got.is_none() || got == *iv, "cut at sync {n}: in-flight ref {iname} is half-written");
+                assert!(
+                    got.is_none() || got == *iv,
+                    "cut at sync {n}: in-flight ref {iname} is half-written"
+                );
             }
         }
         // The reopened store keeps working.
@@ -145,6 +170,10 @@ fn power_cut_at_every_sync_point_loses_nothing_acknowledged() {
         drop(ses);
         s.gc(&NoProgress).unwrap();
         let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
-        assert!(!rep.is_damaged(), "cut at sync {n}: damage after recovery writes: {:#?}", rep.problems);
+        assert!(
+            !rep.is_damaged(),
+            "cut at sync {n}: damage after recovery writes: {:#?}",
+            rep.problems
+        );
     }
 }

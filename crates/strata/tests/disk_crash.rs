@@ -96,7 +96,8 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
     for k in 0..100_000u64 {
         // At least 2.5 s of load and 20 acknowledged markers (a loaded host acknowledges
         // fewer per second), or 30 s whatever was acknowledged.
-        let due = (t0.elapsed() > Duration::from_millis(2500) && acked >= 20) || t0.elapsed() > Duration::from_secs(30);
+        let due = (t0.elapsed() > Duration::from_millis(2500) && acked >= 20)
+            || t0.elapsed() > Duration::from_secs(30);
         if !killed && due {
             // SIGKILL mid-load: no chance to flush or compact.
             server.kill().unwrap();
@@ -106,12 +107,17 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
         // The test client panics on a dead socket; that, like an error reply, ends the run.
         let t = Instant::now();
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            c.write(marker_base + k * 4096, &pattern(1000 + k, 4096), 0).is_ok() && c.simple(NbdCmd::Flush, 0, 0, 0).is_ok()
+            c.write(marker_base + k * 4096, &pattern(1000 + k, 4096), 0).is_ok()
+                && c.simple(NbdCmd::Flush, 0, 0, 0).is_ok()
         }))
         .unwrap_or(false);
         // Liveness under load: compaction back-pressure holds a writer for one fold at most
         // (~0.5 s here). Writers used to be released one per fold, and a marker waited 12-21 s.
-        assert!(killed || t.elapsed() < Duration::from_secs(10), "marker {k}: write + flush took {:?} under load", t.elapsed());
+        assert!(
+            killed || t.elapsed() < Duration::from_secs(10),
+            "marker {k}: write + flush took {:?} under load",
+            t.elapsed()
+        );
         if !ok {
             break;
         }
@@ -129,7 +135,9 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
         .unwrap()
         .flatten()
         .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
-        .filter_map(|f| f.file_name().to_str().and_then(|n| n.strip_prefix("log.")).and_then(|n| n.parse().ok()))
+        .filter_map(|f| {
+            f.file_name().to_str().and_then(|n| n.strip_prefix("log.")).and_then(|n| n.parse().ok())
+        })
         .collect();
     logs.sort();
     eprintln!("log files at the kill: {logs:?}");
@@ -139,11 +147,17 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
     let mut server = spawn_server(&store_dir, &sock);
     let mut c = Client::connect(&sock, "d", true, false).unwrap();
     for (i, part) in a.chunks(1 << 20).enumerate() {
-        assert!(c.read(i as u64 * (1 << 20), 1 << 20).unwrap() == part, "flushed region A lost at MiB {i}");
+        assert!(
+            c.read(i as u64 * (1 << 20), 1 << 20).unwrap() == part,
+            "flushed region A lost at MiB {i}"
+        );
     }
     for k in 0..=acked as u64 {
         let got = c.read(marker_base + k * 4096, 4096).unwrap();
-        assert!(got == pattern(1000 + k, 4096), "acknowledged marker {k} of {acked} lost after kill -9");
+        assert!(
+            got == pattern(1000 + k, 4096),
+            "acknowledged marker {k} of {acked} lost after kill -9"
+        );
     }
     eprintln!("kill -9 after {acked} acknowledged marker flushes under fio load: all intact");
     drop(c);

@@ -15,7 +15,8 @@ use differential::{run_sequence, Ours};
 
 fn strata_disk(dir: &Path, image: &Path) -> Ours {
     let store = strata::store::Store::init_local(&dir.join("store"), Default::default()).unwrap();
-    strata::disk::import(&store, "d", image, strata::Codec::Lz4, &strata::progress::NoProgress).unwrap();
+    strata::disk::import(&store, "d", image, strata::Codec::Lz4, &strata::progress::NoProgress)
+        .unwrap();
     let exports = strata::serve::DiskExports::new(store);
     let server = TestServer::start(exports.clone());
     let compact = move || match exports.volume("d") {

@@ -32,7 +32,12 @@ fn guest_boots_from_a_linked_clone_of_the_golden_image_over_nbd() {
     let sock = tmp.path().join("nbd.sock");
     let handle = Server::bind_unix(&sock).unwrap().serve(exports.clone()).unwrap();
 
-    let builder = fx.guest().mode(GuestMode::Root).drive_nbd_unix(&sock, "desk1").no_reboot(false).name("desk1");
+    let builder = fx
+        .guest()
+        .mode(GuestMode::Root)
+        .drive_nbd_unix(&sock, "desk1")
+        .no_reboot(false)
+        .name("desk1");
     let t = Instant::now();
     let mut g = builder.launch().expect("boot from the strata clone");
     let ready = g.ready_line().unwrap().to_string();
@@ -54,10 +59,16 @@ fn guest_boots_from_a_linked_clone_of_the_golden_image_over_nbd() {
     // The golden snapshot still reads as the original image; the clone differs from it.
     let out = tmp.path().join("base.raw");
     disk::export(&store, "golden@base", &out, &NoProgress).unwrap();
-    assert!(std::fs::read(&out).unwrap() == std::fs::read(fx.golden()).unwrap(), "golden snapshot changed");
+    assert!(
+        std::fs::read(&out).unwrap() == std::fs::read(fx.golden()).unwrap(),
+        "golden snapshot changed"
+    );
     let out2 = tmp.path().join("desk1.raw");
     disk::export(&store, "desk1", &out2, &NoProgress).unwrap();
-    assert!(std::fs::read(&out2).unwrap() != std::fs::read(fx.golden()).unwrap(), "clone write not persisted");
+    assert!(
+        std::fs::read(&out2).unwrap() != std::fs::read(fx.golden()).unwrap(),
+        "clone write not persisted"
+    );
     let rep = store.check(Default::default(), &NoProgress).unwrap();
     assert!(!rep.is_damaged(), "{:?}", rep.problems);
     let _ = Arc::strong_count(&exports);

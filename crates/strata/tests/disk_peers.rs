@@ -29,7 +29,8 @@ struct DiskBacking {
 impl peers::Backing for DiskBacking {
     fn contents(&self) -> Vec<u8> {
         self.exports.close_all().unwrap();
-        let store = Store::open_local(&self.store_dir).unwrap_or_else(|_| self.exports.store().clone());
+        let store =
+            Store::open_local(&self.store_dir).unwrap_or_else(|_| self.exports.store().clone());
         let v = strata::disk::volume::Volume::open(&store, "disk").unwrap();
         let mut buf = vec![0u8; v.size() as usize];
         v.read(0, &mut buf).unwrap();
@@ -44,7 +45,14 @@ fn server(size: u64) -> (TestServer, DiskBacking) {
     strata::disk::create(&store, "disk", size).unwrap();
     let ro_src = tmp.path().join("ro.raw");
     std::fs::write(&ro_src, pattern(77, 1 << 20)).unwrap();
-    strata::disk::import(&store, "robase", &ro_src, strata::Codec::Lz4, &strata::progress::NoProgress).unwrap();
+    strata::disk::import(
+        &store,
+        "robase",
+        &ro_src,
+        strata::Codec::Lz4,
+        &strata::progress::NoProgress,
+    )
+    .unwrap();
     strata::disk::snapshot(&store, "robase", "ro").unwrap();
     let exports = strata::serve::DiskExports::new(store);
     // The server owns the store's temporary directory, so it lives exactly as long.

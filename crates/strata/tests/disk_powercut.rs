@@ -101,7 +101,12 @@ impl Backend for CountedBackend {
 
 fn fresh(dir: &Path) -> MemoryBackend {
     let base = MemoryBackend::new();
-    let s = Store::init(Arc::new(base.clone()), &dir.join("meta").join("meta.redb"), InitOptions { pack_size: 64 << 10, ..Default::default() }).unwrap();
+    let s = Store::init(
+        Arc::new(base.clone()),
+        &dir.join("meta").join("meta.redb"),
+        InitOptions { pack_size: 64 << 10, ..Default::default() },
+    )
+    .unwrap();
     strata::disk::create(&s, "d", SIZE).unwrap();
     s.close().unwrap();
     base
@@ -127,7 +132,11 @@ impl Model {
     fn check(&self, got: &[u8], ctx: &str) {
         for (i, b) in got.iter().enumerate() {
             if *b != self.flushed[i] && !self.since.get(&i).is_some_and(|v| v.contains(b)) {
-                panic!("{ctx}: byte {i} is {b:#x}; last flushed value {:#x}, written since: {:?}", self.flushed[i], self.since.get(&i));
+                panic!(
+                    "{ctx}: byte {i} is {b:#x}; last flushed value {:#x}, written since: {:?}",
+                    self.flushed[i],
+                    self.since.get(&i)
+                );
             }
         }
     }
@@ -139,7 +148,13 @@ const STEPS: u64 = 160;
 /// Runs the workload for `steps` steps or until the power goes; returns the model of what may
 /// be on disk. Background compactions make the number of sync points vary a little from run
 /// to run, so a run with a cut goes on past `STEPS` until the cut happens.
-fn workload(sock: &Path, exports: &strata::serve::DiskExports, power: &Power, seed: u64, steps: u64) -> Model {
+fn workload(
+    sock: &Path,
+    exports: &strata::serve::DiskExports,
+    power: &Power,
+    seed: u64,
+    steps: u64,
+) -> Model {
     let mut c = Client::connect(sock, "d", true, false).unwrap();
     let v = exports.volume("d").expect("volume open");
     v.set_compact_at(256 << 10);
@@ -195,7 +210,12 @@ fn power_cut_at_every_sync_point_of_an_nbd_workload() {
         let tmp = tempfile::tempdir().unwrap();
         let base = fresh(tmp.path());
         let fault = Arc::new(FaultBackend::new(&base));
-        let power = Arc::new(Power { n: AtomicU64::new(0), cut_at: u64::MAX, fault: fault.clone(), shadows: Mutex::new(HashMap::new()) });
+        let power = Arc::new(Power {
+            n: AtomicU64::new(0),
+            cut_at: u64::MAX,
+            fault: fault.clone(),
+            shadows: Mutex::new(HashMap::new()),
+        });
         let (sock, exports, _h, _s) = serve(tmp.path(), fault, power.clone());
         let _ = workload(&sock, &exports, &power, 1, STEPS);
         power.n.load(Ordering::SeqCst)
@@ -208,8 +228,16 @@ fn power_cut_at_every_sync_point_of_an_nbd_workload() {
 }
 
 #[allow(clippy::type_complexity)]
-fn serve(dir: &Path, fault: Arc<FaultBackend>, power: Arc<Power>) -> (PathBuf, Arc<strata::serve::DiskExports>, strata::nbd::ServerHandle, Store) {
-    let store = Store::open(Arc::new(CountedBackend { inner: fault, power: power.clone() }), &dir.join("meta").join("meta.redb")).unwrap();
+fn serve(
+    dir: &Path,
+    fault: Arc<FaultBackend>,
+    power: Arc<Power>,
+) -> (PathBuf, Arc<strata::serve::DiskExports>, strata::nbd::ServerHandle, Store) {
+    let store = Store::open(
+        Arc::new(CountedBackend { inner: fault, power: power.clone() }),
+        &dir.join("meta").join("meta.redb"),
+    )
+    .unwrap();
     let exports = strata::serve::DiskExports::new(store.clone());
     let sock = dir.join("nbd.sock");
     let _ = std::fs::remove_file(&sock);
@@ -262,7 +290,12 @@ fn run_cut(n: u64, total: u64) {
         _ => CutMode::Random(n),
     };
     let fault = Arc::new(f);
-    let power = Arc::new(Power { n: AtomicU64::new(0), cut_at: n, fault: fault.clone(), shadows: Mutex::new(HashMap::new()) });
+    let power = Arc::new(Power {
+        n: AtomicU64::new(0),
+        cut_at: n,
+        fault: fault.clone(),
+        shadows: Mutex::new(HashMap::new()),
+    });
     let model = {
         let (sock, exports, h, store) = serve(tmp.path(), fault.clone(), power.clone());
         let m = workload(&sock, &exports, &power, 1, 3 * STEPS);
@@ -296,7 +329,8 @@ fn run_cut(n: u64, total: u64) {
     drop(shadows);
     let store = Store::open(Arc::new(fault.durable()), &tmp.path().join("meta").join("meta.redb"))
         .unwrap_or_else(|e| panic!("cut {n}: store does not reopen: {e}"));
-    let v = strata::disk::volume::Volume::open(&store, "d").unwrap_or_else(|e| panic!("cut {n}: disk does not reopen: {e}"));
+    let v = strata::disk::volume::Volume::open(&store, "d")
+        .unwrap_or_else(|e| panic!("cut {n}: disk does not reopen: {e}"));
     let mut got = vec![0u8; SIZE as usize];
     v.read(0, &mut got).unwrap();
     model.check(&got, &format!("cut at sync point {n} of {total}"));

@@ -64,11 +64,7 @@ fn mem_guest_checks(machine: Machine, bzimage: bool) {
         .name(&format!("mem-{}", machine.as_str()))
         .launch()
         .expect("boot mem guest");
-    eprintln!(
-        "{} (bzimage {bzimage}) booted in {:?}",
-        machine.as_str(),
-        t0.elapsed()
-    );
+    eprintln!("{} (bzimage {bzimage}) booted in {:?}", machine.as_str(), t0.elapsed());
     assert!(g.ready_line().unwrap().contains("agent=memwork"));
     assert_eq!(g.command("ping", CMD).unwrap(), "pong");
 
@@ -78,14 +74,8 @@ fn mem_guest_checks(machine: Machine, bzimage: bool) {
     assert_eq!(field(&fill, "pages"), "16384");
     let zero: f64 = field(&fill, "zero").parse().unwrap();
     let repeat: f64 = field(&fill, "repeat").parse().unwrap();
-    assert!(
-        (zero / 16384.0 - 0.30).abs() < 0.02,
-        "zero share off: {fill}"
-    );
-    assert!(
-        (repeat / 16384.0 - 0.30).abs() < 0.02,
-        "repeat share off: {fill}"
-    );
+    assert!((zero / 16384.0 - 0.30).abs() < 0.02, "zero share off: {fill}");
+    assert!((repeat / 16384.0 - 0.30).abs() < 0.02, "repeat share off: {fill}");
 
     let s1 = g.command("sum", CMD).unwrap();
     let s2 = g.command("sum", CMD).unwrap();
@@ -155,15 +145,9 @@ impl Qmp {
             }
         };
         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let mut q = Qmp {
-            r: BufReader::new(s.try_clone().unwrap()),
-            w: s,
-        };
+        let mut q = Qmp { r: BufReader::new(s.try_clone().unwrap()), w: s };
         let greeting = q.read();
-        assert!(
-            greeting.get("QMP").is_some(),
-            "not a QMP greeting: {greeting}"
-        );
+        assert!(greeting.get("QMP").is_some(), "not a QMP greeting: {greeting}");
         q.exec("qmp_capabilities", serde_json::json!({}));
         q
     }
@@ -193,10 +177,7 @@ impl Qmp {
 fn migrate_to_file(g: &Guest, file: &Path) -> Duration {
     let mut q = Qmp::connect(g.qmp_path().expect("guest started with qmp"));
     let t = Instant::now();
-    q.exec(
-        "migrate",
-        serde_json::json!({"uri": format!("exec:cat > {}", file.display())}),
-    );
+    q.exec("migrate", serde_json::json!({"uri": format!("exec:cat > {}", file.display())}));
     loop {
         let st = q.exec("query-migrate", serde_json::json!({}));
         match st["status"].as_str() {
@@ -204,10 +185,7 @@ fn migrate_to_file(g: &Guest, file: &Path) -> Duration {
             Some("failed") | Some("cancelled") => panic!("migration failed: {st}"),
             _ => {}
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(300),
-            "migration did not finish: {st}"
-        );
+        assert!(t.elapsed() < Duration::from_secs(300), "migration did not finish: {st}");
         thread::sleep(Duration::from_millis(100));
     }
 }
@@ -217,11 +195,7 @@ fn mem_guest_survives_migration_round_trip() {
     let fx = fixtures();
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("vm.state");
-    let builder = fx
-        .guest()
-        .machine(Machine::Pc)
-        .qmp(true)
-        .name("migrate-src");
+    let builder = fx.guest().machine(Machine::Pc).qmp(true).name("migrate-src");
     let mut src = builder.launch().expect("boot source guest");
     src.command("fill 64 30 30 7", CMD).unwrap();
     let before = src.command("sum", CMD).unwrap();
@@ -238,12 +212,8 @@ fn mem_guest_survives_migration_round_trip() {
 
     let uri = format!("exec:cat {}", state.display());
     let t = Instant::now();
-    let mut dst = builder
-        .clone()
-        .name("migrate-dst")
-        .incoming(&uri)
-        .launch()
-        .expect("start destination");
+    let mut dst =
+        builder.clone().name("migrate-dst").incoming(&uri).launch().expect("start destination");
     assert_eq!(dst.command("ping", CMD).unwrap(), "pong");
     eprintln!("restored and answering in {:?}", t.elapsed());
 
@@ -255,22 +225,14 @@ fn mem_guest_survives_migration_round_trip() {
     let written: u64 = field(&stop, "written").parse().unwrap();
     assert!(written > 0, "{stop}");
     let after = dst.command("sum", CMD).unwrap();
-    assert_eq!(
-        after,
-        dst.command("sum", CMD).unwrap(),
-        "sum not stable after restore"
-    );
+    assert_eq!(after, dst.command("sum", CMD).unwrap(), "sum not stable after restore");
     assert_ne!(after, before, "dirty did not change memory");
 
     // replaying exactly those rewrites on the host gives the same bytes: nothing was lost or
     // corrupted by the save/restore, not even pages rewritten while it ran
     let replay = format!("dirty sync {written} 9");
     let host = host_memwork(&fx, &["fill 64 30 30 7", &replay, "sum"]);
-    assert_eq!(
-        host[2],
-        format!("OK {after}"),
-        "memory differs from a replay of {written} writes"
-    );
+    assert_eq!(host[2], format!("OK {after}"), "memory differs from a replay of {written} writes");
 }
 
 /// sha256 of a file inside an ext4 image, read on the host with e2fsprogs' debugfs.
@@ -282,25 +244,16 @@ fn sha256_in_image(image: &Path, path: &str) -> String {
         .stderr(Stdio::null())
         .output()
         .expect("debugfs");
-    assert!(
-        out.status.success() && !out.stdout.is_empty(),
-        "debugfs cat {path}"
-    );
-    let mut sha = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    assert!(out.status.success() && !out.stdout.is_empty(), "debugfs cat {path}");
+    let mut sha =
+        Command::new("sha256sum").stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     sha.stdin.take().unwrap().write_all(&out.stdout).unwrap();
     let o = sha.wait_with_output().unwrap();
     String::from_utf8(o.stdout).unwrap()[..64].to_string()
 }
 
 fn sha256_host(path: &Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .expect("sha256sum");
+    let out = Command::new("sha256sum").arg(path).output().expect("sha256sum");
     String::from_utf8(out.stdout).unwrap()[..64].to_string()
 }
 
@@ -325,11 +278,7 @@ fn golden_disk_boots_from_overlay_and_keeps_writes() {
     assert_eq!(field(&ready, "bootset_files"), bootset.len().to_string());
     let bytes: u64 = bootset.iter().map(|(_, n)| n).sum();
     assert_eq!(field(&ready, "bootset_bytes"), bytes.to_string());
-    assert_eq!(
-        field(&ready, "bootset_rc"),
-        "0",
-        "a boot-set file could not be read"
-    );
+    assert_eq!(field(&ready, "bootset_rc"), "0", "a boot-set file could not be read");
 
     // the guest reads the same bytes the host built
     let (first, _) = &bootset[0];
@@ -357,11 +306,7 @@ fn golden_disk_boots_from_overlay_and_keeps_writes() {
     drop(g);
 
     // a new QEMU on the same overlay sees both writes
-    let mut g2 = builder
-        .clone()
-        .name("golden-2")
-        .launch()
-        .expect("boot again");
+    let mut g2 = builder.clone().name("golden-2").launch().expect("boot again");
     assert_eq!(g2.command("cat /root/x", CMD).unwrap(), "hello\\nagain");
     assert_eq!(
         strata::fixtures::unescape_reply(&g2.command("cat /root/x", CMD).unwrap()),
@@ -372,11 +317,7 @@ fn golden_disk_boots_from_overlay_and_keeps_writes() {
     g2.kill().unwrap();
 
     let after = std::fs::metadata(fx.golden()).unwrap();
-    assert_eq!(
-        after.modified().unwrap(),
-        base_meta.modified().unwrap(),
-        "base image written"
-    );
+    assert_eq!(after.modified().unwrap(), base_meta.modified().unwrap(), "base image written");
 }
 
 #[test]

@@ -19,13 +19,13 @@ use std::path::Path;
 use common::*;
 use strata::memory::catalog;
 use strata::memory::delta::{parse_record, BasePolicy};
-use strata::store::objects::Tree;
-use strata::store::pack::ChunkKind;
 use strata::memory::error::MemError;
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{load_checkpoint, restore, RestoreOptions};
 use strata::memory::save::{save, SaveOptions, SaveReport};
 use strata::progress::NoProgress;
+use strata::store::objects::Tree;
+use strata::store::pack::ChunkKind;
 use strata::store::{InitOptions, Store};
 
 fn store_in(dir: &Path) -> Store {
@@ -69,10 +69,7 @@ fn save_guest(dir: &Path, store: &Store, name: &str, opts: &SaveOptions) -> (Vec
 
 fn restore_compare(store: &Store, dir: &Path, tag: &str, name: &str, want: &[u8]) {
     let mut dst = start_destination(dir, tag, &vm_args("pc", MEM, true));
-    let opts = RestoreOptions {
-        resume: false,
-        ..Default::default()
-    };
+    let opts = RestoreOptions { resume: false, ..Default::default() };
     let r = restore(store, name, &mut dst.qmp, &opts, &NoProgress)
         .unwrap_or_else(|e| panic!("restore {name}: {}\nQEMU stderr: {}", chain(&e), dst.stderr()));
     eprintln!("{tag}: restored {name}: {} delta pages rebuilt", r.delta_pages);
@@ -149,10 +146,18 @@ fn second_checkpoint_of_the_same_vm_stores_deltas() {
     let store = store_in(&dir);
     let mut q = Qemu::start(&dir, "src", &vm_args("pc", MEM, true));
     q.wait_guest_filled();
-    let r1 = save(&store, &mut q.qmp, "desk@1", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress).unwrap();
+    let r1 = save(
+        &store,
+        &mut q.qmp,
+        "desk@1",
+        &SaveOptions::new(Mode::BackgroundSnapshot),
+        &NoProgress,
+    )
+    .unwrap();
     show(&r1);
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let r2 = save(&store, &mut q.qmp, "desk@2", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
+    let r2 =
+        save(&store, &mut q.qmp, "desk@2", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
     show(&r2);
     let mem = pmem(&mut q, (MEM as u64) << 20, &dir.join("src.mem"));
     q.quit();
@@ -183,7 +188,9 @@ fn damaged_base_page_aborts_restore_naming_the_page() {
     // first, wherever it is.
     let direct: std::collections::HashSet<_> = map
         .iter()
-        .filter(|id| !id.is_zero() && store.chunk_info(id).is_some_and(|(_, k)| k != ChunkKind::Tree))
+        .filter(|id| {
+            !id.is_zero() && store.chunk_info(id).is_some_and(|(_, k)| k != ChunkKind::Tree)
+        })
         .filter_map(|id| store.locate(id).map(|(p, e)| (p, e.frame_off)))
         .collect();
     let base = map
@@ -209,12 +216,11 @@ fn damaged_base_page_aborts_restore_naming_the_page() {
     let store = Store::open_local(&dir.join("store")).unwrap();
 
     let mut dst = start_destination(&dir, "dst", &vm_args("pc", MEM, true));
-    let e = restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
+    let e =
+        restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
     let msg = chain(&e);
     eprintln!("damaged base: {msg}");
-    let MemError::PageDamaged { ref name, offset, .. } = e else {
-        panic!("{msg}")
-    };
+    let MemError::PageDamaged { ref name, offset, .. } = e else { panic!("{msg}") };
     assert_eq!(name, "desk");
     assert!(msg.contains("ramblock 'pc.ram'") && msg.contains("before QEMU received it"), "{msg}");
     // The page is one of the delta pages (the region the guest keeps changing).

@@ -33,25 +33,10 @@ fn unsupported_capabilities_are_refused_up_front() {
     let mut q = Qemu::start(&dir, "src", &vm_args("pc", 64, true));
     for cap in ["xbzrle", "compress", "postcopy-ram", "block"] {
         q.qmp.migrate_set_capabilities(&[(cap, true)]).unwrap();
-        let e = save(
-            &store,
-            &mut q.qmp,
-            "refused",
-            &SaveOptions::new(Mode::Save),
-            &NoProgress,
-        )
-        .unwrap_err();
+        let e = save(&store, &mut q.qmp, "refused", &SaveOptions::new(Mode::Save), &NoProgress)
+            .unwrap_err();
         let msg = chain(&e);
-        assert!(
-            matches!(
-                e,
-                MemError::Qmp {
-                    op: "capability check",
-                    ..
-                }
-            ),
-            "{cap}: {msg}"
-        );
+        assert!(matches!(e, MemError::Qmp { op: "capability check", .. }), "{cap}: {msg}");
         assert!(msg.contains(cap) && msg.contains("migrate-set-capabilities"), "{msg}");
         // Refused before anything happened: no migration, the VM still runs, nothing stored.
         assert_eq!(q.qmp.query_migrate().unwrap().status, "none");
@@ -73,7 +58,9 @@ struct KillAt {
 impl Progress for KillAt {
     fn phase(&self, _: &str, _: Option<u64>, _: Unit) {}
     fn advance(&self, n: u64) {
-        if self.seen.fetch_add(n, Ordering::SeqCst) < self.after && self.seen.load(Ordering::SeqCst) >= self.after {
+        if self.seen.fetch_add(n, Ordering::SeqCst) < self.after
+            && self.seen.load(Ordering::SeqCst) >= self.after
+        {
             // SAFETY: plain kill(2) of the QEMU child this test started.
             unsafe { libc_kill(self.pid as i32, 9) };
         }
@@ -92,27 +79,14 @@ fn killed_qemu_leaves_no_checkpoint() {
     for mode in [Mode::Save, Mode::BackgroundSnapshot] {
         let mut q = Qemu::start(&dir, "src", &vm_args("pc", 256, true));
         q.wait_guest_filled();
-        let kill = KillAt {
-            pid: q.child.id(),
-            after: 96 << 20,
-            seen: AtomicU64::new(0),
-        };
+        let kill = KillAt { pid: q.child.id(), after: 96 << 20, seen: AtomicU64::new(0) };
         let e = save(&store, &mut q.qmp, "cut", &SaveOptions::new(mode), &kill).unwrap_err();
         let msg = chain(&e);
         eprintln!("{}: {msg}", mode.as_str());
-        assert!(
-            kill.seen.load(Ordering::SeqCst) >= 96 << 20,
-            "QEMU finished before the kill"
-        );
+        assert!(kill.seen.load(Ordering::SeqCst) >= 96 << 20, "QEMU finished before the kill");
         assert!(msg.contains("nothing was stored"), "{msg}");
-        assert!(
-            matches!(e, MemError::SourceDied { .. } | MemError::Stream { .. }),
-            "{msg}"
-        );
-        assert!(
-            store.get_ref("vm/cut").unwrap().is_none(),
-            "a cut save must not be visible"
-        );
+        assert!(matches!(e, MemError::SourceDied { .. } | MemError::Stream { .. }), "{msg}");
+        assert!(store.get_ref("vm/cut").unwrap().is_none(), "a cut save must not be visible");
         assert!(store.list_refs("").unwrap().is_empty());
     }
     // What was stored before the cut is garbage, reclaimed by GC.
@@ -134,10 +108,14 @@ fn a_name_another_instance_is_writing_is_not_saved() {
     let store = Store::open_local(&dir.join("store")).unwrap();
     let held = other.lease("vm/held").unwrap();
     let mut q = Qemu::start(&dir, "src", &vm_args("pc", 64, true));
-    let e = save(&store, &mut q.qmp, "held", &SaveOptions::new(Mode::Save), &NoProgress).unwrap_err();
+    let e =
+        save(&store, &mut q.qmp, "held", &SaveOptions::new(Mode::Save), &NoProgress).unwrap_err();
     let msg = chain(&e);
     eprintln!("{msg}");
-    assert!(msg.contains("'vm/held' is being written by") && msg.contains("stop that writer or wait"), "{msg}");
+    assert!(
+        msg.contains("'vm/held' is being written by") && msg.contains("stop that writer or wait"),
+        "{msg}"
+    );
     assert!(store.get_ref("vm/held").unwrap().is_none(), "a refused save must not be visible");
     assert!(other.list_refs("").unwrap().is_empty());
     assert!(q.qmp.query_status().unwrap().running, "a failed save resumes the guest");
@@ -174,7 +152,8 @@ fn damaged_checkpoint_aborts_restore_naming_page() {
     let store = Store::open_local(&dir.join("store")).unwrap();
 
     let mut dst = start_destination(&dir, "dst", &args);
-    let e = restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
+    let e =
+        restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
     let msg = chain(&e);
     eprintln!("flipped byte: {msg}");
     assert!(matches!(e, MemError::PageDamaged { .. }), "{msg}");
@@ -195,7 +174,8 @@ fn damaged_checkpoint_aborts_restore_naming_page() {
     std::fs::remove_file(&victim).unwrap();
     let store = Store::open_local(&dir.join("store")).unwrap();
     let mut dst = start_destination(&dir, "dst2", &args);
-    let e = restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
+    let e =
+        restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
     let msg = chain(&e);
     eprintln!("lost pack: {msg}");
     assert!(matches!(e, MemError::PageDamaged { .. }), "{msg}");
@@ -225,7 +205,8 @@ fn mismatched_target_is_refused_and_checkpoint_kept() {
         ("q35", vm_args("q35", 128, false), "machine type"),
     ] {
         let mut dst = start_destination(&dir, tag, &args);
-        let e = restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress).unwrap_err();
+        let e = restore(&store, "desk", &mut dst.qmp, &RestoreOptions::default(), &NoProgress)
+            .unwrap_err();
         let msg = chain(&e);
         eprintln!("{tag}: {msg}");
         assert!(matches!(e, MemError::Mismatch { .. }), "{msg}");
@@ -234,26 +215,14 @@ fn mismatched_target_is_refused_and_checkpoint_kept() {
     }
     // Not waiting for a migration at all.
     let mut running = Qemu::start(&dir, "running", &vm_args("pc", 128, false));
-    let e = restore(
-        &store,
-        "desk",
-        &mut running.qmp,
-        &RestoreOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let e = restore(&store, "desk", &mut running.qmp, &RestoreOptions::default(), &NoProgress)
+        .unwrap_err();
     assert!(matches!(e, MemError::NotIncoming { .. }), "{e}");
     assert!(e.to_string().contains("-incoming defer"), "{e}");
     assert!(store.get_ref("vm/desk").unwrap().is_some());
     assert!(!store.check(Default::default(), &NoProgress).unwrap().is_damaged());
     assert!(matches!(
-        restore(
-            &store,
-            "nope",
-            &mut running.qmp,
-            &RestoreOptions::default(),
-            &NoProgress
-        ),
+        restore(&store, "nope", &mut running.qmp, &RestoreOptions::default(), &NoProgress),
         Err(MemError::NotFound { .. })
     ));
 }
@@ -270,14 +239,13 @@ fn launch_restores_from_the_recorded_command_line() {
     q.quit();
     let opts = LaunchOptions::new(dir.join("run"));
     let mut l = restore_launch(&store, "desk", &opts, &NoProgress).unwrap();
-    assert!(l
-        .args
-        .ends_with(&["-incoming".to_string(), "defer".into(), "-S".into()]));
+    assert!(l.args.ends_with(&["-incoming".to_string(), "defer".into(), "-S".into()]));
     let mut qmp = QmpClient::connect(&l.qmp_path).unwrap();
     assert!(qmp.query_status().unwrap().running, "launched VM must run");
     let read = |qmp: &mut QmpClient, a: u64| {
         let out = qmp.human_monitor_command(&format!("xp /1xw {a:#x}")).unwrap();
-        u32::from_str_radix(out.split(':').nth(1).unwrap().trim().trim_start_matches("0x"), 16).unwrap()
+        u32::from_str_radix(out.split(':').nth(1).unwrap().trim().trim_start_matches("0x"), 16)
+            .unwrap()
     };
     assert_eq!(read(&mut qmp, 0x1008), top, "guest memory not restored");
     let c0 = read(&mut qmp, 0x1004);

@@ -11,11 +11,11 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use strata::disk::map::read_map;
 use strata::fixtures::{reply_field, Fixtures, Guest, Machine};
 use strata::memory::codec_choice::CodecPolicy;
-use strata::memory::launch::{restore_launch, LaunchOptions};
-use strata::disk::map::read_map;
 use strata::memory::delta::BasePolicy;
+use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::memory::manifest::{is_run_chunk, Mode};
 use strata::memory::restore::load_checkpoint;
 use strata::memory::save::{save, SaveOptions};
@@ -73,27 +73,16 @@ fn live_checkpoint_of_linux_guest_restores_with_launch() {
     g.command("dirty 16 0 8", T).unwrap();
     let mut q = qmp(&g);
     // Checkpoint while dirtying runs, then once more with the guest quiet (the state to check).
-    let busy = save(
-        &store,
-        &mut q,
-        "busy",
-        &SaveOptions::new(Mode::BackgroundSnapshot),
-        &NoProgress,
-    )
-    .unwrap();
+    let busy =
+        save(&store, &mut q, "busy", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress)
+            .unwrap();
     let stop = g.command("dirty stop", T).unwrap();
     let written: u64 = reply_field(&stop, "written").unwrap().parse().unwrap();
     assert!(written > 0, "guest did no work during the checkpoint: {stop}");
     assert!(busy.pause_ms.unwrap() < 100.0, "pause {:?} ms", busy.pause_ms);
     let sum2 = reply_field(&g.command("sum", T).unwrap(), "sum").unwrap().to_string();
-    let r = save(
-        &store,
-        &mut q,
-        "quiet",
-        &SaveOptions::new(Mode::BackgroundSnapshot),
-        &NoProgress,
-    )
-    .unwrap();
+    let r = save(&store, &mut q, "quiet", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress)
+        .unwrap();
     eprintln!(
         "quiet checkpoint: pause {:?} ms, {} pages stored, {} deduplicated",
         r.pause_ms, r.pages_stored, r.pages_deduped
@@ -106,13 +95,9 @@ fn live_checkpoint_of_linux_guest_restores_with_launch() {
     drop(q);
     g.kill().unwrap();
 
-    let l = restore_launch(
-        &store,
-        "quiet",
-        &LaunchOptions::new(dir.path().join("run")),
-        &NoProgress,
-    )
-    .unwrap();
+    let l =
+        restore_launch(&store, "quiet", &LaunchOptions::new(dir.path().join("run")), &NoProgress)
+            .unwrap();
     let mut child = l.child;
     let got = console(&g.dir().join("console.sock"), "sum");
     let _ = child.kill();
@@ -190,9 +175,13 @@ fn random_memory_is_kept_in_run_chunks_and_restores() {
     let mut g = boot(&fx, 256, Machine::Pc, "runs");
     g.command("fill 96 0 0 3", T).unwrap();
     let mut q = qmp(&g);
-    let r0 = save(&store, &mut q, "r0", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress).unwrap();
+    let r0 = save(&store, &mut q, "r0", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress)
+        .unwrap();
     let runs0 = run_pages(&store, "r0");
-    eprintln!("r0: {} pages stored, {} bytes, {runs0} pages in runs", r0.pages_stored, r0.stored_bytes);
+    eprintln!(
+        "r0: {} pages stored, {} bytes, {runs0} pages in runs",
+        r0.pages_stored, r0.stored_bytes
+    );
     assert!(runs0 >= 96 * 256 / 2, "only {runs0} of 24576 random pages in runs");
     assert!(r0.delta.is_none());
     g.command("fill 4 0 0 4", T).unwrap();
@@ -200,7 +189,10 @@ fn random_memory_is_kept_in_run_chunks_and_restores() {
     opts.base = BasePolicy::Named("r0".into());
     let r1 = save(&store, &mut q, "r1", &opts, &NoProgress).unwrap();
     let runs1 = run_pages(&store, "r1");
-    eprintln!("r1: {} pages stored, {} bytes, {runs1} pages in runs", r1.pages_stored, r1.stored_bytes);
+    eprintln!(
+        "r1: {} pages stored, {} bytes, {runs1} pages in runs",
+        r1.pages_stored, r1.stored_bytes
+    );
     assert_eq!(r1.delta.as_ref().map(|d| d.base.as_str()), Some("r0"));
     assert!(runs1 >= runs0, "r1 has {runs1} pages in runs, r0 {runs0}");
     assert!(
@@ -216,17 +208,29 @@ fn random_memory_is_kept_in_run_chunks_and_restores() {
     opts.base = BasePolicy::Named("r1".into());
     let r2 = save(&store, &mut q, "r2", &opts, &NoProgress).unwrap();
     let runs2 = run_pages(&store, "r2");
-    eprintln!("r2: {} pages stored, {} bytes, {runs2} pages in runs", r2.pages_stored, r2.stored_bytes);
+    eprintln!(
+        "r2: {} pages stored, {} bytes, {runs2} pages in runs",
+        r2.pages_stored, r2.stored_bytes
+    );
     assert!(runs2 < runs1 && runs2 + 200 >= runs1, "r2 has {runs2} pages in runs, r1 {runs1}");
-    assert!(r2.stored_bytes < 4 << 20, "r2 stored {} bytes for 200 rewritten pages", r2.stored_bytes);
+    assert!(
+        r2.stored_bytes < 4 << 20,
+        "r2 stored {} bytes for 200 rewritten pages",
+        r2.stored_bytes
+    );
     drop(q);
     g.kill().unwrap();
     assert!(!store.check(Default::default(), &NoProgress).unwrap().is_damaged());
 
-    let l = restore_launch(&store, "r2", &LaunchOptions::new(dir.path().join("run")), &NoProgress).unwrap();
+    let l = restore_launch(&store, "r2", &LaunchOptions::new(dir.path().join("run")), &NoProgress)
+        .unwrap();
     let mut child = l.child;
     let got = console(&g.dir().join("console.sock"), "sum");
     let _ = child.kill();
     let _ = child.wait();
-    assert_eq!(reply_field(&got, "sum"), Some(sum.as_str()), "memwork checksum differs after restore: {got}");
+    assert_eq!(
+        reply_field(&got, "sum"),
+        Some(sum.as_str()),
+        "memwork checksum differs after restore: {got}"
+    );
 }

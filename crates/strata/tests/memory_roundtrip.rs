@@ -50,10 +50,7 @@ fn pmem(q: &mut Qemu, bytes: u64, file: &Path) -> Vec<u8> {
 /// Restore `name` into a fresh paused destination with the same arguments; returns it.
 fn restore_into(store: &Store, dir: &Path, tag: &str, args: &[String], name: &str) -> Qemu {
     let mut dst = start_destination(dir, tag, args);
-    let opts = RestoreOptions {
-        resume: false,
-        ..Default::default()
-    };
+    let opts = RestoreOptions { resume: false, ..Default::default() };
     let r = restore(store, name, &mut dst.qmp, &opts, &NoProgress)
         .unwrap_or_else(|e| panic!("restore {name}: {e:#?}\nQEMU stderr: {}", dst.stderr()));
     assert_eq!(r.pages, r.zero_pages + (r.pages - r.zero_pages));
@@ -101,11 +98,7 @@ fn save_restore(tag: &str, machine: &str, mem: u32) {
     // Like virsh save, the VM stays paused.
     let st = src.qmp.query_status().unwrap();
     assert!(!st.running, "source must stay paused after save, status {}", st.status);
-    assert_eq!(
-        r.pages_sent,
-        r.logical_bytes / 4096,
-        "stop-and-copy sends every page once"
-    );
+    assert_eq!(r.pages_sent, r.logical_bytes / 4096, "stop-and-copy sends every page once");
     assert!(r.zero_pages > 0 && r.pages_stored > 0);
     assert!(r.stored_bytes < r.logical_bytes, "zero pages are not stored");
     let bytes = mem as u64 * 1024 * 1024;
@@ -167,7 +160,10 @@ impl strata::backend::Backend for CountReads {
 /// not when the stream starts; the stream then uses them and is whole.
 fn prefetch_starts_before_the_stream(dir: &Path, name: &str) {
     use strata::memory::restore::{load_checkpoint, prepare, stream};
-    let be = std::sync::Arc::new(CountReads(strata::backend::local::LocalBackend::open(dir.join("store")).unwrap(), Default::default()));
+    let be = std::sync::Arc::new(CountReads(
+        strata::backend::local::LocalBackend::open(dir.join("store")).unwrap(),
+        Default::default(),
+    ));
     let store = Store::open(be.clone(), &dir.join("prefetch.redb")).unwrap();
     let ckpt = load_checkpoint(&store, name).unwrap();
     let opts = RestoreOptions::default();
@@ -181,7 +177,12 @@ fn prefetch_starts_before_the_stream(dir: &Path, name: &str) {
     let during = be.1.load(std::sync::atomic::Ordering::SeqCst) - before;
     let early = rep.early_reads as usize;
     assert!(early >= (rep.reads as usize).min(strata::memory::restore::FETCHERS), "{rep:?}");
-    assert_eq!(during, rep.reads as usize - early, "{} reads planned, {early} early, {during} made by the stream", rep.reads);
+    assert_eq!(
+        during,
+        rep.reads as usize - early,
+        "{} reads planned, {early} early, {during} made by the stream",
+        rep.reads
+    );
 }
 
 #[test]
@@ -207,11 +208,7 @@ fn live(tag: &str, machine: &str, mem: u32, mode: Mode) {
     let r1 = save(&store, &mut src.qmp, "live1", &SaveOptions::new(mode), &NoProgress).unwrap();
     show(tag, &r1);
     let st = src.qmp.query_status().unwrap();
-    assert!(
-        st.running,
-        "guest must keep running through a live checkpoint, status {}",
-        st.status
-    );
+    assert!(st.running, "guest must keep running through a live checkpoint, status {}", st.status);
     let c1 = counter(&mut src);
     std::thread::sleep(Duration::from_millis(200));
     let c2 = counter(&mut src);
@@ -245,11 +242,7 @@ fn live(tag: &str, machine: &str, mem: u32, mode: Mode) {
     let mut dst = restore_into(&store, &dir, "dst", &args, "live1");
     let got = capture(&mut dst, &dir.join("dst.bin"));
     let (bad, first) = diff_images(&later, &got, &guest_dirty);
-    assert_eq!(
-        (bad, first),
-        (0, None),
-        "checkpoint differs from the guest beyond its dirty words"
-    );
+    assert_eq!((bad, first), (0, None), "checkpoint differs from the guest beyond its dirty words");
     let restored_counter = u32::from_le_bytes(got.data[0][0x1004..0x1008].try_into().unwrap());
     assert!(
         restored_counter >= c0 && restored_counter <= c1,
@@ -279,14 +272,9 @@ fn dedup_across_vms() {
         let mut q = Qemu::start(&dir, &format!("vm{i}"), &args);
         q.wait_guest_filled();
         let t = Instant::now();
-        let r = save(
-            &store,
-            &mut q.qmp,
-            &format!("vm{i}"),
-            &SaveOptions::new(Mode::Save),
-            &NoProgress,
-        )
-        .unwrap();
+        let r =
+            save(&store, &mut q.qmp, &format!("vm{i}"), &SaveOptions::new(Mode::Save), &NoProgress)
+                .unwrap();
         show(&format!("vm{i} ({:.1} s)", t.elapsed().as_secs_f64()), &r);
         reports.push(r);
         q.quit();

@@ -63,7 +63,9 @@ fn killing_s3_mid_save_leaves_no_checkpoint_and_says_why() {
     let dir = workdir("mem-s3-kill");
     let mut s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
     s3.create_bucket("vms").unwrap();
-    let store = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default()).unwrap();
+    let store =
+        Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default())
+            .unwrap();
 
     let mut q = Qemu::start(&dir, "src", &vm_args("pc", 256, true));
     q.wait_guest_filled();
@@ -102,10 +104,22 @@ fn killing_s3_mid_save_leaves_no_checkpoint_and_says_why() {
     let args = vm_args("pc", 256, true);
     let mut dst = start_destination(&dir, "dst", &args);
     let opts = RestoreOptions { resume: false, ..Default::default() };
-    let r = restore(&c, "ok", &mut dst.qmp, &opts, &NoProgress).unwrap_or_else(|e| panic!("restore: {}\nQEMU stderr: {}", chain(&e), dst.stderr()));
-    eprintln!("restored through S3: {} MB in {} reads, plan {:.0} ms, stream {:.0} ms", r.bytes_read / 1_000_000, r.reads, r.plan_ms, r.stream_ms);
+    let r = restore(&c, "ok", &mut dst.qmp, &opts, &NoProgress)
+        .unwrap_or_else(|e| panic!("restore: {}\nQEMU stderr: {}", chain(&e), dst.stderr()));
+    eprintln!(
+        "restored through S3: {} MB in {} reads, plan {:.0} ms, stream {:.0} ms",
+        r.bytes_read / 1_000_000,
+        r.reads,
+        r.plan_ms,
+        r.stream_ms
+    );
     let per = (r.bytes_read / 32).max(1 << 20);
-    assert!(r.reads >= r.bytes_read / per, "{} reads for {} bytes: reads larger than planned", r.reads, r.bytes_read);
+    assert!(
+        r.reads >= r.bytes_read / per,
+        "{} reads for {} bytes: reads larger than planned",
+        r.reads,
+        r.bytes_read
+    );
     let got = pmem(&mut dst, bytes, &dir.join("dst.mem"));
     let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(a, b)| a != b).count();
     assert_eq!(differ, 0, "{differ} pages differ after a save and restore through S3");
@@ -125,7 +139,10 @@ fn killing_s3_mid_save_leaves_no_checkpoint_and_says_why() {
     let msg = chain(&e);
     eprintln!("pack deleted from the bucket: {msg}");
     assert!(matches!(e, strata::memory::error::MemError::PageDamaged { .. }), "{msg}");
-    assert!(msg.contains("'ok'") && msg.contains("ramblock 'pc.ram'") && msg.contains("page 0x"), "{msg}");
+    assert!(
+        msg.contains("'ok'") && msg.contains("ramblock 'pc.ram'") && msg.contains("page 0x"),
+        "{msg}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     let running = dst.qmp.query_status().map(|s| s.running).unwrap_or(false);
     assert!(!running, "the target runs after a restore with a lost pack");
@@ -137,7 +154,8 @@ fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_
     let dir = workdir("mem-s3-refcopy");
     let s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
     s3.create_bucket("vms").unwrap();
-    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default()).unwrap();
+    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default())
+        .unwrap();
     let b = Store::open(backend(&s3), &local_meta_path(&dir.join("hostB"))).unwrap();
     let mem = 128u32;
     let bytes = (mem as u64) << 20;
@@ -147,7 +165,10 @@ fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_
 
     // Host A checkpoints the running guest, so it has a copy of the ref; the guest goes on.
     save(&a, &mut q.qmp, "desk", &SaveOptions::new(Mode::BackgroundSnapshot), &NoProgress).unwrap();
-    assert!(a.ref_copies().unwrap().get("vm/desk").is_some(), "the saving host keeps a copy of the ref");
+    assert!(
+        a.ref_copies().unwrap().get("vm/desk").is_some(),
+        "the saving host keeps a copy of the ref"
+    );
     let c0 = q.read_u32(0x1004);
     let t0 = std::time::Instant::now();
     while q.read_u32(0x1004) == c0 {
@@ -170,15 +191,23 @@ fn a_replaced_checkpoint_is_restored_from_the_store_not_from_this_hosts_copy_of_
     let opts = RestoreOptions { resume: false, ..Default::default() };
     for (round, expect) in [(1, "stale"), (2, "used")] {
         let mut dst = start_destination(&dir, &format!("dst{round}"), &args);
-        let r = restore(&a, "desk", &mut dst.qmp, &opts, &NoProgress)
-            .unwrap_or_else(|e| panic!("restore {round}: {}\nQEMU stderr: {}", chain(&e), dst.stderr()));
+        let r = restore(&a, "desk", &mut dst.qmp, &opts, &NoProgress).unwrap_or_else(|e| {
+            panic!("restore {round}: {}\nQEMU stderr: {}", chain(&e), dst.stderr())
+        });
         assert_eq!(r.ref_copy, expect, "restore {round}");
         let got = pmem(&mut dst, bytes, &dir.join("dst.mem"));
         let differ = want.chunks(4096).zip(got.chunks(4096)).filter(|(x, y)| x != y).count();
-        assert_eq!(differ, 0, "restore {round} ({expect} copy): {differ} pages differ from host B's save");
+        assert_eq!(
+            differ, 0,
+            "restore {round} ({expect} copy): {differ} pages differ from host B's save"
+        );
         dst.quit();
     }
-    assert_eq!(a.ref_copies().unwrap().get("vm/desk"), b.get_ref("vm/desk").unwrap(), "the copy was brought up to date");
+    assert_eq!(
+        a.ref_copies().unwrap().get("vm/desk"),
+        b.get_ref("vm/desk").unwrap(),
+        "the copy was brought up to date"
+    );
 
     // Host B deletes it: host A's restore says it is gone, not what its copy said.
     strata::memory::catalog::remove(&b, "desk").unwrap();
@@ -213,7 +242,11 @@ impl strata::backend::Backend for LateListing {
     fn get_range(&self, key: &str, offset: u64, len: u64) -> strata::backend::BResult<Vec<u8>> {
         self.inner.get_range(key, offset, len)
     }
-    fn get_ranges(&self, key: &str, ranges: &[(u64, u64)]) -> strata::backend::BResult<Vec<Vec<u8>>> {
+    fn get_ranges(
+        &self,
+        key: &str,
+        ranges: &[(u64, u64)],
+    ) -> strata::backend::BResult<Vec<Vec<u8>>> {
         self.inner.get_ranges(key, ranges)
     }
     fn put(&self, key: &str, data: &[u8]) -> strata::backend::BResult<()> {
@@ -258,7 +291,10 @@ fn a_late_listing_does_not_hold_up_a_save_and_a_taken_name_is_still_refused() {
     let delay = Duration::from_millis(1500);
     let ms = delay.as_secs_f64() * 1e3;
     let slow = |host: &str| -> (Arc<LateListing>, std::path::PathBuf) {
-        (Arc::new(LateListing { inner: backend(&s3), delay, lists: AtomicU64::new(0) }), local_meta_path(&dir.join(host)))
+        (
+            Arc::new(LateListing { inner: backend(&s3), delay, lists: AtomicU64::new(0) }),
+            local_meta_path(&dir.join(host)),
+        )
     };
     let (ba, meta_a) = slow("hostA");
     let a = Store::init(ba.clone(), &meta_a, InitOptions::default()).unwrap();
@@ -268,9 +304,22 @@ fn a_late_listing_does_not_hold_up_a_save_and_a_taken_name_is_still_refused() {
     // Host A has seen no checkpoint: the first save starts without the listing's answer.
     let r = save(&a, &mut q.qmp, "first", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
     assert_eq!(ba.lists.load(Ordering::SeqCst), 1, "the save lists the refs once");
-    eprintln!("first save: set-up {:.1} ms, total {:.0} ms (listing {} ms)", r.stages.setup_ms, r.total_ms, delay.as_millis());
-    assert!(r.stages.setup_ms < ms * 2.0 / 3.0, "the set-up waited for the listing: {:.1} ms", r.stages.setup_ms);
-    assert!(r.total_ms >= ms * 0.9, "the commit must wait for the listing's answer: {:.0} ms", r.total_ms);
+    eprintln!(
+        "first save: set-up {:.1} ms, total {:.0} ms (listing {} ms)",
+        r.stages.setup_ms,
+        r.total_ms,
+        delay.as_millis()
+    );
+    assert!(
+        r.stages.setup_ms < ms * 2.0 / 3.0,
+        "the set-up waited for the listing: {:.1} ms",
+        r.stages.setup_ms
+    );
+    assert!(
+        r.total_ms >= ms * 0.9,
+        "the commit must wait for the listing's answer: {:.0} ms",
+        r.total_ms
+    );
     assert!(r.delta.is_none());
     let first = a.get_ref("vm/first").unwrap().expect("saved");
     q.qmp.cont().unwrap();
@@ -286,12 +335,24 @@ fn a_late_listing_does_not_hold_up_a_save_and_a_taken_name_is_still_refused() {
     std::thread::sleep(Duration::from_millis(200));
     let st = q.qmp.query_status().unwrap();
     assert!(st.running, "the guest must run again after the refused save: {}", st.status);
-    assert_eq!(b.get_ref("vm/first").unwrap(), Some(first.clone()), "the checkpoint there is untouched");
+    assert_eq!(
+        b.get_ref("vm/first").unwrap(),
+        Some(first.clone()),
+        "the checkpoint there is untouched"
+    );
 
     // Host A now has a copy of a checkpoint ref, so the auto delta base may exist: it waits.
     let r = save(&a, &mut q.qmp, "second", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
-    eprintln!("second save: set-up {:.1} ms, delta {:?}", r.stages.setup_ms, r.delta.as_ref().map(|d| &d.base));
-    assert!(r.stages.setup_ms >= ms * 0.9, "with a possible base the save waits for the listing: {:.1} ms", r.stages.setup_ms);
+    eprintln!(
+        "second save: set-up {:.1} ms, delta {:?}",
+        r.stages.setup_ms,
+        r.delta.as_ref().map(|d| &d.base)
+    );
+    assert!(
+        r.stages.setup_ms >= ms * 0.9,
+        "with a possible base the save waits for the listing: {:.1} ms",
+        r.stages.setup_ms
+    );
     assert!(r.delta.is_some(), "and takes 'first' as its delta base");
     q.quit();
 }
@@ -309,7 +370,8 @@ fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
     let dir = workdir("mem-s3-slots");
     let s3 = S3Server::start(&dir.join("s3")).unwrap_or_else(|e| panic!("{e}"));
     s3.create_bucket("vms").unwrap();
-    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default()).unwrap();
+    let a = Store::init(backend(&s3), &local_meta_path(&dir.join("hostA")), InitOptions::default())
+        .unwrap();
     let mem = 192u32;
     let mut g = fx
         .guest()
@@ -325,7 +387,13 @@ fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
     let r = save(&a, &mut q, "desk", &SaveOptions::new(Mode::Save), &NoProgress).unwrap();
     let want = {
         let f = dir.join("src.mem");
-        let out = q.human_monitor_command(&format!("pmemsave 0 {:#x} \"{}\"", (mem as u64) << 20, f.display())).unwrap();
+        let out = q
+            .human_monitor_command(&format!(
+                "pmemsave 0 {:#x} \"{}\"",
+                (mem as u64) << 20,
+                f.display()
+            ))
+            .unwrap();
         assert!(out.trim().is_empty(), "pmemsave: {out}");
         let v = std::fs::read(&f).unwrap();
         std::fs::remove_file(&f).ok();
@@ -334,17 +402,24 @@ fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
     drop(q);
     g.kill().unwrap();
     let ck = load_checkpoint(&a, "desk").unwrap();
-    assert_eq!(ck.manifest.version, 4, "slot tables were written ({} pages stored)", r.pages_stored);
+    assert_eq!(
+        ck.manifest.version, 4,
+        "slot tables were written ({} pages stored)",
+        r.pages_stored
+    );
 
     // Host B has only the bucket.
     let b = Store::open(backend(&s3), &local_meta_path(&dir.join("hostB"))).unwrap();
     let mut lo = LaunchOptions::new(dir.join("run"));
     lo.restore.resume = false;
-    let l = restore_launch(&b, "desk", &lo, &NoProgress).unwrap_or_else(|e| panic!("restore: {}", chain(&e)));
+    let l = restore_launch(&b, "desk", &lo, &NoProgress)
+        .unwrap_or_else(|e| panic!("restore: {}", chain(&e)));
     let mut child = l.child;
     let mut dq = strata::qmp::QmpClient::connect(&l.qmp_path).unwrap();
     let f = dir.join("dst.mem");
-    let out = dq.human_monitor_command(&format!("pmemsave 0 {:#x} \"{}\"", (mem as u64) << 20, f.display())).unwrap();
+    let out = dq
+        .human_monitor_command(&format!("pmemsave 0 {:#x} \"{}\"", (mem as u64) << 20, f.display()))
+        .unwrap();
     assert!(out.trim().is_empty(), "pmemsave: {out}");
     let got = std::fs::read(&f).unwrap();
     let _ = child.kill();
@@ -357,15 +432,26 @@ fn copies_of_pages_inside_runs_name_the_runs_slot_and_restore_byte_for_byte() {
     // are at least the RAM's distinct contents, and above them only by the other ramblocks'
     // pages and a few copies two workers stored at once (a copy stored again, not named).
     let i = strata::memory::catalog::inspect(&b, "desk", true).unwrap();
-    let distinct_ram = want.chunks(4096).filter(|p| p.iter().any(|&x| x != 0)).collect::<std::collections::HashSet<_>>().len() as u64;
-    let other: u64 = ck.manifest.blocks.iter().filter(|b| b.name != "pc.ram").map(|b| b.pages()).sum();
+    let distinct_ram = want
+        .chunks(4096)
+        .filter(|p| p.iter().any(|&x| x != 0))
+        .collect::<std::collections::HashSet<_>>()
+        .len() as u64;
+    let other: u64 =
+        ck.manifest.blocks.iter().filter(|b| b.name != "pc.ram").map(|b| b.pages()).sum();
     let d = i.sharing.unwrap().distinct_pages;
-    assert!(d >= distinct_ram && d <= distinct_ram + other + 200, "{d} distinct pages for {distinct_ram} distinct in RAM and {other} elsewhere");
+    assert!(
+        d >= distinct_ram && d <= distinct_ram + other + 200,
+        "{d} distinct pages for {distinct_ram} distinct in RAM and {other} elsewhere"
+    );
 }
 
 /// Guest-physical memory [0, bytes) read by QEMU itself (HMP `pmemsave`).
 fn pmem(q: &mut Qemu, bytes: u64, file: &std::path::Path) -> Vec<u8> {
-    let out = q.qmp.human_monitor_command(&format!("pmemsave 0 {bytes:#x} \"{}\"", file.display())).unwrap();
+    let out = q
+        .qmp
+        .human_monitor_command(&format!("pmemsave 0 {bytes:#x} \"{}\"", file.display()))
+        .unwrap();
     assert!(out.trim().is_empty(), "pmemsave: {out}");
     let v = std::fs::read(file).unwrap();
     std::fs::remove_file(file).ok();

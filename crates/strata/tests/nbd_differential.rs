@@ -14,7 +14,12 @@ use common::*;
 use differential::{run_sequence, Ours};
 
 fn file_export(_dir: &Path, image: &Path) -> Ours {
-    Ours { server: TestServer::start(Exports::new().add("d", Arc::new(FileExport::open(image, false)))), compact: None }
+    Ours {
+        server: TestServer::start(
+            Exports::new().add("d", Arc::new(FileExport::open(image, false))),
+        ),
+        compact: None,
+    }
 }
 
 #[test]

@@ -51,7 +51,8 @@ fn bad_request_magic_closes_connection() {
     let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
     let (s, _) = setup();
     let mut sock = handshaken(&s);
-    let mut r = Request { flags: 0, command: Command::Read, handle: 1, offset: 0, len: 512 }.to_bytes();
+    let mut r =
+        Request { flags: 0, command: Command::Read, handle: 1, offset: 0, len: 512 }.to_bytes();
     r[0] ^= 0xff;
     sock.write_all(&r).unwrap();
     expect_eof(&mut sock);
@@ -106,20 +107,29 @@ fn disconnect_mid_request() {
     let (s, m) = setup();
     // Half a header.
     let mut sock = handshaken(&s);
-    sock.write_all(&Request { flags: 0, command: Command::Read, handle: 1, offset: 0, len: 512 }.to_bytes()[..13])
-        .unwrap();
+    sock.write_all(
+        &Request { flags: 0, command: Command::Read, handle: 1, offset: 0, len: 512 }.to_bytes()
+            [..13],
+    )
+    .unwrap();
     drop(sock);
     // A write header with only part of its payload.
     let mut sock = handshaken(&s);
-    sock.write_all(&Request { flags: 0, command: Command::Write, handle: 2, offset: 0, len: 1 << 20 }.to_bytes())
-        .unwrap();
+    sock.write_all(
+        &Request { flags: 0, command: Command::Write, handle: 2, offset: 0, len: 1 << 20 }
+            .to_bytes(),
+    )
+    .unwrap();
     sock.write_all(&[0xaa; 100]).unwrap();
     drop(sock);
     // Requests in flight whose replies nobody reads.
     let mut sock = handshaken(&s);
     for i in 0..32 {
-        sock.write_all(&Request { flags: 0, command: Command::Read, handle: i, offset: 0, len: 1 << 20 }.to_bytes())
-            .unwrap();
+        sock.write_all(
+            &Request { flags: 0, command: Command::Read, handle: i, offset: 0, len: 1 << 20 }
+                .to_bytes(),
+        )
+        .unwrap();
     }
     drop(sock);
     assert_healthy(&s);
@@ -223,7 +233,14 @@ static RSS_TESTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn rss_kib() -> u64 {
     let st = std::fs::read_to_string("/proc/self/status").unwrap();
-    st.lines().find(|l| l.starts_with("VmRSS:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap()
+    st.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// A client that pipelines huge reads and never reads replies must not make the server
@@ -263,8 +280,13 @@ fn write_payloads_are_bounded_by_the_inflight_budget() {
     let writer = std::thread::spawn(move || {
         let payload = vec![0x5au8; 4 << 20];
         for i in 0..100u64 {
-            let r =
-                Request { flags: 0, command: Command::Write, handle: i, offset: (i % 16) * (4 << 20), len: 4 << 20 };
+            let r = Request {
+                flags: 0,
+                command: Command::Write,
+                handle: i,
+                offset: (i % 16) * (4 << 20),
+                len: 4 << 20,
+            };
             if w.write_all(&r.to_bytes()).is_err() || w.write_all(&payload).is_err() {
                 return;
             }

@@ -22,7 +22,8 @@ fn server(size: u64) -> (TestServer, std::path::PathBuf) {
     let disk = Arc::new(FileExport::create(&path, size));
     let ro_path = dir.path().join("ro.raw");
     std::fs::write(&ro_path, pattern(77, 1 << 20)).unwrap();
-    let exports = Exports::new().add("disk", disk).add("ro", Arc::new(FileExport::open(&ro_path, true)));
+    let exports =
+        Exports::new().add("disk", disk).add("ro", Arc::new(FileExport::open(&ro_path, true)));
     let s = TestServer::start(exports);
     let keep = s.path("disk.raw");
     std::fs::rename(&path, &keep).unwrap(); // the export keeps its descriptor; tests read the file here

@@ -61,7 +61,10 @@ fn compare(rw: &str, bs: &str, iodepth: u32) -> f64 {
     if let Some(w) = std::env::var("NBD_PERF_WORKERS").ok().and_then(|v| v.parse().ok()) {
         cfg.transmission.workers = w;
     }
-    let ours = TestServer::start_with(Exports::new().add("disk", Arc::new(FileExport::open(&file, false))), cfg);
+    let ours = TestServer::start_with(
+        Exports::new().add("disk", Arc::new(FileExport::open(&file, false))),
+        cfg,
+    );
     let q = QemuNbd::start(&file, &dir.path().join("q.sock"), "disk", &[]);
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for _ in 0..rounds {

@@ -16,7 +16,8 @@ use strata::nbd::{Export, ServerConfig};
 fn file_server(size: u64) -> (TestServer, Arc<FileExport>) {
     let dir = tempfile::tempdir().unwrap();
     let f = Arc::new(FileExport::create(&dir.path().join("disk.raw"), size));
-    let exports = Exports::new().add("disk", f.clone()).add("mem", Arc::new(MemExport::new(1 << 20)));
+    let exports =
+        Exports::new().add("disk", f.clone()).add("mem", Arc::new(MemExport::new(1 << 20)));
     // The file stays usable through its open descriptor after the directory is removed.
     (TestServer::start(exports), f)
 }
@@ -63,7 +64,14 @@ fn transmission_flags_follow_export_capabilities() {
     assert_eq!(c.tflags, want);
     assert_eq!(c.block, (1, 4096, 32 << 20));
     let c = Client::connect(&s.sock, "ro", false, false).unwrap();
-    assert_eq!(c.tflags, TFLAG_HAS_FLAGS | TFLAG_READ_ONLY | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN);
+    assert_eq!(
+        c.tflags,
+        TFLAG_HAS_FLAGS
+            | TFLAG_READ_ONLY
+            | TFLAG_SEND_FLUSH
+            | TFLAG_SEND_FUA
+            | TFLAG_CAN_MULTI_CONN
+    );
     let c = Client::connect(&s.sock, "mem", false, false).unwrap();
     assert_eq!(c.tflags & TFLAG_SEND_TRIM, 0);
     assert_ne!(c.tflags & TFLAG_SEND_WRITE_ZEROES, 0);
@@ -165,9 +173,15 @@ fn block_status_matches_sparse_file() {
             Descriptor { len: (8 << 20) - 4096, flags: hz },
         ]
     );
-    assert_eq!(c.block_status(0, 16 << 20, CMD_FLAG_REQ_ONE).unwrap(), vec![Descriptor { len: 1 << 20, flags: hz }]);
+    assert_eq!(
+        c.block_status(0, 16 << 20, CMD_FLAG_REQ_ONE).unwrap(),
+        vec![Descriptor { len: 1 << 20, flags: hz }]
+    );
     // Unaligned start inside data.
-    assert_eq!(c.block_status((1 << 20) + 100, 200, 0).unwrap(), vec![Descriptor { len: 200, flags: 0 }]);
+    assert_eq!(
+        c.block_status((1 << 20) + 100, 200, 0).unwrap(),
+        vec![Descriptor { len: 200, flags: 0 }]
+    );
     assert!(c.block_status(16 << 20, 1, 0).is_err());
     assert!(c.block_status(0, 0, 0).is_err());
 }
@@ -400,17 +414,28 @@ impl Export for ZeroRefuser {
     fn can_fast_zero(&self) -> bool {
         true
     }
-    fn write_zeroes(&self, _: u64, _: u64, _: bool, _: bool) -> Result<(), strata::nbd::ExportError> {
+    fn write_zeroes(
+        &self,
+        _: u64,
+        _: u64,
+        _: bool,
+        _: bool,
+    ) -> Result<(), strata::nbd::ExportError> {
         Err(strata::nbd::ExportError::NotSupported { op: "write-zeroes" })
     }
 }
 
 #[test]
 fn enotsup_only_for_fast_zero() {
-    let s = TestServer::start(Exports::new().add("z", Arc::new(ZeroRefuser(MemExport::new(65536)))));
+    let s =
+        TestServer::start(Exports::new().add("z", Arc::new(ZeroRefuser(MemExport::new(65536)))));
     for structured in [false, true] {
         let mut c = Client::connect(&s.sock, "z", structured, false).unwrap();
         assert_eq!(c.simple(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 4096), Err(95));
-        assert_eq!(c.simple(Command::WriteZeroes, 0, 0, 4096), Err(22), "ENOTSUP without FAST_ZERO breaks the spec");
+        assert_eq!(
+            c.simple(Command::WriteZeroes, 0, 0, 4096),
+            Err(22),
+            "ENOTSUP without FAST_ZERO breaks the spec"
+        );
     }
 }

@@ -95,7 +95,14 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 
 fn block(seed: u16) -> Vec<u8> {
     let mut x = seed as u64 * 2654435761 + 1;
-    (0..2048).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; (x & 0x1f) as u8 }).collect()
+    (0..2048)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x & 0x1f) as u8
+        })
+        .collect()
 }
 
 proptest! {

@@ -35,12 +35,8 @@ fn roundtrip(tag: &str, machine: &str, mem: u32, with_guest: bool, via_socket: b
         // Parse while QEMU writes, straight from the socket.
         let sock = dir.join("save.sock");
         let rx = receive_unix(UnixListener::bind(&sock).unwrap(), &a);
-        src.qmp
-            .migrate(&format!("unix:{}", sock.display()))
-            .unwrap();
-        src.qmp
-            .wait_migration(Duration::from_secs(300), Duration::from_millis(20))
-            .unwrap();
+        src.qmp.migrate(&format!("unix:{}", sock.display())).unwrap();
+        src.qmp.wait_migration(Duration::from_secs(300), Duration::from_millis(20)).unwrap();
         let (info, img, bytes, reads) = rx.join().unwrap();
         eprintln!("{tag}: parsed {bytes} bytes from the socket in {reads} reads");
         (info, img)
@@ -55,48 +51,27 @@ fn roundtrip(tag: &str, machine: &str, mem: u32, with_guest: bool, via_socket: b
     let mt = src.qmp.machine_type().unwrap();
     assert_eq!(info.layout.machine_type.as_deref(), Some(mt.as_str()));
     let qmp_blocks = src.qmp.ram_blocks().unwrap();
-    let mut sb: Vec<(String, u64)> = info
-        .layout
-        .blocks
-        .iter()
-        .map(|b| (b.name.clone(), b.used_len))
-        .collect();
-    let mut qb: Vec<(String, u64)> = qmp_blocks
-        .iter()
-        .map(|b| (b.name.clone(), b.used))
-        .collect();
+    let mut sb: Vec<(String, u64)> =
+        info.layout.blocks.iter().map(|b| (b.name.clone(), b.used_len)).collect();
+    let mut qb: Vec<(String, u64)> = qmp_blocks.iter().map(|b| (b.name.clone(), b.used)).collect();
     sb.sort();
     qb.sort();
     assert_eq!(sb, qb, "MEM_SIZE list differs from info ramblock");
     let base = src.qmp.memory_size_summary().unwrap().base_memory;
     assert_eq!(base, mem as u64 * 1024 * 1024);
-    assert_eq!(
-        info.layout
-            .blocks
-            .iter()
-            .find(|b| b.name == "pc.ram")
-            .unwrap()
-            .used_len,
-        base
-    );
+    assert_eq!(info.layout.blocks.iter().find(|b| b.name == "pc.ram").unwrap().used_len, base);
     assert_eq!(info.layout.ram_section.version_id, 4);
     assert!(!info.background_snapshot);
-    assert!(
-        info.vmdesc_devices > 10,
-        "vmdesc lists {} devices",
-        info.vmdesc_devices
-    );
+    assert!(info.vmdesc_devices > 10, "vmdesc lists {} devices", info.vmdesc_devices);
     assert_eq!(img.missing(), 0, "stop-and-copy must send every page");
     let nonzero = img.nonzero_pages();
-    let ram_data_pages = img.data[0].chunks(PAGE_SIZE).filter(|p| p.iter().any(|&b| b != 0)).count();
+    let ram_data_pages =
+        img.data[0].chunks(PAGE_SIZE).filter(|p| p.iter().any(|&b| b != 0)).count();
     assert!(ram_data_pages > 20, "pc.ram has only {ram_data_pages} non-zero pages");
     if with_guest {
         // The guest filled 3/4 of the pages between 4 MiB and top-1MiB.
         let expect = (mem as u64 - 5) * 256 * 3 / 4;
-        assert!(
-            nonzero > expect,
-            "only {nonzero} non-zero pages, expected > {expect}"
-        );
+        assert!(nonzero > expect, "only {nonzero} non-zero pages, expected > {expect}");
     }
     let counter = u32::from_le_bytes(img.data[0][0x1004..0x1008].try_into().unwrap());
     src.quit();
@@ -124,9 +99,7 @@ fn roundtrip(tag: &str, machine: &str, mem: u32, with_guest: bool, via_socket: b
     let t1 = Instant::now();
     if via_socket {
         let sock = dir.join("load.sock");
-        dst.qmp
-            .migrate_incoming(&format!("unix:{}", sock.display()))
-            .unwrap();
+        dst.qmp.migrate_incoming(&format!("unix:{}", sock.display())).unwrap();
         // Generate straight into QEMU's socket, no file in between.
         let s = UnixStream::connect(&sock).unwrap();
         let (mut s, st) = regenerate(s, &info.layout, &img, &info.tail);
@@ -134,9 +107,7 @@ fn roundtrip(tag: &str, machine: &str, mem: u32, with_guest: bool, via_socket: b
         drop(s);
         assert_eq!(st.bytes, gstats.bytes);
     } else {
-        dst.qmp
-            .migrate_incoming(&format!("exec:cat {}", r.display()))
-            .unwrap();
+        dst.qmp.migrate_incoming(&format!("exec:cat {}", r.display())).unwrap();
     }
     let inc = dst.wait_incoming();
     let load_s = t1.elapsed().as_secs_f64();
@@ -212,35 +183,22 @@ fn background_snapshot_roundtrip() {
     let mut src = Qemu::start(&dir, "src", &args);
     src.wait_guest_filled();
     src.fast_migration();
-    src.qmp
-        .migrate_set_capabilities(&[("background-snapshot", true)])
-        .unwrap();
-    src.qmp
-        .ensure_storable_capabilities(&CapabilityPolicy::default())
-        .unwrap();
+    src.qmp.migrate_set_capabilities(&[("background-snapshot", true)]).unwrap();
+    src.qmp.ensure_storable_capabilities(&CapabilityPolicy::default()).unwrap();
     let a = dir.join("bg.bin");
     src.save_to(&a);
-    assert!(
-        src.qmp.query_status().unwrap().running,
-        "source should keep running"
-    );
+    assert!(src.qmp.query_status().unwrap().running, "source should keep running");
     let (info, img) = parse_file(&a, 1 << 16);
     assert!(info.background_snapshot);
     assert_eq!(info.stats.end_sections, 0);
     assert_eq!(img.missing(), 0);
-    assert_eq!(
-        img.repeated(),
-        0,
-        "background snapshot sends every page once"
-    );
+    assert_eq!(img.repeated(), 0, "background snapshot sends every page once");
     src.quit();
 
     let r = dir.join("r.bin");
     regenerate_file(&r, &info.layout, &img, &info.tail);
     let mut dst = start_destination(&dir, "dst", &args);
-    dst.qmp
-        .migrate_incoming(&format!("exec:cat {}", r.display()))
-        .unwrap();
+    dst.qmp.migrate_incoming(&format!("exec:cat {}", r.display())).unwrap();
     dst.wait_incoming();
     dst.fast_migration();
     let b = dir.join("b.bin");
@@ -252,10 +210,7 @@ fn background_snapshot_roundtrip() {
     dst.qmp.cont().unwrap();
     let t = Instant::now();
     while dst.read_u32(0x1004) <= c0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "restored guest does not run"
-        );
+        assert!(t.elapsed() < Duration::from_secs(20), "restored guest does not run");
         std::thread::sleep(Duration::from_millis(50));
     }
     eprintln!(
@@ -296,11 +251,7 @@ fn live_precopy(q: &mut Qemu, uri: &str, syncs: u64, bandwidth: u64) -> Migratio
         if i.ram.as_ref().map(|r| r.dirty_sync_count).unwrap_or(0) >= syncs {
             break;
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "no progress: {:?}",
-            i.raw
-        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "no progress: {:?}", i.raw);
         std::thread::sleep(Duration::from_millis(20));
     }
     q.qmp
@@ -309,9 +260,7 @@ fn live_precopy(q: &mut Qemu, uri: &str, syncs: u64, bandwidth: u64) -> Migratio
             ..Default::default()
         })
         .unwrap();
-    q.qmp
-        .wait_migration(Duration::from_secs(300), Duration::from_millis(20))
-        .unwrap()
+    q.qmp.wait_migration(Duration::from_secs(300), Duration::from_millis(20)).unwrap()
 }
 
 /// Live precopy with several passes, parsed from the socket as it arrives: pages are resent
@@ -340,11 +289,7 @@ fn precopy_multi_pass_latest_wins() {
     assert!(syncs >= 3, "{syncs} dirty syncs");
     assert!(info.stats.part_sections >= 5);
     assert_eq!(info.stats.end_sections, 1);
-    assert!(
-        img.repeated() >= 2048,
-        "only {} pages were resent",
-        img.repeated()
-    );
+    assert!(img.repeated() >= 2048, "only {} pages were resent", img.repeated());
     assert_eq!(img.missing(), 0);
     // The source is postmigrate; it can continue.
     src.qmp.cont().unwrap();
@@ -352,28 +297,21 @@ fn precopy_multi_pass_latest_wins() {
 
     // 1. QEMU's own reading of the multi-pass stream equals our latest-wins image.
     let mut d1 = start_destination(&dir, "d1", &args);
-    d1.qmp
-        .migrate_incoming(&format!("exec:cat {}", a.display()))
-        .unwrap();
+    d1.qmp.migrate_incoming(&format!("exec:cat {}", a.display())).unwrap();
     d1.wait_incoming();
     d1.fast_migration();
     let b1 = dir.join("b1.bin");
     d1.save_to(&b1);
     let (_, img1) = parse_file(&b1, 1 << 20);
     let (bad, first) = diff_images(&img, &img1, &exact);
-    assert_eq!(
-        bad, 0,
-        "latest-wins image differs from QEMU's load: {bad} pages, first {first:?}"
-    );
+    assert_eq!(bad, 0, "latest-wins image differs from QEMU's load: {bad} pages, first {first:?}");
     d1.quit();
 
     // 2. The regenerated single-pass stream restores the same memory.
     let r = dir.join("r.bin");
     regenerate_file(&r, &info.layout, &img, &info.tail);
     let mut d2 = start_destination(&dir, "d2", &args);
-    d2.qmp
-        .migrate_incoming(&format!("exec:cat {}", r.display()))
-        .unwrap();
+    d2.qmp.migrate_incoming(&format!("exec:cat {}", r.display())).unwrap();
     d2.wait_incoming();
     d2.fast_migration();
     let b2 = dir.join("b2.bin");
@@ -384,10 +322,7 @@ fn precopy_multi_pass_latest_wins() {
     d2.qmp.cont().unwrap();
     let t = Instant::now();
     while d2.read_u32(0x1004) <= c0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "restored guest does not run"
-        );
+        assert!(t.elapsed() < Duration::from_secs(20), "restored guest does not run");
         std::thread::sleep(Duration::from_millis(50));
     }
     d2.quit();
@@ -405,28 +340,14 @@ fn refused_capabilities_in_real_streams() {
     q.wait_guest_filled();
     q.qmp.stop().unwrap();
     q.fast_migration();
-    q.qmp
-        .migrate_set_capabilities(&[("compress", true)])
-        .unwrap();
-    assert!(q
-        .qmp
-        .ensure_storable_capabilities(&CapabilityPolicy::default())
-        .is_err());
+    q.qmp.migrate_set_capabilities(&[("compress", true)]).unwrap();
+    assert!(q.qmp.ensure_storable_capabilities(&CapabilityPolicy::default()).is_err());
     let f = dir.join("compress.bin");
     q.save_to(&f);
     q.quit();
     let e = parse_all(&fs::read(&f).unwrap()).unwrap_err();
     eprintln!("compress: {e}");
-    assert!(
-        matches!(
-            e,
-            StreamError::RefusedFlag {
-                flag: "COMPRESS_PAGE",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, StreamError::RefusedFlag { flag: "COMPRESS_PAGE", .. }), "{e}");
     assert!(e.to_string().contains("disable the compress capability"));
 
     // xbzrle: XBZRLE records from the second pass on. The first pass is throttled so the
@@ -450,18 +371,13 @@ fn refused_capabilities_in_real_streams() {
         }
     };
     eprintln!("xbzrle: {e}");
-    assert!(
-        matches!(e, StreamError::RefusedFlag { flag: "XBZRLE", .. }),
-        "{e}"
-    );
+    assert!(matches!(e, StreamError::RefusedFlag { flag: "XBZRLE", .. }), "{e}");
 
     // x-ignore-shared: a configuration/capabilities subsection.
     let mut q = Qemu::start(&dir, "ignore", &args);
     q.qmp.stop().unwrap();
     q.fast_migration();
-    q.qmp
-        .migrate_set_capabilities(&[("x-ignore-shared", true)])
-        .unwrap();
+    q.qmp.migrate_set_capabilities(&[("x-ignore-shared", true)]).unwrap();
     let f = dir.join("ignore.bin");
     q.save_to(&f);
     q.quit();
@@ -480,19 +396,12 @@ fn refused_capabilities_in_real_streams() {
 fn uuid_subsection_round_trip() {
     let dir = workdir("uuid");
     let mut args = vm_args("pc", 128, false);
-    args.extend([
-        "-uuid".to_string(),
-        "6e4b0b9c-0a53-4b7e-9c5e-2f6b9a1d7c11".to_string(),
-    ]);
+    args.extend(["-uuid".to_string(), "6e4b0b9c-0a53-4b7e-9c5e-2f6b9a1d7c11".to_string()]);
     let mut src = Qemu::start(&dir, "src", &args);
     src.qmp.stop().unwrap();
     src.fast_migration();
-    src.qmp
-        .migrate_set_capabilities(&[("validate-uuid", true)])
-        .unwrap();
-    src.qmp
-        .ensure_storable_capabilities(&CapabilityPolicy::default())
-        .unwrap();
+    src.qmp.migrate_set_capabilities(&[("validate-uuid", true)]).unwrap();
+    src.qmp.ensure_storable_capabilities(&CapabilityPolicy::default()).unwrap();
     let a = dir.join("a.bin");
     src.save_to(&a);
     src.quit();
@@ -502,24 +411,15 @@ fn uuid_subsection_round_trip() {
     regenerate_file(&r, &info.layout, &img, &info.tail);
 
     let mut ok = start_destination(&dir, "ok", &args);
-    ok.qmp
-        .migrate_incoming(&format!("exec:cat {}", r.display()))
-        .unwrap();
+    ok.qmp.migrate_incoming(&format!("exec:cat {}", r.display())).unwrap();
     ok.wait_incoming();
     ok.quit();
 
     let mut other = vm_args("pc", 128, false);
-    other.extend([
-        "-uuid".to_string(),
-        "00000000-1111-2222-3333-444444444444".to_string(),
-    ]);
+    other.extend(["-uuid".to_string(), "00000000-1111-2222-3333-444444444444".to_string()]);
     let mut bad = start_destination(&dir, "bad", &other);
-    bad.qmp
-        .migrate_incoming(&format!("exec:cat {}", r.display()))
-        .unwrap();
-    let res = bad
-        .qmp
-        .wait_migration(Duration::from_secs(60), Duration::from_millis(20));
+    bad.qmp.migrate_incoming(&format!("exec:cat {}", r.display())).unwrap();
+    let res = bad.qmp.wait_migration(Duration::from_secs(60), Duration::from_millis(20));
     std::thread::sleep(Duration::from_millis(300));
     let err = bad.stderr();
     assert!(res.is_err(), "a different uuid was accepted");
@@ -562,10 +462,7 @@ fn truncated_and_corrupted_real_stream() {
             Err(e) => panic!("cut {cut}: unexpected {e}"),
         }
     }
-    eprintln!(
-        "truncation: {} cuts, {truncated} truncated, {bad_tail} bad tail",
-        cuts.len()
-    );
+    eprintln!("truncation: {} cuts, {truncated} truncated, {bad_tail} bad tail", cuts.len());
 
     // Random corruption. A guest stream is mostly page data, where flips go unnoticed, so
     // corrupt the stream of a VM that never ran (-S: the BIOS has not touched RAM): it is

@@ -53,25 +53,14 @@ fn session_commands_events_and_errors() {
         }
         other => panic!("{other:?}"),
     }
-    let e = q
-        .qmp
-        .migrate_set_capabilities(&[("no-such-cap", true)])
-        .unwrap_err();
-    assert!(
-        matches!(e, QmpError::Command { ref class, .. } if class == "GenericError"),
-        "{e}"
-    );
+    let e = q.qmp.migrate_set_capabilities(&[("no-such-cap", true)]).unwrap_err();
+    assert!(matches!(e, QmpError::Command { ref class, .. } if class == "GenericError"), "{e}");
 
     // Machine and memory.
     assert_eq!(q.qmp.machine_type().unwrap(), "pc-i440fx-7.2");
     let m = q.qmp.current_machine().unwrap();
     assert_eq!(m.alias.as_deref(), Some("pc"));
-    assert!(q
-        .qmp
-        .query_machines()
-        .unwrap()
-        .iter()
-        .any(|m| m.name == "pc-q35-7.2"));
+    assert!(q.qmp.query_machines().unwrap().iter().any(|m| m.name == "pc-q35-7.2"));
     assert_eq!(q.qmp.memory_size_summary().unwrap().base_memory, 128 << 20);
     let blocks = q.qmp.ram_blocks().unwrap();
     let ram = blocks.iter().find(|b| b.name == "pc.ram").unwrap();
@@ -89,15 +78,8 @@ fn session_commands_events_and_errors() {
 
     // MIGRATION events with the events capability; a failing migration reports QEMU's error.
     q.qmp.migrate_set_capabilities(&[("events", true)]).unwrap();
-    q.qmp
-        .migrate(&format!(
-            "unix:{}",
-            dir.join("nobody-listens.sock").display()
-        ))
-        .unwrap_or(());
-    let r = q
-        .qmp
-        .wait_migration(Duration::from_secs(30), Duration::from_millis(20));
+    q.qmp.migrate(&format!("unix:{}", dir.join("nobody-listens.sock").display())).unwrap_or(());
+    let r = q.qmp.wait_migration(Duration::from_secs(30), Duration::from_millis(20));
     match r {
         Err(QmpError::MigrationFailed { status, desc }) => {
             assert_eq!(status, "failed");
@@ -109,10 +91,7 @@ fn session_commands_events_and_errors() {
     }
     q.fast_migration();
     q.qmp.migrate("exec:cat > /dev/null").unwrap();
-    let info = q
-        .qmp
-        .wait_migration(Duration::from_secs(60), Duration::from_millis(20))
-        .unwrap();
+    let info = q.qmp.wait_migration(Duration::from_secs(60), Duration::from_millis(20)).unwrap();
     assert!(info.ram.unwrap().total >= 128 << 20);
     let mut statuses = Vec::new();
     let _ = q.qmp.poll_events(Duration::from_millis(200)).unwrap();
@@ -131,15 +110,11 @@ fn second_client_times_out_cleanly() {
     let dir = workdir("qmp-second");
     let q = Qemu::start(&dir, "vm", &vm_args("pc", 64, false));
     let t = Instant::now();
-    let e = QmpClient::connect_timeout(dir.join("vm.qmp"), Duration::from_millis(800))
-        .err()
-        .unwrap();
+    let e =
+        QmpClient::connect_timeout(dir.join("vm.qmp"), Duration::from_millis(800)).err().unwrap();
     assert!(matches!(e, QmpError::Timeout { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert!(
-        e.to_string().contains("another client holds the monitor"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("another client holds the monitor"), "{e}");
     q.quit();
 }
 
@@ -195,14 +170,23 @@ fn pipelined_replies_in_order() {
     // that came with them are kept; a send right after another reads the first one's replies.
     q.qmp.send_pipeline(&[("query-status", None), ("stop", None)]).unwrap();
     q.qmp.send_pipeline(&[("query-status", None), ("cont", None)]).unwrap();
-    assert!(!q.qmp.query_status().unwrap().running, "the second query-status ran after the first batch's stop");
+    assert!(
+        !q.qmp.query_status().unwrap().running,
+        "the second query-status ran after the first batch's stop"
+    );
     q.qmp.execute("cont", None).unwrap();
-    assert!(q.qmp.wait_event("STOP", Duration::from_secs(5)).is_ok(), "the STOP event read with the replies is kept");
+    assert!(
+        q.qmp.wait_event("STOP", Duration::from_secs(5)).is_ok(),
+        "the STOP event read with the replies is kept"
+    );
     assert!(q.qmp.query_status().unwrap().running);
     // Unread replies are read (and dropped) by discard_pipelined: the next command gets its own.
     q.qmp.send_pipeline(&[("stop", None), ("query-status", None)]).unwrap();
     q.qmp.discard_pipelined();
-    assert!(!q.qmp.query_status().unwrap().running, "stop ran, and the stale query-status reply was dropped");
+    assert!(
+        !q.qmp.query_status().unwrap().running,
+        "stop ran, and the stale query-status reply was dropped"
+    );
     q.quit();
 }
 
@@ -228,46 +212,23 @@ fn capability_refusal_against_qemu() {
             .migrate_set_capabilities(&[(cap, true)])
             .unwrap_or_else(|e| panic!("enable {cap}: {e}"));
         let caps = q.qmp.query_migrate_capabilities().unwrap();
-        assert!(
-            caps.iter().any(|c| c.capability == cap && c.state),
-            "{cap} not enabled"
-        );
+        assert!(caps.iter().any(|c| c.capability == cap && c.state), "{cap} not enabled");
         let e = check_capabilities(&caps).unwrap_err();
-        assert_eq!(
-            e.refused
-                .iter()
-                .map(|r| r.name.as_str())
-                .collect::<Vec<_>>(),
-            vec![cap]
-        );
+        assert_eq!(e.refused.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), vec![cap]);
         let qe = q.qmp.ensure_storable_capabilities(&policy).unwrap_err();
         assert!(qe.to_string().contains(cap), "{qe}");
         if cap == "multifd" {
-            check_capabilities_with(
-                &caps,
-                &CapabilityPolicy {
-                    allow_multifd: true,
-                },
-            )
-            .unwrap();
+            check_capabilities_with(&caps, &CapabilityPolicy { allow_multifd: true }).unwrap();
         }
         q.qmp.migrate_set_capabilities(&[(cap, false)]).unwrap();
         q.qmp.ensure_storable_capabilities(&policy).unwrap();
     }
     // Harmless ones pass.
-    q.qmp
-        .migrate_set_capabilities(&[("events", true), ("auto-converge", true)])
-        .unwrap();
+    q.qmp.migrate_set_capabilities(&[("events", true), ("auto-converge", true)]).unwrap();
     q.qmp.ensure_storable_capabilities(&policy).unwrap();
     // QEMU itself refuses some combinations; the error carries its text.
-    let e = q
-        .qmp
-        .migrate_set_capabilities(&[("background-snapshot", true)])
-        .unwrap_err();
-    assert!(
-        e.to_string().contains("not compatible with auto-converge"),
-        "{e}"
-    );
+    let e = q.qmp.migrate_set_capabilities(&[("background-snapshot", true)]).unwrap_err();
+    assert!(e.to_string().contains("not compatible with auto-converge"), "{e}");
     q.qmp
         .migrate_set_capabilities(&[("auto-converge", false), ("background-snapshot", true)])
         .unwrap();

@@ -63,7 +63,9 @@ pub(super) fn run_codec(c: BenchCodec, frames: &[&[u8]]) -> Result<(u64, f64, f6
         }
         BenchCodec::Deflate | BenchCodec::Huffman => {
             let strategy = match c {
-                BenchCodec::Huffman => miniz_oxide::deflate::core::CompressionStrategy::HuffmanOnly as i32,
+                BenchCodec::Huffman => {
+                    miniz_oxide::deflate::core::CompressionStrategy::HuffmanOnly as i32
+                }
                 _ => 0,
             };
             for f in frames {
@@ -90,10 +92,13 @@ pub(super) fn run_codec(c: BenchCodec, frames: &[&[u8]]) -> Result<(u64, f64, f6
     let mut zd = zstd::bulk::Decompressor::new()?;
     for (o, f) in outs.iter().zip(frames) {
         let n = match c {
-            BenchCodec::Lz4 => lz4_flex::block::decompress_into(o, &mut buf).map_err(|e| anyhow::anyhow!("{e}"))?,
+            BenchCodec::Lz4 => {
+                lz4_flex::block::decompress_into(o, &mut buf).map_err(|e| anyhow::anyhow!("{e}"))?
+            }
             BenchCodec::Zstd(_) => zd.decompress_to_buffer(o, &mut buf)?,
             BenchCodec::Deflate | BenchCodec::Huffman => {
-                let v = miniz_oxide::inflate::decompress_to_vec(o).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+                let v = miniz_oxide::inflate::decompress_to_vec(o)
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
                 buf[..v.len()].copy_from_slice(&v);
                 v.len()
             }
@@ -164,7 +169,12 @@ struct CodecRow {
     expected_restore_mb_s: f64,
 }
 
-pub(super) fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub(super) fn bench_codecs(
+    mem: u32,
+    sample_mib: u32,
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     eprintln!("bench codecs: booting a {mem} MiB guest with the desktop workload");
@@ -214,11 +224,18 @@ pub(super) fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Optio
         );
         rows.push(r);
     }
-    let mut csv = String::from("codec,ratio,comp_mb_s,decomp_mb_s,expected_save_mb_s,expected_restore_mb_s\n");
+    let mut csv = String::from(
+        "codec,ratio,comp_mb_s,decomp_mb_s,expected_save_mb_s,expected_restore_mb_s\n",
+    );
     for r in &rows {
         csv += &format!(
             "{},{:.4},{:.1},{:.1},{:.1},{:.1}\n",
-            r.codec, r.ratio, r.comp_mb_s, r.decomp_mb_s, r.expected_save_mb_s, r.expected_restore_mb_s
+            r.codec,
+            r.ratio,
+            r.comp_mb_s,
+            r.decomp_mb_s,
+            r.expected_save_mb_s,
+            r.expected_restore_mb_s
         );
     }
     let json = serde_json::json!({
@@ -242,17 +259,11 @@ pub(super) fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Optio
     });
     let cats: Vec<String> = rows.iter().map(|r| r.codec.clone()).collect();
     let speeds = bars(
-        &format!(
-            "Codecs on {} MiB of a {mem} MiB desktop guest's memory (one core)",
-            raw >> 20
-        ),
+        &format!("Codecs on {} MiB of a {mem} MiB desktop guest's memory (one core)", raw >> 20),
         "MB/s",
         &cats,
         &[
-            Series {
-                name: "compress".into(),
-                values: rows.iter().map(|r| r.comp_mb_s).collect(),
-            },
+            Series { name: "compress".into(), values: rows.iter().map(|r| r.comp_mb_s).collect() },
             Series {
                 name: "decompress".into(),
                 values: rows.iter().map(|r| r.decomp_mb_s).collect(),
@@ -271,10 +282,7 @@ pub(super) fn bench_codecs(mem: u32, sample_mib: u32, out: &Path, scratch: Optio
         "Compressed size / raw (lower is better)",
         "ratio",
         &cats,
-        &[Series {
-            name: "ratio".into(),
-            values: rows.iter().map(|r| r.ratio).collect(),
-        }],
+        &[Series { name: "ratio".into(), values: rows.iter().map(|r| r.ratio).collect() }],
     );
     write_outputs(out, "codecs", csv, &json, stack(vec![speeds, ratio]))
 }

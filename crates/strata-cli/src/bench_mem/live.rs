@@ -19,7 +19,12 @@ impl std::ops::Deref for LiveRow {
     }
 }
 
-pub(super) fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub(super) fn bench_live(
+    mem: u32,
+    rates: &[u32],
+    out: &Path,
+    scratch: Option<&Path>,
+) -> Result<()> {
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     eprintln!("bench live: {mem} MiB guest, dirtying at {rates:?} MiB/s");
@@ -36,7 +41,16 @@ pub(super) fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&P
         for (label, mode) in LIVE_MODES {
             let sdir = tmp.path().join(format!("r{rate}-{}", mode.as_str()));
             let store = Store::init_local(&sdir, InitOptions::default())?;
-            let (r, written) = dirty_checkpoint(&mut g, &mut q, &store, "ckpt", mode, rate, rate, Duration::from_secs(1))?;
+            let (r, written) = dirty_checkpoint(
+                &mut g,
+                &mut q,
+                &store,
+                "ckpt",
+                mode,
+                rate,
+                rate,
+                Duration::from_secs(1),
+            )?;
             let lr = row(rate, label, &r, written);
             eprintln!(
                 "  {rate:>4} MiB/s {label:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
@@ -52,8 +66,16 @@ pub(super) fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&P
         }
         // A second background snapshot 5 s later into the same store: the incremental cost.
         if let Some(store) = bg_store {
-            let (r, written) =
-                dirty_checkpoint(&mut g, &mut q, &store, "ckpt2", Mode::BackgroundSnapshot, rate, rate + 1000, Duration::from_secs(5))?;
+            let (r, written) = dirty_checkpoint(
+                &mut g,
+                &mut q,
+                &store,
+                "ckpt2",
+                Mode::BackgroundSnapshot,
+                rate,
+                rate + 1000,
+                Duration::from_secs(5),
+            )?;
             let lr = row(rate, "2nd background-snapshot (+5 s)", &r, written);
             eprintln!(
                 "  {rate:>4} MiB/s {:<20} pause {:>8.1} ms  total {:>7.0} ms  sent {:>7}  stored {:>7}  dedup {:>7}  ({written} dirtied)",
@@ -96,25 +118,20 @@ pub(super) fn bench_live(mem: u32, rates: &[u32], out: &Path, scratch: Option<&P
         "env": env_json(),
         "rows": rows,
     });
-    let cats: Vec<String> = rows.iter().map(|r| format!("{} @{}", r.method, r.rate_mib_s)).collect();
+    let cats: Vec<String> =
+        rows.iter().map(|r| format!("{} @{}", r.method, r.rate_mib_s)).collect();
     let svg = stack(vec![
         bars(
             "Guest pause per checkpoint",
             "ms",
             &cats,
-            &[Series {
-                name: "pause".into(),
-                values: rows.iter().map(|r| r.pause_ms).collect(),
-            }],
+            &[Series { name: "pause".into(), values: rows.iter().map(|r| r.pause_ms).collect() }],
         ),
         bars(
             "Total checkpoint time",
             "ms",
             &cats,
-            &[Series {
-                name: "total".into(),
-                values: rows.iter().map(|r| r.total_ms).collect(),
-            }],
+            &[Series { name: "total".into(), values: rows.iter().map(|r| r.total_ms).collect() }],
         ),
         bars(
             "Pages per checkpoint",

@@ -33,8 +33,9 @@ use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
 use crate::bench_guest::{
-    available_mib, CheckpointCost, boot, desktop_guest, dirty_checkpoint, workload_guest, WorkloadMix, env_json, machine, qemu_restore, qemu_save, qmp_of,
-    results_name, restore_verified, scratch_dir, stack, start_dest, write_outputs, LIVE_MODES,
+    available_mib, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore,
+    qemu_save, qmp_of, restore_verified, results_name, scratch_dir, stack, start_dest,
+    workload_guest, write_outputs, CheckpointCost, WorkloadMix, LIVE_MODES,
 };
 use crate::chart::{bars, Series};
 
@@ -46,8 +47,8 @@ mod tests;
 
 use codecs::bench_codecs;
 use live::bench_live;
-pub(crate) use save_restore::file_len;
 use save_restore::bench_save_restore;
+pub(crate) use save_restore::file_len;
 
 #[derive(Subcommand)]
 pub enum MemBenchCmd {
@@ -161,12 +162,9 @@ pub enum MemBenchCmd {
 
 pub fn run(cmd: &MemBenchCmd) -> Result<()> {
     match cmd {
-        MemBenchCmd::Codecs {
-            mem,
-            sample,
-            out,
-            scratch,
-        } => bench_codecs(*mem, *sample, out, scratch.as_deref()),
+        MemBenchCmd::Codecs { mem, sample, out, scratch } => {
+            bench_codecs(*mem, *sample, out, scratch.as_deref())
+        }
         MemBenchCmd::SaveRestore {
             sizes,
             machine,
@@ -180,38 +178,37 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(sizes, machine, restore_workers.unwrap_or_else(|| strata::memory::restore::RestoreOptions::default().workers), *codec, *rounds, !*no_warm, *cold_maps, workload, out, scratch.as_deref()),
-        MemBenchCmd::SaveRestore {
+        } => crate::bench_remote_mem::bench_save_restore_remote(
             sizes,
             machine,
-            vms,
-            vms_mem,
+            restore_workers
+                .unwrap_or_else(|| strata::memory::restore::RestoreOptions::default().workers),
+            *codec,
+            *rounds,
+            !*no_warm,
+            *cold_maps,
             workload,
             out,
-            scratch,
-            ..
+            scratch.as_deref(),
+        ),
+        MemBenchCmd::SaveRestore {
+            sizes, machine, vms, vms_mem, workload, out, scratch, ..
         } => bench_save_restore(sizes, machine, *vms, *vms_mem, workload, out, scratch.as_deref()),
-        MemBenchCmd::Multifd {
-            mem,
-            machine,
-            channels,
-            reps,
-            out,
-            scratch,
-        } => crate::bench_multifd::bench_multifd(*mem, machine, channels, *reps, out, scratch.as_deref()),
-        MemBenchCmd::Live {
-            mem,
-            rates,
-            redis: true,
-            out,
-            scratch,
-        } => crate::bench_remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref()),
-        MemBenchCmd::Live {
-            mem,
-            rates,
-            out,
-            scratch,
-            ..
-        } => bench_live(*mem, rates, out, scratch.as_deref()),
+        MemBenchCmd::Multifd { mem, machine, channels, reps, out, scratch } => {
+            crate::bench_multifd::bench_multifd(
+                *mem,
+                machine,
+                channels,
+                *reps,
+                out,
+                scratch.as_deref(),
+            )
+        }
+        MemBenchCmd::Live { mem, rates, redis: true, out, scratch } => {
+            crate::bench_remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref())
+        }
+        MemBenchCmd::Live { mem, rates, out, scratch, .. } => {
+            bench_live(*mem, rates, out, scratch.as_deref())
+        }
     }
 }

@@ -162,7 +162,10 @@ pub(super) fn bench_save_restore(
             g.command(&format!("text {}", (usable / 2).min(240)), t)?;
             let mut q = qmp_of(&g)?;
             let sh = save(&shared, &mut q, &format!("vm{i}"), &live, &NoProgress)?;
-            eprintln!("  vm{i}: booted + shared workload: stored {} MB", sh.stored_bytes / 1_000_000);
+            eprintln!(
+                "  vm{i}: booted + shared workload: stored {} MB",
+                sh.stored_bytes / 1_000_000
+            );
             per_shared.push(sh.stored_bytes);
             g.command(&format!("fill {} 10 50 {}", (usable / 8).max(4), 100 + i), t)?;
             // QEMU refuses a second migration after a completed stop-and-copy, so the
@@ -278,18 +281,8 @@ pub(super) fn bench_save_restore(
             .collect()
     };
     let svg = stack(vec![
-        bars(
-            "Save time (stop-and-copy, durable)",
-            "seconds",
-            &cats,
-            &series(&|r| r.save_s),
-        ),
-        bars(
-            "Restore time (until QEMU has loaded)",
-            "seconds",
-            &cats,
-            &series(&|r| r.restore_s),
-        ),
+        bars("Save time (stop-and-copy, durable)", "seconds", &cats, &series(&|r| r.save_s)),
+        bars("Restore time (until QEMU has loaded)", "seconds", &cats, &series(&|r| r.restore_s)),
         bars("Stored bytes", "MB", &cats, &series(&|r| r.stored_bytes as f64 / 1e6)),
     ]);
     write_outputs(out, &results_name("save-restore", mix), csv, &json, svg)

@@ -120,7 +120,8 @@ impl CacheOptions {
     /// The region geometry these options give, or None if the size is below one block.
     pub fn geometry(&self) -> Option<(u8, u8, u64)> {
         let min_shift = self.min_block.max(512).next_power_of_two().trailing_zeros() as u8;
-        let max_shift = self.max_entry.max(self.min_block as u64).next_power_of_two().trailing_zeros() as u8;
+        let max_shift =
+            self.max_entry.max(self.min_block as u64).next_power_of_two().trailing_zeros() as u8;
         let size_shift = 63 - self.size.max(1).leading_zeros() as u8;
         if size_shift < min_shift {
             return None;
@@ -153,9 +154,13 @@ pub enum CacheError {
         #[source]
         source: std::io::Error,
     },
-    #[error("Cannot reserve {size} bytes for {path}: free disk space or give a smaller --cache-size")]
+    #[error(
+        "Cannot reserve {size} bytes for {path}: free disk space or give a smaller --cache-size"
+    )]
     NoSpace { size: u64, path: PathBuf },
-    #[error("Cache {dir} is in use by another strata process: give each process its own --cache DIR")]
+    #[error(
+        "Cache {dir} is in use by another strata process: give each process its own --cache DIR"
+    )]
     InUse { dir: PathBuf },
 }
 
@@ -280,7 +285,11 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -
 impl CacheBackend {
     /// Open (or create) the cache in `dir` in front of `inner`. A cache file of another size
     /// or format is recreated empty; an intact one is recovered with its entries.
-    pub fn open(inner: DynBackend, dir: &Path, opts: CacheOptions) -> Result<CacheBackend, CacheError> {
+    pub fn open(
+        inner: DynBackend,
+        dir: &Path,
+        opts: CacheOptions,
+    ) -> Result<CacheBackend, CacheError> {
         let (min_shift, top_order, n_top) = opts
             .geometry()
             .filter(|g| g.2 > 0)
@@ -300,8 +309,13 @@ impl CacheBackend {
             _ => CacheError::Io { op: "lock", path: data_path.clone(), source: e },
         })?;
         let mut head = vec![0u8; DATA_HEADER_LEN as usize];
-        let old = data.read_exact_at(&mut head, 0).ok().and_then(|_| format::parse_data_header(&head).ok());
-        let same = |g: &Geometry| g.region_size == region_size && g.min_shift == min_shift && g.top_order == top_order;
+        let old = data
+            .read_exact_at(&mut head, 0)
+            .ok()
+            .and_then(|_| format::parse_data_header(&head).ok());
+        let same = |g: &Geometry| {
+            g.region_size == region_size && g.min_shift == min_shift && g.top_order == top_order
+        };
         let file_len = data.metadata().map_err(io_err("stat", &data_path))?.len();
         let geo = match old {
             Some(g) if same(&g) && file_len == DATA_HEADER_LEN + region_size => g,
@@ -309,9 +323,14 @@ impl CacheBackend {
                 let g = Geometry { instance: rand::random(), region_size, min_shift, top_order };
                 tracing::info!(target: TARGET, path = %data_path.display(), size = region_size, "creating the cache file");
                 data.set_len(0).map_err(io_err("truncate", &data_path))?;
-                reserve_space(&data, DATA_HEADER_LEN + region_size)
-                    .map_err(|_| CacheError::NoSpace { size: DATA_HEADER_LEN + region_size, path: data_path.clone() })?;
-                data.write_all_at(&format::encode_data_header(&g), 0).map_err(io_err("write", &data_path))?;
+                reserve_space(&data, DATA_HEADER_LEN + region_size).map_err(|_| {
+                    CacheError::NoSpace {
+                        size: DATA_HEADER_LEN + region_size,
+                        path: data_path.clone(),
+                    }
+                })?;
+                data.write_all_at(&format::encode_data_header(&g), 0)
+                    .map_err(io_err("write", &data_path))?;
                 g
             }
         };
@@ -340,7 +359,13 @@ impl CacheBackend {
             staged: BTreeMap::new(),
             staged_bytes: 0,
             // `file` is a placeholder until `rewrite_log` below opens the real index.
-            log: Log { file: data.try_clone().map_err(io_err("open", &index_path))?, path: index_path, buf: Vec::new(), len: 0, live: 0 },
+            log: Log {
+                file: data.try_clone().map_err(io_err("open", &index_path))?,
+                path: index_path,
+                buf: Vec::new(),
+                len: 0,
+                live: 0,
+            },
         };
         let mut recovered = 0;
         let mut ordered: Vec<(u64, Entry)> = by_block.into_iter().collect();
@@ -446,7 +471,8 @@ impl CacheBackend {
     /// Read every entry back and drop those whose bytes fail their hash. Returns (good, bad).
     pub fn verify_all(&self) -> (u64, u64) {
         self.wait_idle();
-        let entries: Vec<(u64, Entry)> = self.sh.state.lock().by_block.iter().map(|(b, e)| (*b, e.clone())).collect();
+        let entries: Vec<(u64, Entry)> =
+            self.sh.state.lock().by_block.iter().map(|(b, e)| (*b, e.clone())).collect();
         let (mut good, mut bad) = (0, 0);
         for (block, e) in entries {
             if self.sh.read_block(block, &e).is_some() {
@@ -501,7 +527,8 @@ impl CacheBackend {
             st.staged_bytes += len;
             st.staged.insert(rk.clone(), slice.clone());
         }
-        let sent = self.tx.lock().as_ref().map(|tx| tx.send((rk.clone(), slice)).is_ok()).unwrap_or(false);
+        let sent =
+            self.tx.lock().as_ref().map(|tx| tx.send((rk.clone(), slice)).is_ok()).unwrap_or(false);
         if !sent {
             let mut st = self.sh.state.lock();
             if st.staged.remove(&rk).is_some() {
@@ -546,14 +573,14 @@ impl CacheBackend {
         Ok(())
     }
 
-
     /// Drop every entry and staged fill of `key` (its object was deleted or overwritten).
     fn invalidate(&self, key: &str) {
         let k: Arc<str> = Arc::from(key);
         let lo = (k.clone(), 0u64, 0u64);
         let hi = (k, u64::MAX, u64::MAX);
         let mut st = self.sh.state.lock();
-        let blocks: Vec<u64> = st.by_range.range(lo.clone()..=hi.clone()).map(|(_, b)| *b).collect();
+        let blocks: Vec<u64> =
+            st.by_range.range(lo.clone()..=hi.clone()).map(|(_, b)| *b).collect();
         for b in &blocks {
             remove_entry(&mut st, *b);
         }
@@ -700,7 +727,12 @@ impl Shared {
             return Lookup::Staged(s.bytes().to_vec());
         }
         let (k, off, len) = (rk.0.clone(), rk.1, rk.2);
-        let within = st.staged.range((k.clone(), 0, 0)..=(k, off, u64::MAX)).rev().take(4).find(|(ek, _)| ek.1 + ek.2 >= off + len);
+        let within = st
+            .staged
+            .range((k.clone(), 0, 0)..=(k, off, u64::MAX))
+            .rev()
+            .take(4)
+            .find(|(ek, _)| ek.1 + ek.2 >= off + len);
         if let Some((ek, s)) = within {
             let at = (off - ek.1) as usize;
             return Lookup::Staged(s.bytes()[at..at + len as usize].to_vec());
@@ -726,7 +758,10 @@ struct Leader<'a> {
 
 impl Drop for Leader<'_> {
     fn drop(&mut self) {
-        let r = self.result.take().unwrap_or_else(|| Outcome::Failed(ErrorKind::Other, "cache leader failed".into()));
+        let r = self
+            .result
+            .take()
+            .unwrap_or_else(|| Outcome::Failed(ErrorKind::Other, "cache leader failed".into()));
         *self.flight.done.lock() = Some(r);
         self.flight.cv.notify_all();
         self.sh.flights.lock().remove(&self.rk);
@@ -836,7 +871,6 @@ impl Backend for CacheBackend {
         self.sh.inner.put_if_absent(key, data)
     }
 
-
     fn list(&self, prefix: &str) -> BResult<Vec<ObjectInfo>> {
         self.sh.inner.list(prefix)
     }
@@ -882,7 +916,6 @@ fn reserve_space(f: &File, len: u64) -> std::io::Result<()> {
         e => Err(std::io::Error::from_raw_os_error(e)),
     }
 }
-
 
 #[cfg(test)]
 mod tests {

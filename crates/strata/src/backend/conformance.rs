@@ -66,7 +66,8 @@ fn range_reads(b: &dyn Backend) {
 }
 
 fn streamed_range_reads(b: &dyn Backend) {
-    let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
+    let data: Vec<u8> =
+        (0..(3u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
     b.put("conf/s", &data).unwrap();
     for (off, len) in [(0u64, 1u64), (5, 100_000), (1 << 20, 2 << 20), (0, 3 << 20)] {
         let mut got = Vec::new();
@@ -76,30 +77,62 @@ fn streamed_range_reads(b: &dyn Backend) {
             got.extend_from_slice(p)
         })
         .unwrap();
-        assert!(pieces >= 1 && got[..] == data[off as usize..(off + len) as usize], "{}", ctx(b, "streamed range read"));
+        assert!(
+            pieces >= 1 && got[..] == data[off as usize..(off + len) as usize],
+            "{}",
+            ctx(b, "streamed range read")
+        );
     }
     let e = b.get_range_to("conf/s", (3 << 20) - 1, 2, &mut |_| {}).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::Invalid, "{}", ctx(b, "a streamed range past the end is Invalid"));
+    assert_eq!(
+        e.kind,
+        ErrorKind::Invalid,
+        "{}",
+        ctx(b, "a streamed range past the end is Invalid")
+    );
     let e = b.get_range_to("conf/missing", 0, 1, &mut |_| {}).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::NotFound, "{}", ctx(b, "a streamed range of a missing key is NotFound"));
+    assert_eq!(
+        e.kind,
+        ErrorKind::NotFound,
+        "{}",
+        ctx(b, "a streamed range of a missing key is NotFound")
+    );
     b.delete("conf/s").unwrap();
 }
 
 fn put_if_absent_semantics(b: &dyn Backend) {
-    assert!(b.put_if_absent("conf/lease", b"one").unwrap(), "{}", ctx(b, "first put_if_absent wins"));
-    assert!(!b.put_if_absent("conf/lease", b"two").unwrap(), "{}", ctx(b, "second put_if_absent loses"));
+    assert!(
+        b.put_if_absent("conf/lease", b"one").unwrap(),
+        "{}",
+        ctx(b, "first put_if_absent wins")
+    );
+    assert!(
+        !b.put_if_absent("conf/lease", b"two").unwrap(),
+        "{}",
+        ctx(b, "second put_if_absent loses")
+    );
     assert_eq!(b.get("conf/lease").unwrap(), b"one", "{}", ctx(b, "loser writes nothing"));
     b.delete("conf/lease").unwrap();
-    assert!(b.put_if_absent("conf/lease", b"three").unwrap(), "{}", ctx(b, "free again after delete"));
+    assert!(
+        b.put_if_absent("conf/lease", b"three").unwrap(),
+        "{}",
+        ctx(b, "free again after delete")
+    );
 }
 
 fn list_by_prefix(b: &dyn Backend) {
     for k in ["conf/list/x/1", "conf/list/x/2", "conf/list/y/1", "conf/listz"] {
         b.put(k, k.as_bytes()).unwrap();
     }
-    let mut keys: Vec<String> = b.list("conf/list/x/").unwrap().into_iter().map(|o| o.key).collect();
+    let mut keys: Vec<String> =
+        b.list("conf/list/x/").unwrap().into_iter().map(|o| o.key).collect();
     keys.sort();
-    assert_eq!(keys, ["conf/list/x/1", "conf/list/x/2"], "{}", ctx(b, "list returns exactly the prefix"));
+    assert_eq!(
+        keys,
+        ["conf/list/x/1", "conf/list/x/2"],
+        "{}",
+        ctx(b, "list returns exactly the prefix")
+    );
     let all = b.list("conf/list").unwrap();
     assert_eq!(all.len(), 4, "{}", ctx(b, "list prefix is a string prefix, not a directory"));
     let one = all.iter().find(|o| o.key == "conf/list/y/1").unwrap();
@@ -111,7 +144,12 @@ fn delete_is_idempotent(b: &dyn Backend) {
     b.put("conf/d", b"x").unwrap();
     b.delete("conf/d").unwrap();
     b.delete("conf/d").unwrap();
-    assert_eq!(b.get("conf/d").unwrap_err().kind, ErrorKind::NotFound, "{}", ctx(b, "deleted is gone"));
+    assert_eq!(
+        b.get("conf/d").unwrap_err().kind,
+        ErrorKind::NotFound,
+        "{}",
+        ctx(b, "deleted is gone")
+    );
 }
 
 fn bad_keys_are_refused(b: &dyn Backend) {
@@ -125,27 +163,55 @@ fn large_object(b: &dyn Backend) {
     let data: Vec<u8> = (0..(9u32 << 20)).map(|i| (i ^ (i >> 11)) as u8).collect();
     b.put("conf/big", &data).unwrap();
     assert_eq!(b.get_range("conf/big", 8 << 20, 16).unwrap(), &data[8 << 20..(8 << 20) + 16]);
-    assert_eq!(b.get("conf/big").unwrap().len(), data.len(), "{}", ctx(b, "large objects round-trip"));
+    assert_eq!(
+        b.get("conf/big").unwrap().len(),
+        data.len(),
+        "{}",
+        ctx(b, "large objects round-trip")
+    );
     b.delete("conf/big").unwrap();
 }
 
 fn vectored_range_reads(b: &dyn Backend) {
-    let data: Vec<u8> = (0..(10u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 7) as u8).collect();
+    let data: Vec<u8> =
+        (0..(10u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 7) as u8).collect();
     b.put("conf/v", &data).unwrap();
     let k = 64u64 << 10;
     let n = data.len() as u64;
     // Out of order, adjacent, overlapping, a small gap, far apart, and one longer than any
     // merged request, as a disk read spanning many frames of a pack asks for them.
-    let ranges = [(3 * k, k), (0, k), (k, k), (k + 100, 50), (2 * k + 4096, 10), (n - 1, 1), (16 * k, 9 << 20)];
+    let ranges = [
+        (3 * k, k),
+        (0, k),
+        (k, k),
+        (k + 100, 50),
+        (2 * k + 4096, 10),
+        (n - 1, 1),
+        (16 * k, 9 << 20),
+    ];
     let got = b.get_ranges("conf/v", &ranges).unwrap();
     assert_eq!(got.len(), ranges.len(), "{}", ctx(b, "get_ranges answers every range"));
     for ((off, len), g) in ranges.iter().zip(&got) {
-        assert!(g[..] == data[*off as usize..(off + len) as usize], "{}", ctx(b, "get_ranges returns each range's bytes"));
+        assert!(
+            g[..] == data[*off as usize..(off + len) as usize],
+            "{}",
+            ctx(b, "get_ranges returns each range's bytes")
+        );
     }
     let e = b.get_ranges("conf/v", &[(0, 10), (n - 1, 2)]).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::Invalid, "{}", ctx(b, "a range past the end is Invalid in get_ranges"));
+    assert_eq!(
+        e.kind,
+        ErrorKind::Invalid,
+        "{}",
+        ctx(b, "a range past the end is Invalid in get_ranges")
+    );
     let e = b.get_ranges("conf/missing", &[(0, 1), (5, 1)]).unwrap_err();
-    assert_eq!(e.kind, ErrorKind::NotFound, "{}", ctx(b, "get_ranges of a missing key is NotFound"));
+    assert_eq!(
+        e.kind,
+        ErrorKind::NotFound,
+        "{}",
+        ctx(b, "get_ranges of a missing key is NotFound")
+    );
     b.delete("conf/v").unwrap();
 }
 
@@ -157,7 +223,9 @@ fn racing_put_if_absent_has_one_winner(b: Arc<dyn Backend>) {
                 .map(|t| {
                     let b = b.clone();
                     let key = key.clone();
-                    s.spawn(move || b.put_if_absent(&key, format!("{t}").as_bytes()).unwrap() as usize)
+                    s.spawn(move || {
+                        b.put_if_absent(&key, format!("{t}").as_bytes()).unwrap() as usize
+                    })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).sum()

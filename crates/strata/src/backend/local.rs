@@ -16,12 +16,12 @@
 use super::{validate_key, BResult, Backend, BackendError, Capabilities, ErrorKind, ObjectInfo};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind as IoKind, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 #[derive(Debug)]
 pub struct LocalBackend {
@@ -71,7 +71,8 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
+        let layout =
+            std::alloc::Layout::from_size_align(self.cap, DIRECT_ALIGN).expect("valid layout");
         // SAFETY: allocated in `new` with this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
     }
@@ -85,7 +86,9 @@ const TMP: &str = ".tmp";
 /// Whether process `pid` exists (on this host).
 fn pid_alive(pid: i32) -> bool {
     // SAFETY: kill with signal 0 only checks for existence and permission.
-    pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
 impl LocalBackend {
@@ -96,11 +99,15 @@ impl LocalBackend {
     pub fn open(root: impl AsRef<Path>) -> BResult<LocalBackend> {
         let root = root.as_ref().to_path_buf();
         let tmp = root.join(TMP);
-        fs::create_dir_all(&tmp).map_err(|e| BackendError::from_io("open", root.display().to_string(), e))?;
+        fs::create_dir_all(&tmp)
+            .map_err(|e| BackendError::from_io("open", root.display().to_string(), e))?;
         if let Ok(rd) = fs::read_dir(&tmp) {
             for e in rd.flatten() {
                 let name = e.file_name();
-                let owner = name.to_str().and_then(|n| n.split_once('.')).and_then(|(p, _)| p.parse::<i32>().ok());
+                let owner = name
+                    .to_str()
+                    .and_then(|n| n.split_once('.'))
+                    .and_then(|(p, _)| p.parse::<i32>().ok());
                 if !owner.is_some_and(pid_alive) {
                     let _ = fs::remove_file(e.path());
                 }
@@ -129,8 +136,18 @@ impl LocalBackend {
         self.write_tmp_with(op, key, data, true)
     }
 
-    fn write_tmp_with(&self, op: &'static str, key: &str, data: &[u8], sync: bool) -> BResult<PathBuf> {
-        let tmp = self.root.join(TMP).join(format!("{}.{:016x}", std::process::id(), rand::random::<u64>()));
+    fn write_tmp_with(
+        &self,
+        op: &'static str,
+        key: &str,
+        data: &[u8],
+        sync: bool,
+    ) -> BResult<PathBuf> {
+        let tmp = self.root.join(TMP).join(format!(
+            "{}.{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         if data.len() >= DIRECT_MIN && self.direct_ok.load(Ordering::Relaxed) {
             match self.write_direct(&tmp, data) {
                 Ok(()) => return Ok(tmp),
@@ -167,12 +184,18 @@ impl LocalBackend {
         let mut slot = self.direct_buf.lock();
         if slot.as_ref().is_none_or(|b| b.cap < padded) {
             *slot = None;
-            *slot = Some(AlignedBuf::new(padded).ok_or_else(|| std::io::Error::from(IoKind::OutOfMemory))?);
+            *slot = Some(
+                AlignedBuf::new(padded).ok_or_else(|| std::io::Error::from(IoKind::OutOfMemory))?,
+            );
         }
         let buf = slot.as_mut().expect("allocated above").as_mut();
         buf[..data.len()].copy_from_slice(data);
         buf[data.len()..padded].fill(0);
-        let f = OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_DIRECT).open(tmp)?;
+        let f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(tmp)?;
         let mut off = 0;
         while off < padded {
             match f.write_at(&buf[off..padded], off as u64) {
@@ -228,7 +251,9 @@ impl Backend for LocalBackend {
         let f = match cached.then(|| self.handles.read().get(key).cloned()).flatten() {
             Some(f) => f,
             None => {
-                let f = Arc::new(File::open(&p).map_err(|e| BackendError::from_io("get_range", key, e))?);
+                let f = Arc::new(
+                    File::open(&p).map_err(|e| BackendError::from_io("get_range", key, e))?,
+                );
                 if cached {
                     let mut h = self.handles.write();
                     if h.len() >= MAX_HANDLES {
@@ -244,7 +269,8 @@ impl Backend for LocalBackend {
             return Err(BackendError::new(ErrorKind::Invalid, "get_range", key));
         }
         let mut buf = vec![0u8; len as usize];
-        f.read_exact_at(&mut buf, offset).map_err(|e| BackendError::from_io("get_range", key, e))?;
+        f.read_exact_at(&mut buf, offset)
+            .map_err(|e| BackendError::from_io("get_range", key, e))?;
         Ok(buf)
     }
 

@@ -56,7 +56,8 @@ impl Backend for MemoryBackend {
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
         validate_key(key)?;
         let m = self.objects.read();
-        let v = m.get(key).ok_or_else(|| BackendError::new(ErrorKind::NotFound, "get_range", key))?;
+        let v =
+            m.get(key).ok_or_else(|| BackendError::new(ErrorKind::NotFound, "get_range", key))?;
         let end = offset
             .checked_add(len)
             .filter(|&e| e <= v.len() as u64)

@@ -107,7 +107,9 @@ impl BackendError {
             std::io::ErrorKind::NotFound => ErrorKind::NotFound,
             std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
             std::io::ErrorKind::InvalidInput => ErrorKind::Invalid,
-            _ if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) => {
+            _ if e.raw_os_error() == Some(libc::ENOSPC)
+                || e.raw_os_error() == Some(libc::EDQUOT) =>
+            {
                 ErrorKind::NoSpace
             }
             _ => ErrorKind::Other,
@@ -122,8 +124,12 @@ impl BackendError {
     fn describe(&self) -> String {
         let what = match self.kind {
             ErrorKind::NotFound => "Object not found",
-            ErrorKind::NoSpace => "Backend is out of space (free space or grow the filesystem/bucket)",
-            ErrorKind::Unavailable => "Backend is unavailable (check that the server is up and reachable)",
+            ErrorKind::NoSpace => {
+                "Backend is out of space (free space or grow the filesystem/bucket)"
+            }
+            ErrorKind::Unavailable => {
+                "Backend is unavailable (check that the server is up and reachable)"
+            }
             ErrorKind::PermissionDenied => "Backend denied access (check permissions/credentials)",
             ErrorKind::Invalid => "Backend refused the request",
             ErrorKind::Other => "Backend I/O failed",
@@ -153,9 +159,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Read `len` bytes at `offset`. A range past the end is an `Invalid` error.
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
         let all = self.get(key)?;
-        let end = offset.checked_add(len).filter(|&e| e <= all.len() as u64).ok_or_else(|| {
-            BackendError::new(ErrorKind::Invalid, "get_range", key)
-        })?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= all.len() as u64)
+            .ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
         Ok(all[offset as usize..end as usize].to_vec())
     }
 
@@ -165,7 +172,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// the rest can be read at `offset` plus what was given (the retry decorator resumes
     /// there). The default gives the whole range as one piece; decorators that keep it
     /// streaming forward it.
-    fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+    fn get_range_to(
+        &self,
+        key: &str,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> BResult<()> {
         let data = self.get_range(key, offset, len)?;
         sink(&data);
         Ok(())

@@ -68,7 +68,10 @@ mod tests {
 
     #[test]
     fn locations_parse() {
-        assert_eq!(parse_location("/var/lib/strata").unwrap(), Location::Local("/var/lib/strata".into()));
+        assert_eq!(
+            parse_location("/var/lib/strata").unwrap(),
+            Location::Local("/var/lib/strata".into())
+        );
         assert_eq!(parse_location("store").unwrap(), Location::Local("store".into()));
         assert_eq!(parse_location("s3://b/p").unwrap(), Location::S3("s3://b/p".into()));
         assert_eq!(parse_location("redis://h:1").unwrap(), Location::Redis("redis://h:1".into()));

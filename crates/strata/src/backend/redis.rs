@@ -100,7 +100,8 @@ pub struct RedisConfig {
 impl RedisConfig {
     /// Parse `redis://HOST:PORT[/DB][?prefix=P&durability=fsync|volatile]`. Pure, for tests and fuzzing.
     pub fn from_url(url: &str) -> Result<RedisConfig, RedisError> {
-        let bad = |reason: &str| RedisError::BadUrl { url: url.to_string(), reason: reason.to_string() };
+        let bad =
+            |reason: &str| RedisError::BadUrl { url: url.to_string(), reason: reason.to_string() };
         if !url.starts_with("redis://") {
             return Err(bad("it must start with redis://"));
         }
@@ -120,7 +121,9 @@ impl RedisConfig {
                 Some(("prefix", p)) => {
                     let p = p.trim_matches('/');
                     if !p.is_empty() && validate_key(p).is_err() {
-                        return Err(bad("the prefix may hold only letters, digits, '._@=+-' and '/'"));
+                        return Err(bad(
+                            "the prefix may hold only letters, digits, '._@=+-' and '/'",
+                        ));
                     }
                     cfg.prefix = p.to_string();
                 }
@@ -195,7 +198,9 @@ impl RedisBackend {
         let info = cfg.url.as_str().into_connection_info().map_err(|e| bad(e.to_string()))?;
         let addr = addr_of(&info);
         let client = redis::Client::open(info.clone()).map_err(|e| bad(e.to_string()))?;
-        let mut first = client.get_connection_with_timeout(cfg.connect_timeout).map_err(|e| open_error(&addr, e))?;
+        let mut first = client
+            .get_connection_with_timeout(cfg.connect_timeout)
+            .map_err(|e| open_error(&addr, e))?;
         first.set_read_timeout(Some(cfg.io_timeout)).ok();
         first.set_write_timeout(Some(cfg.io_timeout)).ok();
         let cinfo: String = redis::cmd("INFO")
@@ -252,10 +257,9 @@ impl RedisBackend {
         if self.cluster.is_none() {
             return Ok(vec![self.info.clone()]);
         }
-        let nodes: String = redis::cmd("CLUSTER")
-            .arg("NODES")
-            .query(c)
-            .map_err(|source| RedisError::Command { addr: self.addr(), op: "CLUSTER NODES", source })?;
+        let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(c).map_err(|source| {
+            RedisError::Command { addr: self.addr(), op: "CLUSTER NODES", source }
+        })?;
         let out: Vec<ConnectionInfo> = parse_cluster_masters(&nodes)
             .into_iter()
             .map(|(host, port)| self.info.clone().set_addr(ConnectionAddr::Tcp(host, port)))
@@ -267,7 +271,8 @@ impl RedisBackend {
     }
 
     fn node_conn(&self, info: &ConnectionInfo) -> Result<redis::Connection, redis::RedisError> {
-        let c = redis::Client::open(info.clone())?.get_connection_with_timeout(self.cfg.connect_timeout)?;
+        let c = redis::Client::open(info.clone())?
+            .get_connection_with_timeout(self.cfg.connect_timeout)?;
         c.set_read_timeout(Some(self.cfg.io_timeout))?;
         c.set_write_timeout(Some(self.cfg.io_timeout))?;
         Ok(c)
@@ -277,11 +282,10 @@ impl RedisBackend {
         let addr = addr_of(node);
         let mut c = self.node_conn(node).map_err(|e| open_error(&addr, e))?;
         let get = |c: &mut redis::Connection, name: &str| -> Result<String, RedisError> {
-            let v: Vec<String> = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg(name)
-                .query(c)
-                .map_err(|source| RedisError::ConfigUnreadable { addr: addr.clone(), source })?;
+            let v: Vec<String> =
+                redis::cmd("CONFIG").arg("GET").arg(name).query(c).map_err(|source| {
+                    RedisError::ConfigUnreadable { addr: addr.clone(), source }
+                })?;
             Ok(v.get(1).cloned().unwrap_or_default())
         };
         let appendonly = get(&mut c, "appendonly")?;
@@ -294,7 +298,11 @@ impl RedisBackend {
 
     fn full_key(&self, key: &str) -> BResult<String> {
         validate_key(key)?;
-        Ok(if self.cfg.prefix.is_empty() { key.to_string() } else { format!("{}/{key}", self.cfg.prefix) })
+        Ok(if self.cfg.prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}/{key}", self.cfg.prefix)
+        })
     }
 
     fn connect(&self) -> redis::RedisResult<Conn> {
@@ -310,7 +318,12 @@ impl RedisBackend {
     }
 
     /// Run `f` on a pooled connection; a connection that failed at the I/O level is dropped.
-    fn with<T>(&self, op: &'static str, key: &str, f: impl FnOnce(&mut dyn ConnectionLike) -> redis::RedisResult<T>) -> BResult<T> {
+    fn with<T>(
+        &self,
+        op: &'static str,
+        key: &str,
+        f: impl FnOnce(&mut dyn ConnectionLike) -> redis::RedisResult<T>,
+    ) -> BResult<T> {
         let pooled = self.pool.lock().pop();
         let mut conn = match pooled {
             Some(c) => c,
@@ -322,7 +335,11 @@ impl RedisBackend {
                 Ok(v)
             }
             Err(e) => {
-                if !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()) {
+                if !(e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_unrecoverable_error())
+                {
                     self.give_back(conn);
                 }
                 Err(to_backend(op, key, e))
@@ -364,7 +381,9 @@ pub fn parse_cluster_masters(nodes: &str) -> Vec<(String, u16)> {
             continue;
         }
         let flags: Vec<&str> = f[2].split(',').collect();
-        if !flags.contains(&"master") || flags.iter().any(|x| matches!(*x, "fail" | "fail?" | "noaddr" | "handshake")) {
+        if !flags.contains(&"master")
+            || flags.iter().any(|x| matches!(*x, "fail" | "fail?" | "noaddr" | "handshake"))
+        {
             continue;
         }
         // ip:port@cport[,hostname]
@@ -389,9 +408,15 @@ fn classify(e: &redis::RedisError) -> ErrorKind {
     let code = e.code().unwrap_or("");
     match e.kind() {
         K::AuthenticationFailed | K::Server(S::NoPerm) => ErrorKind::PermissionDenied,
-        K::Server(S::BusyLoading | S::TryAgain | S::ClusterDown | S::MasterDown | S::Moved | S::Ask | S::ReadOnly) => {
-            ErrorKind::Unavailable
-        }
+        K::Server(
+            S::BusyLoading
+            | S::TryAgain
+            | S::ClusterDown
+            | S::MasterDown
+            | S::Moved
+            | S::Ask
+            | S::ReadOnly,
+        ) => ErrorKind::Unavailable,
         K::ClusterConnectionNotFound => ErrorKind::Unavailable,
         _ if matches!(code, "NOAUTH" | "WRONGPASS" | "NOPERM") => ErrorKind::PermissionDenied,
         _ if code == "OOM" => ErrorKind::NoSpace,
@@ -408,7 +433,11 @@ fn to_backend(op: &'static str, key: &str, e: redis::RedisError) -> BackendError
 
 impl Backend for RedisBackend {
     fn name(&self) -> String {
-        let p = if self.cfg.prefix.is_empty() { String::new() } else { format!("?prefix={}", self.cfg.prefix) };
+        let p = if self.cfg.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("?prefix={}", self.cfg.prefix)
+        };
         format!("redis://{}{p}", self.addr())
     }
 
@@ -433,7 +462,8 @@ impl Backend for RedisBackend {
         if offset.checked_add(len).is_none_or(|e| e > REDIS_MAX_OBJECT) {
             return Err(BackendError::new(ErrorKind::Invalid, "get_range", key));
         }
-        let v: Value = self.with("get_range", key, |c| self.range_script.key(&k).arg(offset).arg(len).invoke(c))?;
+        let v: Value = self
+            .with("get_range", key, |c| self.range_script.key(&k).arg(offset).arg(len).invoke(c))?;
         match v {
             Value::BulkString(b) if b.len() as u64 == len => Ok(b),
             Value::Okay | Value::SimpleString(_) if len == 0 => Ok(Vec::new()),
@@ -452,21 +482,28 @@ impl Backend for RedisBackend {
 
     fn put_if_absent(&self, key: &str, data: &[u8]) -> BResult<bool> {
         let k = self.full_key(key)?;
-        let r: Option<String> =
-            self.with("put_if_absent", key, |c| redis::cmd("SET").arg(&k).arg(data).arg("NX").query(c))?;
+        let r: Option<String> = self.with("put_if_absent", key, |c| {
+            redis::cmd("SET").arg(&k).arg(data).arg("NX").query(c)
+        })?;
         Ok(r.is_some())
     }
 
     fn list(&self, prefix: &str) -> BResult<Vec<ObjectInfo>> {
-        let full_prefix = if self.cfg.prefix.is_empty() { prefix.to_string() } else { format!("{}/{prefix}", self.cfg.prefix) };
+        let full_prefix = if self.cfg.prefix.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{}/{prefix}", self.cfg.prefix)
+        };
         let strip = if self.cfg.prefix.is_empty() { 0 } else { self.cfg.prefix.len() + 1 };
         let pattern = format!("{}*", glob_escape(&full_prefix));
         let nodes: Vec<ConnectionInfo> = match &self.cluster {
             None => vec![self.info.clone()],
             Some(_) => {
-                let mut c = self.node_conn(&self.info).map_err(|e| to_backend("list", prefix, e))?;
-                self.masters_with(&mut c)
-                    .map_err(|e| BackendError::with_source(ErrorKind::Unavailable, "list", prefix, e))?
+                let mut c =
+                    self.node_conn(&self.info).map_err(|e| to_backend("list", prefix, e))?;
+                self.masters_with(&mut c).map_err(|e| {
+                    BackendError::with_source(ErrorKind::Unavailable, "list", prefix, e)
+                })?
             }
         };
         let mut out = Vec::new();
@@ -492,7 +529,8 @@ impl Backend for RedisBackend {
                     for k in &keys {
                         p.cmd("STRLEN").arg(k);
                     }
-                    let sizes: Vec<u64> = p.query(&mut c).map_err(|e| to_backend("list", prefix, e))?;
+                    let sizes: Vec<u64> =
+                        p.query(&mut c).map_err(|e| to_backend("list", prefix, e))?;
                     for (k, size) in keys.into_iter().zip(sizes) {
                         let key = k[strip..].to_string();
                         if validate_key(&key).is_ok() {
@@ -547,10 +585,21 @@ mod tests {
     #[test]
     fn urls_parse_with_options() {
         let c = RedisConfig::from_url("redis://127.0.0.1:6379").unwrap();
-        assert_eq!((c.url.as_str(), c.prefix.as_str(), c.durability), ("redis://127.0.0.1:6379", "", Durability::Fsync));
+        assert_eq!(
+            (c.url.as_str(), c.prefix.as_str(), c.durability),
+            ("redis://127.0.0.1:6379", "", Durability::Fsync)
+        );
         let c = RedisConfig::from_url("redis://h:1/2?prefix=/vdi/a/&durability=volatile").unwrap();
-        assert_eq!((c.url.as_str(), c.prefix.as_str(), c.durability), ("redis://h:1/2", "vdi/a", Durability::Volatile));
-        for bad in ["http://h:1", "redis://h:1?durability=maybe", "redis://h:1?colour=red", "redis://h:1?prefix=a//b"] {
+        assert_eq!(
+            (c.url.as_str(), c.prefix.as_str(), c.durability),
+            ("redis://h:1/2", "vdi/a", Durability::Volatile)
+        );
+        for bad in [
+            "http://h:1",
+            "redis://h:1?durability=maybe",
+            "redis://h:1?colour=red",
+            "redis://h:1?prefix=a//b",
+        ] {
             let e = RedisConfig::from_url(bad).unwrap_err();
             assert!(e.to_string().contains("redis://[USER:PASSWORD@]HOST:PORT"), "{bad}: {e}");
         }
@@ -568,7 +617,14 @@ dead 127.0.0.1:30005@40005 master,fail - 0 0 1 disconnected
 [::1]
 ";
         let m = parse_cluster_masters(out);
-        assert_eq!(m, [("127.0.0.1".to_string(), 30002), ("127.0.0.1".into(), 30003), ("127.0.0.1".into(), 30001)]);
+        assert_eq!(
+            m,
+            [
+                ("127.0.0.1".to_string(), 30002),
+                ("127.0.0.1".into(), 30003),
+                ("127.0.0.1".into(), 30001)
+            ]
+        );
     }
 
     #[test]

@@ -115,7 +115,12 @@ impl RetryBackend {
 
     /// Run `f` until it succeeds, fails for good, or the budget is spent. `f` is told the
     /// attempt number (1-based) and whether an earlier attempt failed ambiguously.
-    fn retry<T>(&self, op: &'static str, key: &str, mut f: impl FnMut(u32) -> BResult<T>) -> BResult<T> {
+    fn retry<T>(
+        &self,
+        op: &'static str,
+        key: &str,
+        mut f: impl FnMut(u32) -> BResult<T>,
+    ) -> BResult<T> {
         let start = Instant::now();
         let mut attempt = 1;
         loop {
@@ -130,7 +135,9 @@ impl RetryBackend {
                 Err(e) if e.kind != ErrorKind::Unavailable => return Err(e),
                 Err(e) => {
                     let delay = self.policy.delay(attempt);
-                    if attempt >= self.policy.max_attempts || start.elapsed() + delay > self.policy.max_elapsed {
+                    if attempt >= self.policy.max_attempts
+                        || start.elapsed() + delay > self.policy.max_elapsed
+                    {
                         self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(target: TARGET, op, key, attempt, error = %e, "giving up");
                         return Err(e);
@@ -167,7 +174,13 @@ impl Backend for RetryBackend {
     }
 
     /// A retry resumes after the bytes already given, so the sink sees every byte once.
-    fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+    fn get_range_to(
+        &self,
+        key: &str,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> BResult<()> {
         let mut given = 0u64;
         self.retry("get_range", key, |_| {
             self.inner.get_range_to(key, offset + given, len - given, &mut |piece: &[u8]| {
@@ -326,14 +339,21 @@ mod tests {
 
     #[test]
     fn delays_grow_are_capped_and_jittered() {
-        let p = RetryPolicy { base_delay: Duration::from_millis(10), max_delay: Duration::from_millis(100), ..RetryPolicy::default() };
+        let p = RetryPolicy {
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(100),
+            ..RetryPolicy::default()
+        };
         for _ in 0..100 {
             let d1 = p.delay(1);
             assert!(d1 >= Duration::from_millis(5) && d1 <= Duration::from_millis(10), "{d1:?}");
             let d3 = p.delay(3);
             assert!(d3 >= Duration::from_millis(20) && d3 <= Duration::from_millis(40), "{d3:?}");
             let d30 = p.delay(30);
-            assert!(d30 >= Duration::from_millis(50) && d30 <= Duration::from_millis(100), "{d30:?}");
+            assert!(
+                d30 >= Duration::from_millis(50) && d30 <= Duration::from_millis(100),
+                "{d30:?}"
+            );
         }
         let distinct: std::collections::HashSet<Duration> = (0..50).map(|_| p.delay(4)).collect();
         assert!(distinct.len() > 10, "jitter must spread retries");
@@ -349,10 +369,17 @@ mod tests {
             conformance::run_all(&r);
             let c = r.counters();
             assert!(flaky.injected.load(Ordering::Relaxed) > 10, "the test must inject failures");
-            assert_eq!(c.retries, flaky.injected.load(Ordering::Relaxed), "each injected failure costs one retry");
+            assert_eq!(
+                c.retries,
+                flaky.injected.load(Ordering::Relaxed),
+                "each injected failure costs one retry"
+            );
             assert!(c.recovered > 0 && c.gave_up == 0, "{c:?}");
             if fail_after {
-                assert!(c.ambiguous_resolved > 0, "lost replies of put_if_absent must be resolved: {c:?}");
+                assert!(
+                    c.ambiguous_resolved > 0,
+                    "lost replies of put_if_absent must be resolved: {c:?}"
+                );
             }
             let mut flaky2 = FlakyBackend::new(Arc::new(MemoryBackend::new()), 300, 8);
             flaky2.fail_after = fail_after;
@@ -362,7 +389,13 @@ mod tests {
 
     #[test]
     fn permanent_errors_are_not_retried() {
-        for kind in [ErrorKind::NotFound, ErrorKind::Invalid, ErrorKind::NoSpace, ErrorKind::PermissionDenied, ErrorKind::Other] {
+        for kind in [
+            ErrorKind::NotFound,
+            ErrorKind::Invalid,
+            ErrorKind::NoSpace,
+            ErrorKind::PermissionDenied,
+            ErrorKind::Other,
+        ] {
             let mut flaky = FlakyBackend::new(Arc::new(MemoryBackend::new()), 0, 1);
             flaky.hard = Some(kind);
             let flaky = Arc::new(flaky);
@@ -400,7 +433,11 @@ mod tests {
         let r = RetryBackend::new(flaky.clone(), p);
         let t = Instant::now();
         assert!(r.sync().is_err());
-        assert!(t.elapsed() < Duration::from_millis(400), "elapsed budget ignored: {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(400),
+            "elapsed budget ignored: {:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
@@ -451,7 +488,10 @@ mod tests {
             }
         }
         let r = RetryBackend::new(Arc::new(LoseFirst(seq, AtomicU64::new(0))), fast());
-        assert!(r.put_if_absent("lease", b"holder-2").unwrap(), "our own lost write must count as a win");
+        assert!(
+            r.put_if_absent("lease", b"holder-2").unwrap(),
+            "our own lost write must count as a win"
+        );
         assert_eq!(r.counters().ambiguous_resolved, 1);
         // Someone else's object is not ours.
         assert!(!r.put_if_absent("lease", b"holder-3").unwrap());
@@ -471,7 +511,13 @@ mod tests {
                 self.0.get(key)
             }
             // Gives 1000 bytes in pieces of 300, then fails, on every call but the third.
-            fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+            fn get_range_to(
+                &self,
+                key: &str,
+                offset: u64,
+                len: u64,
+                sink: &mut dyn FnMut(&[u8]),
+            ) -> BResult<()> {
                 let all = self.0.get_range(key, offset, len)?;
                 let call = self.1.fetch_add(1, Ordering::Relaxed);
                 let upto = if call == 2 { all.len() } else { all.len().min(1000) };

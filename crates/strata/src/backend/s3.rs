@@ -39,8 +39,8 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::client::{HttpError, HttpErrorKind};
 use object_store::path::Path as OsPath;
 use object_store::{
-    ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig,
+    ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
+    PutPayload, RetryConfig,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -69,7 +69,9 @@ pub enum S3Error {
     BadUrl { url: String, reason: &'static str },
     #[error("No S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")]
     MissingCredentials,
-    #[error("Endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to allow it, or use https")]
+    #[error(
+        "Endpoint {endpoint} is plain http: set AWS_ALLOW_HTTP=true to allow it, or use https"
+    )]
     HttpNotAllowed { endpoint: String },
     #[error("Bucket '{bucket}' does not exist at {endpoint}: create it (e.g. `aws s3 mb s3://{bucket}`) or fix the name")]
     NoSuchBucket { bucket: String, endpoint: String },
@@ -80,7 +82,9 @@ pub enum S3Error {
         #[source]
         source: object_store::Error,
     },
-    #[error("Cannot reach S3 at {endpoint}: check AWS_ENDPOINT_URL and that the server is running")]
+    #[error(
+        "Cannot reach S3 at {endpoint}: check AWS_ENDPOINT_URL and that the server is running"
+    )]
     Unreachable {
         endpoint: String,
         #[source]
@@ -139,7 +143,9 @@ pub fn parse_s3_url(url: &str) -> Result<(String, String), S3Error> {
     };
     // S3 bucket naming rules: 3-63 chars of lowercase letters, digits, '-' and '.'.
     let ok = (3..=63).contains(&bucket.len())
-        && bucket.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+        && bucket
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
         && !bucket.starts_with(['-', '.'])
         && !bucket.ends_with(['-', '.']);
     if !ok {
@@ -158,14 +164,20 @@ impl S3Config {
     }
 
     /// Like [`S3Config::from_url`], reading variables through `env` (tests pass a map).
-    pub fn from_url_with(url: &str, env: impl Fn(&str) -> Option<String>) -> Result<S3Config, S3Error> {
+    pub fn from_url_with(
+        url: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<S3Config, S3Error> {
         let (bucket, prefix) = parse_s3_url(url)?;
         let get = |k: &str| env(k).filter(|v| !v.is_empty());
         let access_key_id = get("AWS_ACCESS_KEY_ID").ok_or(S3Error::MissingCredentials)?;
         let secret_access_key = get("AWS_SECRET_ACCESS_KEY").ok_or(S3Error::MissingCredentials)?;
         let endpoint = get("AWS_ENDPOINT_URL").or_else(|| get("AWS_ENDPOINT_URL_S3"));
-        let allow_http = get("AWS_ALLOW_HTTP").is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"));
-        let region = get("AWS_REGION").or_else(|| get("AWS_DEFAULT_REGION")).unwrap_or_else(|| "us-east-1".into());
+        let allow_http = get("AWS_ALLOW_HTTP")
+            .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "yes"));
+        let region = get("AWS_REGION")
+            .or_else(|| get("AWS_DEFAULT_REGION"))
+            .unwrap_or_else(|| "us-east-1".into());
         Ok(S3Config {
             bucket,
             prefix,
@@ -222,7 +234,11 @@ impl S3Backend {
         if cfg.allow_http {
             client = client.with_allow_http(true);
         }
-        let retry = RetryConfig { max_retries: 0, retry_timeout: cfg.request_timeout, ..RetryConfig::default() };
+        let retry = RetryConfig {
+            max_retries: 0,
+            retry_timeout: cfg.request_timeout,
+            ..RetryConfig::default()
+        };
         let mut b = AmazonS3Builder::new()
             .with_bucket_name(&cfg.bucket)
             .with_region(&cfg.region)
@@ -241,7 +257,9 @@ impl S3Backend {
         if let Some(t) = &cfg.session_token {
             b = b.with_token(t);
         }
-        let store = Arc::new(b.build().map_err(|source| S3Error::Client { bucket: cfg.bucket.clone(), source })?);
+        let store = Arc::new(
+            b.build().map_err(|source| S3Error::Client { bucket: cfg.bucket.clone(), source })?,
+        );
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("strata-s3")
@@ -257,7 +275,8 @@ impl S3Backend {
     /// One LIST of the prefix: tells a missing bucket, bad credentials and a dead server apart.
     fn probe(&self) -> Result<(), S3Error> {
         let store = self.store.clone();
-        let prefix = (!self.cfg.prefix.is_empty()).then(|| OsPath::from_iter(self.cfg.prefix.split('/')));
+        let prefix =
+            (!self.cfg.prefix.is_empty()).then(|| OsPath::from_iter(self.cfg.prefix.split('/')));
         let res = self
             .run(async move { store.list_with_delimiter(prefix.as_ref()).await })
             .ok_or(S3Error::Abandoned { key: String::new() })?;
@@ -265,11 +284,18 @@ impl S3Backend {
         let bucket = self.cfg.bucket.clone();
         match res {
             Ok(_) => Ok(()),
-            Err(e) if classify(&e) == ErrorKind::PermissionDenied => Err(S3Error::BadCredentials { bucket, endpoint, source: e }),
-            Err(e) if mentions(&e, "NoSuchBucket") || matches!(e, object_store::Error::NotFound { .. }) => {
+            Err(e) if classify(&e) == ErrorKind::PermissionDenied => {
+                Err(S3Error::BadCredentials { bucket, endpoint, source: e })
+            }
+            Err(e)
+                if mentions(&e, "NoSuchBucket")
+                    || matches!(e, object_store::Error::NotFound { .. }) =>
+            {
                 Err(S3Error::NoSuchBucket { bucket, endpoint })
             }
-            Err(e) if classify(&e) == ErrorKind::Unavailable => Err(S3Error::Unreachable { endpoint, source: e }),
+            Err(e) if classify(&e) == ErrorKind::Unavailable => {
+                Err(S3Error::Unreachable { endpoint, source: e })
+            }
             Err(source) => Err(S3Error::Client { bucket, source }),
         }
     }
@@ -290,8 +316,13 @@ impl S3Backend {
 
     fn path(&self, key: &str) -> BResult<OsPath> {
         validate_key(key)?;
-        let full = if self.cfg.prefix.is_empty() { key.to_string() } else { format!("{}/{key}", self.cfg.prefix) };
-        OsPath::parse(&full).map_err(|e| BackendError::with_source(ErrorKind::Invalid, "validate", key, e))
+        let full = if self.cfg.prefix.is_empty() {
+            key.to_string()
+        } else {
+            format!("{}/{key}", self.cfg.prefix)
+        };
+        OsPath::parse(&full)
+            .map_err(|e| BackendError::with_source(ErrorKind::Invalid, "validate", key, e))
     }
 
     fn call<T: Send + 'static>(
@@ -314,7 +345,10 @@ impl S3Backend {
 
     fn error(&self, op: &'static str, key: &str, e: object_store::Error) -> BackendError {
         if mentions(&e, "NoSuchBucket") {
-            let src = S3Error::NoSuchBucket { bucket: self.cfg.bucket.clone(), endpoint: self.cfg.endpoint_label() };
+            let src = S3Error::NoSuchBucket {
+                bucket: self.cfg.bucket.clone(),
+                endpoint: self.cfg.endpoint_label(),
+            };
             return BackendError::with_source(ErrorKind::Other, op, key, src);
         }
         let kind = classify(&e);
@@ -385,7 +419,8 @@ fn classify(e: &object_store::Error) -> ErrorKind {
     use object_store::Error as E;
     // S3 error codes that mean "these credentials are wrong", whatever the HTTP status
     // (versitygw answers an unknown access key with 404 XAdminUserNotFound).
-    const BAD_CREDENTIALS: [&str; 4] = ["InvalidAccessKeyId", "SignatureDoesNotMatch", "XAdminUserNotFound", "AccessDenied"];
+    const BAD_CREDENTIALS: [&str; 4] =
+        ["InvalidAccessKeyId", "SignatureDoesNotMatch", "XAdminUserNotFound", "AccessDenied"];
     if BAD_CREDENTIALS.iter().any(|c| mentions(e, c)) {
         return ErrorKind::PermissionDenied;
     }
@@ -398,7 +433,9 @@ fn classify(e: &object_store::Error) -> ErrorKind {
                 ErrorKind::PermissionDenied
             }
         }
-        E::InvalidPath { .. } | E::NotSupported { .. } | E::NotImplemented { .. } => ErrorKind::Invalid,
+        E::InvalidPath { .. } | E::NotSupported { .. } | E::NotImplemented { .. } => {
+            ErrorKind::Invalid
+        }
         _ => {
             let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
             while let Some(err) = cur {
@@ -414,7 +451,10 @@ fn classify(e: &object_store::Error) -> ErrorKind {
                 cur = err.source();
             }
             let text = e.to_string();
-            if text.contains("InsufficientStorage") || text.contains("status code: 507") || text.contains("QuotaExceeded") {
+            if text.contains("InsufficientStorage")
+                || text.contains("status code: 507")
+                || text.contains("QuotaExceeded")
+            {
                 ErrorKind::NoSpace
             } else if text.contains("status code: 403") || text.contains("status code: 401") {
                 ErrorKind::PermissionDenied
@@ -435,7 +475,11 @@ fn classify(e: &object_store::Error) -> ErrorKind {
 
 impl Backend for S3Backend {
     fn name(&self) -> String {
-        let p = if self.cfg.prefix.is_empty() { String::new() } else { format!("/{}", self.cfg.prefix) };
+        let p = if self.cfg.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("/{}", self.cfg.prefix)
+        };
         format!("s3://{}{p}", self.cfg.bucket)
     }
 
@@ -455,22 +499,33 @@ impl Backend for S3Backend {
         // `Vec::from` takes over the body's buffer when nothing else holds it: no copy into
         // fresh memory.
         let t = std::time::Instant::now();
-        let r = self.call("get", key, async move { store.get(&path).await?.bytes().await }).map(Vec::from);
+        let r = self
+            .call("get", key, async move { store.get(&path).await?.bytes().await })
+            .map(Vec::from);
         tracing::debug!(target: TARGET, key, bytes = r.as_ref().map_or(0, |b| b.len()), ms = t.elapsed().as_secs_f64() * 1e3, ok = r.is_ok(), "get");
         r
     }
 
     fn get_range(&self, key: &str, offset: u64, len: u64) -> BResult<Vec<u8>> {
         let path = self.path(key)?;
-        let end = offset.checked_add(len).ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
         if len == 0 {
             // An empty HTTP range cannot be expressed; check the bounds with a HEAD.
-            let size = self.head(key)?.ok_or_else(|| BackendError::new(ErrorKind::NotFound, "get_range", key))?;
-            return if offset <= size { Ok(Vec::new()) } else { Err(BackendError::new(ErrorKind::Invalid, "get_range", key)) };
+            let size = self
+                .head(key)?
+                .ok_or_else(|| BackendError::new(ErrorKind::NotFound, "get_range", key))?;
+            return if offset <= size {
+                Ok(Vec::new())
+            } else {
+                Err(BackendError::new(ErrorKind::Invalid, "get_range", key))
+            };
         }
         let store = self.store.clone();
         let res = self.call("get_range", key, async move {
-            let opts = GetOptions { range: Some(GetRange::Bounded(offset..end)), ..GetOptions::default() };
+            let opts =
+                GetOptions { range: Some(GetRange::Bounded(offset..end)), ..GetOptions::default() };
             let r = store.get_opts(&path, opts).await?;
             let size = r.meta.size;
             Ok((size, r.bytes().await?))
@@ -483,13 +538,28 @@ impl Backend for S3Backend {
     }
 
     /// The body's pieces are handed over as hyper receives them (no buffer of the whole range).
-    fn get_range_to(&self, key: &str, offset: u64, len: u64, sink: &mut dyn FnMut(&[u8])) -> BResult<()> {
+    fn get_range_to(
+        &self,
+        key: &str,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]),
+    ) -> BResult<()> {
         if len == 0 {
             return self.get_range(key, offset, len).map(|_| ());
         }
         let path = self.path(key)?;
-        let end = offset.checked_add(len).ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
-        let abandoned = || BackendError::with_source(ErrorKind::Unavailable, "get_range", key, S3Error::Abandoned { key: key.to_string() });
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| BackendError::new(ErrorKind::Invalid, "get_range", key))?;
+        let abandoned = || {
+            BackendError::with_source(
+                ErrorKind::Unavailable,
+                "get_range",
+                key,
+                S3Error::Abandoned { key: key.to_string() },
+            )
+        };
         let Some(rt) = self.rt.as_ref() else { return Err(abandoned()) };
         enum Msg {
             Piece(Bytes),
@@ -502,7 +572,8 @@ impl Backend for S3Backend {
         let store = self.store.clone();
         rt.spawn(async move {
             use futures::StreamExt;
-            let opts = GetOptions { range: Some(GetRange::Bounded(offset..end)), ..GetOptions::default() };
+            let opts =
+                GetOptions { range: Some(GetRange::Bounded(offset..end)), ..GetOptions::default() };
             let r = match store.get_opts(&path, opts).await {
                 Ok(r) => r,
                 Err(e) => {
@@ -538,9 +609,13 @@ impl Backend for S3Backend {
                     sink(&b);
                 }
                 Ok(Msg::Failed(e)) => return Err(past_end(self.error("get_range", key, e))),
-                Ok(Msg::PastEnd) => return Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
+                Ok(Msg::PastEnd) => {
+                    return Err(BackendError::new(ErrorKind::Invalid, "get_range", key))
+                }
                 Ok(Msg::End) if got == len => return Ok(()),
-                Ok(Msg::End) => return Err(BackendError::new(ErrorKind::Invalid, "get_range", key)),
+                Ok(Msg::End) => {
+                    return Err(BackendError::new(ErrorKind::Invalid, "get_range", key))
+                }
                 // The runtime went away with the request (the backend is being dropped).
                 Err(_) => return Err(abandoned()),
             }
@@ -559,23 +634,27 @@ impl Backend for S3Backend {
         let path = self.path(key)?;
         let store = self.store.clone();
         let want: Vec<(u64, u64)> = spans.iter().map(|s| (s.start, s.end)).collect();
-        let got = self.call("get_range", key, async move {
-            futures::stream::iter(want.into_iter().map(|(start, end)| {
-                let (store, path) = (store.clone(), path.clone());
-                async move {
-                    let opts = GetOptions { range: Some(GetRange::Bounded(start..end)), ..GetOptions::default() };
-                    let r = store.get_opts(&path, opts).await?;
-                    let size = r.meta.size;
-                    Ok::<_, object_store::Error>((size, r.bytes().await?))
-                }
-            }))
-            .buffered(MERGE_PARALLEL)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<object_store::Result<Vec<_>>>()
-        })
-        .map_err(past_end)?;
+        let got = self
+            .call("get_range", key, async move {
+                futures::stream::iter(want.into_iter().map(|(start, end)| {
+                    let (store, path) = (store.clone(), path.clone());
+                    async move {
+                        let opts = GetOptions {
+                            range: Some(GetRange::Bounded(start..end)),
+                            ..GetOptions::default()
+                        };
+                        let r = store.get_opts(&path, opts).await?;
+                        let size = r.meta.size;
+                        Ok::<_, object_store::Error>((size, r.bytes().await?))
+                    }
+                }))
+                .buffered(MERGE_PARALLEL)
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect::<object_store::Result<Vec<_>>>()
+            })
+            .map_err(past_end)?;
         let mut out = vec![Vec::new(); ranges.len()];
         for (span, (size, bytes)) in spans.iter().zip(got) {
             if span.end > size || bytes.len() as u64 != span.end - span.start {
@@ -635,13 +714,18 @@ impl Backend for S3Backend {
             None => "",
         };
         let root = self.cfg.prefix.clone();
-        let full_dir: Vec<String> =
-            root.split('/').chain(dir.split('/')).filter(|s| !s.is_empty()).map(str::to_string).collect();
+        let full_dir: Vec<String> = root
+            .split('/')
+            .chain(dir.split('/'))
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
         let strip = if root.is_empty() { String::new() } else { format!("{root}/") };
         let want = format!("{strip}{prefix}");
         let store = self.store.clone();
         let metas = self.call("list", prefix, async move {
-            let dir_path = (!full_dir.is_empty()).then(|| OsPath::from_iter(full_dir.iter().map(String::as_str)));
+            let dir_path = (!full_dir.is_empty())
+                .then(|| OsPath::from_iter(full_dir.iter().map(String::as_str)));
             let mut s = store.list(dir_path.as_ref());
             let mut out = Vec::new();
             while let Some(m) = s.next().await {
@@ -692,24 +776,41 @@ mod tests {
         // Adjacent, out of order, one with a small gap, one far away, one overlapping.
         let r = [(2 * k, k), (0, k), (k, k), (3 * k + 100, 10), (100 * k, k), (100 * k + 5, 3)];
         let s = merge_ranges(&r, MERGE_GAP, MERGE_MAX).unwrap();
-        assert_eq!(s, vec![
-            Span { start: 0, end: 3 * k + 110, members: vec![1, 2, 0, 3] },
-            Span { start: 100 * k, end: 101 * k, members: vec![4, 5] },
-        ]);
+        assert_eq!(
+            s,
+            vec![
+                Span { start: 0, end: 3 * k + 110, members: vec![1, 2, 0, 3] },
+                Span { start: 100 * k, end: 101 * k, members: vec![4, 5] },
+            ]
+        );
         // The size cap splits a long run; a gap beyond the limit splits too.
         let run: Vec<(u64, u64)> = (0..200).map(|i| (i * k, k)).collect();
         let s = merge_ranges(&run, 0, MERGE_MAX).unwrap();
         assert_eq!(s.len(), 2, "12.5 MiB in spans of at most 8 MiB");
         assert!(s.iter().all(|x| x.end - x.start <= MERGE_MAX));
-        assert_eq!(merge_ranges(&[(0, 10), (10 + MERGE_GAP + 1, 10)], MERGE_GAP, MERGE_MAX).unwrap().len(), 2);
+        assert_eq!(
+            merge_ranges(&[(0, 10), (10 + MERGE_GAP + 1, 10)], MERGE_GAP, MERGE_MAX).unwrap().len(),
+            2
+        );
         assert!(merge_ranges(&[(u64::MAX, 2)], 0, MERGE_MAX).is_none());
     }
 
     #[test]
     fn urls_parse_to_bucket_and_prefix() {
         assert_eq!(parse_s3_url("s3://vdi-store").unwrap(), ("vdi-store".into(), "".into()));
-        assert_eq!(parse_s3_url("s3://vdi.store/hosts/a/").unwrap(), ("vdi.store".into(), "hosts/a".into()));
-        for bad in ["vdi", "s3://", "s3://Up", "s3://ab", "s3://-x-y", "s3://ok-bucket/a//b", "s3://ok-bucket/sp ace"] {
+        assert_eq!(
+            parse_s3_url("s3://vdi.store/hosts/a/").unwrap(),
+            ("vdi.store".into(), "hosts/a".into())
+        );
+        for bad in [
+            "vdi",
+            "s3://",
+            "s3://Up",
+            "s3://ab",
+            "s3://-x-y",
+            "s3://ok-bucket/a//b",
+            "s3://ok-bucket/sp ace",
+        ] {
             let e = parse_s3_url(bad).unwrap_err();
             assert!(e.to_string().contains("s3://BUCKET"), "{bad}: {e}");
         }
@@ -725,8 +826,12 @@ mod tests {
             ("AWS_REGION", "eu-west-3"),
         ]
         .into();
-        let c = S3Config::from_url_with("s3://bkt/p", |k| env.get(k).map(|v| v.to_string())).unwrap();
-        assert_eq!((c.bucket.as_str(), c.prefix.as_str(), c.region.as_str()), ("bkt", "p", "eu-west-3"));
+        let c =
+            S3Config::from_url_with("s3://bkt/p", |k| env.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(
+            (c.bucket.as_str(), c.prefix.as_str(), c.region.as_str()),
+            ("bkt", "p", "eu-west-3")
+        );
         assert_eq!(c.endpoint.as_deref(), Some("http://127.0.0.1:7070"));
         assert!(c.allow_http);
         let dbg = format!("{c:?}");
@@ -738,9 +843,12 @@ mod tests {
 
     #[test]
     fn plain_http_needs_consent() {
-        let env: HashMap<&str, &str> =
-            [("AWS_ACCESS_KEY_ID", "ak"), ("AWS_SECRET_ACCESS_KEY", "sk"), ("AWS_ENDPOINT_URL", "http://127.0.0.1:1")]
-                .into();
+        let env: HashMap<&str, &str> = [
+            ("AWS_ACCESS_KEY_ID", "ak"),
+            ("AWS_SECRET_ACCESS_KEY", "sk"),
+            ("AWS_ENDPOINT_URL", "http://127.0.0.1:1"),
+        ]
+        .into();
         let c = S3Config::from_url_with("s3://bkt", |k| env.get(k).map(|v| v.to_string())).unwrap();
         let e = S3Backend::open(c).unwrap_err();
         assert!(e.to_string().contains("AWS_ALLOW_HTTP=true"), "{e}");

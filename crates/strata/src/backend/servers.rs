@@ -57,7 +57,8 @@ pub fn free_port(with_bus: bool) -> u16 {
 
 /// Where a program is: `$PATH`, then `~/go/bin` (where `go install` puts versitygw).
 pub fn find_program(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    let mut dirs: Vec<PathBuf> =
+        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
     if let Some(gobin) = std::env::var_os("GOBIN") {
         dirs.push(PathBuf::from(gobin));
     }
@@ -118,7 +119,8 @@ impl S3Server {
             program: "versitygw".into(),
             hint: "run scripts/setup.sh (go install github.com/versity/versitygw/cmd/versitygw@v1.8.0)",
         })?;
-        std::fs::create_dir_all(root).map_err(|source| ServerError::Io { path: root.to_path_buf(), source })?;
+        std::fs::create_dir_all(root)
+            .map_err(|source| ServerError::Io { path: root.to_path_buf(), source })?;
         let mut s = S3Server {
             root: root.to_path_buf(),
             port,
@@ -139,7 +141,8 @@ impl S3Server {
             .append(true)
             .open(&self.log)
             .map_err(|source| ServerError::Io { path: self.log.clone(), source })?;
-        let log2 = log.try_clone().map_err(|source| ServerError::Io { path: self.log.clone(), source })?;
+        let log2 =
+            log.try_clone().map_err(|source| ServerError::Io { path: self.log.clone(), source })?;
         let child = Command::new(&self.bin)
             .arg("--access")
             .arg(&self.access_key)
@@ -160,9 +163,8 @@ impl S3Server {
             .spawn()
             .map_err(|source| ServerError::Spawn { program: "versitygw".into(), source })?;
         self.child = Some(child);
-        let addr: SocketAddr = format!("{}:{}", self.host, self.port).parse().map_err(|_| ServerError::Setup {
-            what: "address",
-            detail: format!("{}:{}", self.host, self.port),
+        let addr: SocketAddr = format!("{}:{}", self.host, self.port).parse().map_err(|_| {
+            ServerError::Setup { what: "address", detail: format!("{}:{}", self.host, self.port) }
         })?;
         if !wait_tcp(addr, Duration::from_secs(20)) {
             kill_child(&mut self.child);
@@ -201,7 +203,9 @@ impl S3Server {
     /// Client configuration for `s3://bucket[/prefix]` on this server.
     pub fn config(&self, url: &str) -> Result<super::s3::S3Config, super::s3::S3Error> {
         let env = self.env();
-        super::s3::S3Config::from_url_with(url, |k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+        super::s3::S3Config::from_url_with(url, |k| {
+            env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+        })
     }
 
     /// SIGKILL the server (a crash: no shutdown handling).
@@ -244,16 +248,32 @@ impl RedisServer {
         RedisServer::start_with(dir, "127.0.0.1", free_port(false), durable, false)
     }
 
-    pub fn start_with(dir: &Path, host: &str, port: u16, durable: bool, cluster: bool) -> Result<RedisServer, ServerError> {
-        std::fs::create_dir_all(dir).map_err(|source| ServerError::Io { path: dir.to_path_buf(), source })?;
-        let mut s = RedisServer { dir: dir.to_path_buf(), port, host: host.to_string(), cluster, durable, child: None };
+    pub fn start_with(
+        dir: &Path,
+        host: &str,
+        port: u16,
+        durable: bool,
+        cluster: bool,
+    ) -> Result<RedisServer, ServerError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|source| ServerError::Io { path: dir.to_path_buf(), source })?;
+        let mut s = RedisServer {
+            dir: dir.to_path_buf(),
+            port,
+            host: host.to_string(),
+            cluster,
+            durable,
+            child: None,
+        };
         s.spawn()?;
         Ok(s)
     }
 
     fn spawn(&mut self) -> Result<(), ServerError> {
-        let bin = find_program("redis-server")
-            .ok_or(ServerError::Missing { program: "redis-server".into(), hint: "apt-get install redis-server" })?;
+        let bin = find_program("redis-server").ok_or(ServerError::Missing {
+            program: "redis-server".into(),
+            hint: "apt-get install redis-server",
+        })?;
         let mut cmd = Command::new(bin);
         cmd.arg("--port")
             .arg(self.port.to_string())
@@ -274,7 +294,10 @@ impl RedisServer {
             .arg("--appendfsync")
             .arg(if self.durable { "always" } else { "everysec" });
         if self.cluster {
-            cmd.arg("--cluster-enabled").arg("yes").arg("--cluster-config-file").arg(self.dir.join("nodes.conf"));
+            cmd.arg("--cluster-enabled")
+                .arg("yes")
+                .arg("--cluster-config-file")
+                .arg(self.dir.join("nodes.conf"));
         }
         let child = cmd
             .stdin(Stdio::null())
@@ -341,10 +364,18 @@ impl RedisCluster {
         let mut nodes = Vec::new();
         for i in 0..n {
             let port = free_port(true);
-            nodes.push(RedisServer::start_with(&dir.join(format!("node{i}")), "127.0.0.1", port, durable, true)?);
+            nodes.push(RedisServer::start_with(
+                &dir.join(format!("node{i}")),
+                "127.0.0.1",
+                port,
+                durable,
+                true,
+            )?);
         }
-        let cli = find_program("redis-cli")
-            .ok_or(ServerError::Missing { program: "redis-cli".into(), hint: "apt-get install redis-tools" })?;
+        let cli = find_program("redis-cli").ok_or(ServerError::Missing {
+            program: "redis-cli".into(),
+            hint: "apt-get install redis-tools",
+        })?;
         let out = Command::new(cli)
             .arg("--cluster")
             .arg("create")
@@ -357,21 +388,32 @@ impl RedisCluster {
         if !out.status.success() {
             return Err(ServerError::Setup {
                 what: "redis-cli --cluster create",
-                detail: String::from_utf8_lossy(&out.stdout).chars().rev().take(600).collect::<String>().chars().rev().collect(),
+                detail: String::from_utf8_lossy(&out.stdout)
+                    .chars()
+                    .rev()
+                    .take(600)
+                    .collect::<String>()
+                    .chars()
+                    .rev()
+                    .collect(),
             });
         }
         let c = RedisCluster { nodes };
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let ok = c.nodes.iter().all(|n| {
-                raw_command(&n.addr(), &["CLUSTER", "INFO"]).is_ok_and(|r| r.contains("cluster_state:ok"))
+                raw_command(&n.addr(), &["CLUSTER", "INFO"])
+                    .is_ok_and(|r| r.contains("cluster_state:ok"))
             });
             if ok {
                 return Ok(c);
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        Err(ServerError::Setup { what: "redis cluster", detail: "cluster_state never became ok".into() })
+        Err(ServerError::Setup {
+            what: "redis cluster",
+            detail: "cluster_state never became ok".into(),
+        })
     }
 
     /// URL of the first node (any node works: the backend discovers the rest).

@@ -73,7 +73,9 @@ fn batches(ranges: Vec<(String, u64, u64)>) -> Vec<(String, Vec<(u64, u64)>)> {
     for (key, off, len) in ranges {
         match out.last_mut() {
             Some((k, v))
-                if *k == key && v.len() < BATCH_RANGES && v.iter().map(|r| r.1).sum::<u64>() + len <= BATCH_BYTES =>
+                if *k == key
+                    && v.len() < BATCH_RANGES
+                    && v.iter().map(|r| r.1).sum::<u64>() + len <= BATCH_BYTES =>
             {
                 v.push((off, len))
             }
@@ -86,7 +88,13 @@ fn batches(ranges: Vec<(String, u64, u64)>) -> Vec<(String, Vec<(u64, u64)>)> {
 impl Prefetch {
     /// Start prefetching `ws` (the working set of `image`) into `cache` with `parallel`
     /// batches in flight. Returns at once; the work runs on its own threads.
-    pub fn start(store: &Store, cache: Arc<CacheBackend>, image: &str, ws: &WorkingSet, parallel: usize) -> Arc<Prefetch> {
+    pub fn start(
+        store: &Store,
+        cache: Arc<CacheBackend>,
+        image: &str,
+        ws: &WorkingSet,
+        parallel: usize,
+    ) -> Arc<Prefetch> {
         let (ranges, missing) = workset::ranges_of(store, ws);
         let p = Arc::new(Prefetch {
             image: image.into(),
@@ -106,7 +114,9 @@ impl Prefetch {
         tracing::info!(target: "strata::boot", image, chunks = p.chunks, ranges = p.ranges, bytes = p.bytes, "boot prefetch started");
         let work = batches(ranges);
         let me = p.clone();
-        let h = std::thread::Builder::new().name("strata-prefetch".into()).spawn(move || me.run(&cache, &work, parallel.max(1)));
+        let h = std::thread::Builder::new()
+            .name("strata-prefetch".into())
+            .spawn(move || me.run(&cache, &work, parallel.max(1)));
         match h {
             Ok(h) => *p.thread.lock() = Some(h),
             Err(e) => {
@@ -205,7 +215,10 @@ mod tests {
         v.push(r("d", 150 << 10, 150 << 10));
         let b = batches(v);
         let shape: Vec<(&str, usize)> = b.iter().map(|(k, v)| (k.as_str(), v.len())).collect();
-        assert_eq!(shape, vec![("a", 2), ("b", 1), ("a", 1), ("c", 16), ("c", 4), ("d", 1), ("d", 1)]);
+        assert_eq!(
+            shape,
+            vec![("a", 2), ("b", 1), ("a", 1), ("c", 16), ("c", 4), ("d", 1), ("d", 1)]
+        );
         assert_eq!(b[0].1, vec![(0, 10), (10, 10)]);
     }
 }

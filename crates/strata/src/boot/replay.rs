@@ -56,7 +56,11 @@ fn mix(i: u64, crc: u32) -> u64 {
 }
 
 /// Replay `reqs` on one connected client. Returns (requests, bytes, digest).
-pub fn run_one(c: &mut Client, reqs: &[(u64, u32)], depth: usize) -> Result<(u64, u64, u64), ClientError> {
+pub fn run_one(
+    c: &mut Client,
+    reqs: &[(u64, u32)],
+    depth: usize,
+) -> Result<(u64, u64, u64), ClientError> {
     let depth = depth.max(1);
     let mut index_of = std::collections::HashMap::with_capacity(depth * 2);
     let (mut next, mut done, mut bytes, mut digest) = (0usize, 0usize, 0u64, 0u64);
@@ -78,7 +82,11 @@ pub fn run_one(c: &mut Client, reqs: &[(u64, u32)], depth: usize) -> Result<(u64
 }
 
 /// Replay the same reads with one client per (target, export), all starting together.
-pub fn replay(clients: &[(Target, String)], reads: &[(u64, u64)], depth: usize) -> Result<Vec<ClientRun>, ClientError> {
+pub fn replay(
+    clients: &[(Target, String)],
+    reads: &[(u64, u64)],
+    depth: usize,
+) -> Result<Vec<ClientRun>, ClientError> {
     let reqs = requests(reads);
     let barrier = Barrier::new(clients.len());
     let start = std::sync::OnceLock::new();
@@ -98,12 +106,23 @@ pub fn replay(clients: &[(Target, String)], reads: &[(u64, u64)], depth: usize) 
                     let secs = t0.elapsed().as_secs_f64();
                     let connect_secs = t0.duration_since(*launched).as_secs_f64();
                     c.disconnect()?;
-                    Ok(ClientRun { export: export.clone(), secs, connect_secs, requests, bytes, digest })
+                    Ok(ClientRun {
+                        export: export.clone(),
+                        secs,
+                        connect_secs,
+                        requests,
+                        bytes,
+                        digest,
+                    })
                 })
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(ClientError::Protocol("replay client thread panicked".into()))))
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(ClientError::Protocol("replay client thread panicked".into()))
+                })
+            })
             .collect()
     });
     results.into_iter().collect()
@@ -116,7 +135,15 @@ mod tests {
     #[test]
     fn long_reads_are_split_at_the_cap() {
         let r = requests(&[(0, 4096), (1 << 20, (70 << 20) + 5), (7, 0)]);
-        assert_eq!(r, vec![(0, 4096), (1 << 20, 32 << 20), ((1 << 20) + (32 << 20), 32 << 20), ((1 << 20) + (64 << 20), (6 << 20) + 5)]);
+        assert_eq!(
+            r,
+            vec![
+                (0, 4096),
+                (1 << 20, 32 << 20),
+                ((1 << 20) + (32 << 20), 32 << 20),
+                ((1 << 20) + (64 << 20), (6 << 20) + 5)
+            ]
+        );
     }
 
     #[test]

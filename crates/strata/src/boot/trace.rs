@@ -134,7 +134,15 @@ impl Trace {
         out.push_str(CSV_HEADER);
         out.push('\n');
         for r in &self.records {
-            out.push_str(&format!("{},{},{},{},{},{}\n", r.t_us, r.dur_us, r.op.as_str(), r.offset, r.len, r.inflight));
+            out.push_str(&format!(
+                "{},{},{},{},{},{}\n",
+                r.t_us,
+                r.dur_us,
+                r.op.as_str(),
+                r.offset,
+                r.len,
+                r.inflight
+            ));
         }
         out
     }
@@ -302,7 +310,13 @@ impl Export for TracedExport {
     fn can_fast_zero(&self) -> bool {
         self.inner.can_fast_zero()
     }
-    fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool) -> Result<(), ExportError> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> Result<(), ExportError> {
         self.rec.time(Op::Zero, offset, len, || self.inner.write_zeroes(offset, len, may_trim, fua))
     }
     fn can_multi_conn(&self) -> bool {
@@ -325,22 +339,40 @@ mod tests {
         let t = Trace {
             records: vec![
                 Record { t_us: 5, dur_us: 100, op: Op::Read, offset: 0, len: 4096, inflight: 1 },
-                Record { t_us: 9, dur_us: 3, op: Op::Write, offset: 1 << 30, len: 512, inflight: 2 },
+                Record {
+                    t_us: 9,
+                    dur_us: 3,
+                    op: Op::Write,
+                    offset: 1 << 30,
+                    len: 512,
+                    inflight: 2,
+                },
                 Record { t_us: 20, dur_us: 7, op: Op::Flush, offset: 0, len: 0, inflight: 1 },
             ],
         };
         let csv = t.to_csv();
-        assert!(csv.starts_with("t_us,dur_us,op,offset,len,inflight\n5,100,read,0,4096,1\n"), "{csv}");
+        assert!(
+            csv.starts_with("t_us,dur_us,op,offset,len,inflight\n5,100,read,0,4096,1\n"),
+            "{csv}"
+        );
         assert_eq!(Trace::parse_csv(&csv).unwrap(), t);
         let s = t.summary();
-        assert_eq!((s.reads, s.read_bytes, s.writes, s.flushes, s.max_inflight, s.span_us), (1, 4096, 1, 1, 2, 100));
+        assert_eq!(
+            (s.reads, s.read_bytes, s.writes, s.flushes, s.max_inflight, s.span_us),
+            (1, 4096, 1, 1, 2, 100)
+        );
         assert_eq!(t.reads(), vec![(0, 4096)]);
-        for bad in ["", "x\n", "t_us,dur_us,op,offset,len,inflight\n1,2,read,3\n", "t_us,dur_us,op,offset,len,inflight\n1,2,seek,3,4,1\n",
-            "t_us,dur_us,op,offset,len,inflight\n1,2,read,18446744073709551615,4,1\n"]
-        {
+        for bad in [
+            "",
+            "x\n",
+            "t_us,dur_us,op,offset,len,inflight\n1,2,read,3\n",
+            "t_us,dur_us,op,offset,len,inflight\n1,2,seek,3,4,1\n",
+            "t_us,dur_us,op,offset,len,inflight\n1,2,read,18446744073709551615,4,1\n",
+        ] {
             assert!(Trace::parse_csv(bad).is_err(), "{bad:?}");
         }
-        let e = Trace::parse_csv("t_us,dur_us,op,offset,len,inflight\n1,2,read,-3,4,1\n").unwrap_err();
+        let e =
+            Trace::parse_csv("t_us,dur_us,op,offset,len,inflight\n1,2,read,-3,4,1\n").unwrap_err();
         assert!(e.to_string().contains("line 2"), "{e}");
     }
 }

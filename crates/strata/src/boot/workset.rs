@@ -47,7 +47,9 @@ pub enum BootError {
     Missing { name: String },
     #[error("The trace has no reads of '{name}': boot a guest from it while recording")]
     EmptyTrace { name: String },
-    #[error("Boot working set of {n} chunks exceeds the cap of {MAX_CHUNKS}: record a shorter boot")]
+    #[error(
+        "Boot working set of {n} chunks exceeds the cap of {MAX_CHUNKS}: record a shorter boot"
+    )]
     TooLarge { n: usize },
 }
 
@@ -166,7 +168,10 @@ pub fn from_trace(store: &Store, name: &str, trace: &Trace) -> Result<WorkingSet
     if chunks.len() > MAX_CHUNKS {
         return Err(BootError::TooLarge { n: chunks.len() });
     }
-    let recorded_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let recorded_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     Ok(WorkingSet { root: r.roots[0], recorded_unix, block_size: m.block_size, read_bytes, chunks })
 }
 
@@ -249,7 +254,12 @@ pub struct WarmReport {
 /// Read `name`'s boot working set (or its nearest ancestor's) through `cache`, so it is cached
 /// before a boot storm. Without a cache the ranges are read through the store's backend
 /// stack (which warms whatever caches it has, e.g. the page cache of a local store).
-pub fn warm(store: &Store, name: &str, cache: Option<&CacheBackend>, parallel: usize) -> Result<WarmReport> {
+pub fn warm(
+    store: &Store,
+    name: &str,
+    cache: Option<&CacheBackend>,
+    parallel: usize,
+) -> Result<WarmReport> {
     let t = Instant::now();
     let (found, ws) = find(store, name)?;
     let (ranges, missing) = ranges_of(store, &ws);
@@ -279,7 +289,9 @@ fn read_all(store: &Store, ranges: &[(String, u64, u64)], parallel: usize) -> Re
     std::thread::scope(|s| {
         for _ in 0..parallel.max(1) {
             s.spawn(|| loop {
-                let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    break;
+                };
                 match store.backend().get_range(k, *off, *len) {
                     Ok(v) => {
                         got.fetch_add(v.len() as u64, Ordering::Relaxed);
@@ -342,9 +354,18 @@ mod tests {
         huge[60..64].copy_from_slice(&u32::MAX.to_le_bytes());
         let mut v2 = good.clone();
         v2[8] = 2;
-        for (b, why) in [(&flipped, "checksum"), (&wrong_n, "length"), (&huge, "cap"), (&v2, "version"), (&good[..50].to_vec(), "short")] {
+        for (b, why) in [
+            (&flipped, "checksum"),
+            (&wrong_n, "length"),
+            (&huge, "cap"),
+            (&v2, "version"),
+            (&good[..50].to_vec(), "short"),
+        ] {
             let e = WorkingSet::decode("bootsets/g", b).unwrap_err().to_string();
-            assert!(e.contains(why) && e.contains("record-boot") && e.contains("bootsets/g"), "{e}");
+            assert!(
+                e.contains(why) && e.contains("record-boot") && e.contains("bootsets/g"),
+                "{e}"
+            );
         }
     }
 }

@@ -39,7 +39,9 @@ const PROGRESS_ONE: u64 = 1 << 16;
 /// How large the active log may grow while a fold is `progress` (of [`PROGRESS_ONE`]) through
 /// its blocks: the threshold, plus that share of it again.
 fn paced_limit(limit: u64, progress: u64) -> u64 {
-    limit.saturating_add(((limit as u128 * progress.min(PROGRESS_ONE) as u128) / PROGRESS_ONE as u128) as u64)
+    limit.saturating_add(
+        ((limit as u128 * progress.min(PROGRESS_ONE) as u128) / PROGRESS_ONE as u128) as u64,
+    )
 }
 
 /// A frozen log file waiting to be folded.
@@ -137,7 +139,9 @@ impl Volume {
             let st = self.state.read();
             (st.frozen.clone(), st.generation)
         };
-        let (Some(map), Some(seq)) = (map, self.frozen_log.lock().as_ref().map(|f| f.seq)) else { return Ok(gen) };
+        let (Some(map), Some(seq)) = (map, self.frozen_log.lock().as_ref().map(|f| f.seq)) else {
+            return Ok(gen);
+        };
         // `upto` 0: nothing is marked durable beyond what flushes synced (conservative).
         self.fold(Segment { seq, map, upto: 0 })
     }
@@ -205,7 +209,10 @@ impl Volume {
         };
         let seq = w.header.file_seq;
         let next = seq + 1;
-        let nw = LogWriter::create(&self.dir.join(format!("log.{next}")), LogHeader::new(w.header.disk_id, gen, next))?;
+        let nw = LogWriter::create(
+            &self.dir.join(format!("log.{next}")),
+            LogHeader::new(w.header.disk_id, gen, next),
+        )?;
         let _ = self.hook(SyncEvent::LogCreated(nw.path.clone()));
         let handle = Arc::new(nw.file_handle()?);
         let old = std::mem::replace(&mut *w, nw);
@@ -218,7 +225,8 @@ impl Volume {
             (m, st.files.get(&(seq as u32)).cloned())
         };
         if let Some(file) = file {
-            *self.frozen_log.lock() = Some(FrozenLog { seq, file, path: old.path.clone(), synced: false });
+            *self.frozen_log.lock() =
+                Some(FrozenLog { seq, file, path: old.path.clone(), synced: false });
         }
         drop(w);
         Ok(Some(Segment { seq, map, upto }))
@@ -227,7 +235,8 @@ impl Volume {
     /// Fold a frozen segment into the base and commit it (see the module comment).
     fn fold(&self, seg: Segment) -> Result<u64> {
         let frozen_path = self.dir.join(format!("log.{}", seg.seq));
-        self.hook(SyncEvent::FoldStart(frozen_path.clone())).map_err(|e| io_err("fold", &frozen_path, e))?;
+        self.hook(SyncEvent::FoldStart(frozen_path.clone()))
+            .map_err(|e| io_err("fold", &frozen_path, e))?;
         let (base, files) = {
             let st = self.state.read();
             (st.base.clone(), st.files.clone())
@@ -240,7 +249,8 @@ impl Volume {
             touched.extend(from..end);
         }
         let ses = self.store.session();
-        let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 4);
+        let threads =
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 4);
         let next = AtomicUsize::new(0);
         let done = AtomicUsize::new(0);
         let total = touched.len().max(1) as u64;
@@ -258,8 +268,9 @@ impl Volume {
                     let off = b * bs;
                     let n = (self.meta.size - off).min(bs);
                     pieces.clear();
-                    let r = plan(&layers, &base, &files, bs, off, n, &mut pieces)
-                        .and_then(|_| fetch(&self.store, &self.dir, off, &pieces, &mut buf[..n as usize]));
+                    let r = plan(&layers, &base, &files, bs, off, n, &mut pieces).and_then(|_| {
+                        fetch(&self.store, &self.dir, off, &pieces, &mut buf[..n as usize])
+                    });
                     if let Err(e) = r {
                         stop.store(true, Ordering::Relaxed);
                         return Err(e);
@@ -269,7 +280,11 @@ impl Volume {
                         ChunkId::ZERO
                     } else {
                         self.stats.compaction_bytes.fetch_add(bs, Ordering::Relaxed);
-                        match ses.put_with(&buf, ChunkKind::Data, block_codec(&buf, self.store.default_codec())) {
+                        match ses.put_with(
+                            &buf,
+                            ChunkKind::Data,
+                            block_codec(&buf, self.store.default_codec()),
+                        ) {
                             Ok(id) => id,
                             Err(e) => {
                                 stop.store(true, Ordering::Relaxed);
@@ -301,7 +316,10 @@ impl Volume {
         let mut meta = self.meta.clone();
         meta.log_folded = Some(seg.seq);
         meta.allocated = Some(new_base.iter().filter(|b| !b.is_zero()).count() as u64);
-        ses.commit_ref(&ref_name(&self.name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
+        ses.commit_ref(
+            &ref_name(&self.name),
+            Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")),
+        )?;
         let gen = self.store.get_ref(&ref_name(&self.name))?.map(|r| r.generation).unwrap_or(0);
         // Committed: readers switch to the new base, and the folded logs go.
         let dead: Vec<u32> = {
@@ -309,7 +327,8 @@ impl Volume {
             st.base = Arc::new(new_base);
             st.frozen = None;
             st.generation = gen;
-            let dead: Vec<u32> = st.files.keys().copied().filter(|k| *k as u64 <= seg.seq).collect();
+            let dead: Vec<u32> =
+                st.files.keys().copied().filter(|k| *k as u64 <= seg.seq).collect();
             for k in &dead {
                 st.files.remove(k);
             }
@@ -320,7 +339,9 @@ impl Volume {
         for k in dead {
             let p = self.dir.join(format!("log.{k}"));
             match std::fs::remove_file(&p) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err("remove", &p, e)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io_err("remove", &p, e))
+                }
                 _ => {}
             }
         }

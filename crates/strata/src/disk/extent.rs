@@ -72,7 +72,12 @@ impl ExtentMap {
         let mut out = Vec::new();
         let mut cur = start;
         // The extent that may begin before `start`.
-        let first = self.map.range(..=start).next_back().filter(|(k, (l, _))| **k + *l > start).map(|(k, v)| (*k, *v));
+        let first = self
+            .map
+            .range(..=start)
+            .next_back()
+            .filter(|(k, (l, _))| **k + *l > start)
+            .map(|(k, v)| (*k, *v));
         let rest = self.map.range(start + 1..end).map(|(k, v)| (*k, *v));
         for (k, (l, s)) in first.into_iter().chain(rest) {
             if k > cur {

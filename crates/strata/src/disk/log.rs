@@ -35,7 +35,12 @@ pub const PREZERO: u64 = 4 << 20;
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     #[error("Cannot {op} disk log {path}")]
-    Io { op: &'static str, path: PathBuf, #[source] source: io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("Disk log {path} has a bad header: {detail}")]
     BadHeader { path: PathBuf, detail: String },
 }
@@ -151,23 +156,37 @@ impl LogWriter {
     /// Create a new, empty log, durably (the file and its directory entry).
     pub fn create(path: &Path, header: LogHeader) -> Result<LogWriter, LogError> {
         let io = |op, e| LogError::Io { op, path: path.to_path_buf(), source: e };
-        let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|e| io("create", e))?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| io("create", e))?;
         file.write_all_at(&header.encode(), 0).map_err(|e| io("write", e))?;
         file.sync_all().map_err(|e| io("sync", e))?;
         if let Some(dir) = path.parent() {
             File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io("sync directory of", e))?;
         }
-        Ok(LogWriter { path: path.to_path_buf(), file, header, pos: LOG_HEADER_LEN, next_seq: 1, zeroed_to: LOG_HEADER_LEN })
+        Ok(LogWriter {
+            path: path.to_path_buf(),
+            file,
+            header,
+            pos: LOG_HEADER_LEN,
+            next_seq: 1,
+            zeroed_to: LOG_HEADER_LEN,
+        })
     }
 
     /// Open an existing log: replay its valid records and truncate any torn tail.
     pub fn recover(path: &Path) -> Result<(LogWriter, Vec<Record>), LogError> {
         let io = |op, e| LogError::Io { op, path: path.to_path_buf(), source: e };
-        let file = OpenOptions::new().read(true).write(true).open(path).map_err(|e| io("open", e))?;
+        let file =
+            OpenOptions::new().read(true).write(true).open(path).map_err(|e| io("open", e))?;
         let size = file.metadata().map_err(|e| io("stat", e))?.len();
         let mut hb = [0u8; LOG_HEADER_LEN as usize];
         file.read_exact_at(&mut hb, 0).map_err(|e| io("read header of", e))?;
-        let header = LogHeader::decode(&hb).map_err(|detail| LogError::BadHeader { path: path.to_path_buf(), detail })?;
+        let header = LogHeader::decode(&hb)
+            .map_err(|detail| LogError::BadHeader { path: path.to_path_buf(), detail })?;
         let mut recs = Vec::new();
         let mut pos = LOG_HEADER_LEN;
         let mut seq = 1u64;
@@ -195,11 +214,27 @@ impl LogWriter {
             file.set_len(pos).map_err(|e| io("truncate", e))?;
             file.sync_all().map_err(|e| io("sync", e))?;
         }
-        Ok((LogWriter { path: path.to_path_buf(), file, header, pos, next_seq: seq, zeroed_to: pos }, recs))
+        Ok((
+            LogWriter {
+                path: path.to_path_buf(),
+                file,
+                header,
+                pos,
+                next_seq: seq,
+                zeroed_to: pos,
+            },
+            recs,
+        ))
     }
 
     /// Append a record; returns it (with where its data is). Not durable until `sync`.
-    pub fn append(&mut self, kind: RecKind, offset: u64, len: u64, data: &[u8]) -> Result<Record, LogError> {
+    pub fn append(
+        &mut self,
+        kind: RecKind,
+        offset: u64,
+        len: u64,
+        data: &[u8],
+    ) -> Result<Record, LogError> {
         debug_assert!(kind != RecKind::Write || data.len() as u64 == len);
         let bytes = encode_rec(kind, self.next_seq, offset, len, data);
         let end = self.pos + bytes.len() as u64;
@@ -219,7 +254,8 @@ impl LogWriter {
             self.zeroed_to = self.pos;
             return Err(LogError::Io { op: "append to", path: self.path.clone(), source: e });
         }
-        let rec = Record { kind, seq: self.next_seq, offset, len, data_pos: self.pos + REC_HEADER_LEN };
+        let rec =
+            Record { kind, seq: self.next_seq, offset, len, data_pos: self.pos + REC_HEADER_LEN };
         self.pos += bytes.len() as u64;
         self.next_seq += 1;
         Ok(rec)
@@ -227,7 +263,11 @@ impl LogWriter {
 
     /// A second handle for reads and syncs outside the append lock.
     pub fn file_handle(&self) -> Result<File, LogError> {
-        self.file.try_clone().map_err(|e| LogError::Io { op: "reopen", path: self.path.clone(), source: e })
+        self.file.try_clone().map_err(|e| LogError::Io {
+            op: "reopen",
+            path: self.path.clone(),
+            source: e,
+        })
     }
 }
 
@@ -304,7 +344,9 @@ mod tests {
         // Version 1 headers still decode; unknown versions are refused.
         let v1 = LogHeader { version: 1, ..hdr() };
         assert_eq!(LogHeader::decode(&v1.encode()).unwrap(), v1);
-        assert!(LogHeader::decode(&LogHeader { version: 3, ..hdr() }.encode()).unwrap_err().contains("version 3"));
+        assert!(LogHeader::decode(&LogHeader { version: 3, ..hdr() }.encode())
+            .unwrap_err()
+            .contains("version 3"));
         let r = encode_rec(RecKind::Write, 5, 4096, 3, b"abc");
         assert_eq!(u32::from_le_bytes(r[0..4].try_into().unwrap()), REC_MAGIC);
         assert_eq!(r[4], 1, "kind at 4");

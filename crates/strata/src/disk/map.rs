@@ -20,7 +20,11 @@ pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {
 
 /// [`write_map`], handing every tree chunk written (id, raw bytes) to `each` (a memory save
 /// keeps its page maps in the store's tree cache).
-pub fn write_map_with(ses: &Session, blocks: &[ChunkId], each: &mut dyn FnMut(ChunkId, Vec<u8>)) -> Result<ChunkId> {
+pub fn write_map_with(
+    ses: &Session,
+    blocks: &[ChunkId],
+    each: &mut dyn FnMut(ChunkId, Vec<u8>),
+) -> Result<ChunkId> {
     write_map_payloads(ses, blocks, &mut |_| Vec::new(), each)
 }
 
@@ -52,7 +56,8 @@ pub fn write_map_payloads(
 /// Read a whole block map back.
 pub fn read_map(store: &Store, root: &ChunkId) -> Result<Vec<ChunkId>> {
     let decode = |id: &ChunkId| -> Result<Tree> {
-        Tree::decode(&store.get(id)?).map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
+        Tree::decode(&store.get(id)?)
+            .map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
     };
     let rt = decode(root)?;
     let n = rt
@@ -61,7 +66,10 @@ pub fn read_map(store: &Store, root: &ChunkId) -> Result<Vec<ChunkId>> {
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
         .ok_or_else(|| StoreError::Format {
             key: format!("chunk {root}"),
-            source: crate::store::format::FormatError::Malformed { what: "block map root", detail: "no block count".into() },
+            source: crate::store::format::FormatError::Malformed {
+                what: "block map root",
+                detail: "no block count".into(),
+            },
         })?;
     let mut out = Vec::with_capacity(n);
     for leaf in &rt.children {

@@ -30,9 +30,18 @@ pub enum DiskError {
     #[error("Disk '{name}' already exists: remove it first or pick another name")]
     Exists { name: String },
     #[error("Disk '{name}' has unreadable metadata")]
-    BadMeta { name: String, #[source] source: serde_json::Error },
+    BadMeta {
+        name: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("Cannot {op} {path}")]
-    Io { op: &'static str, path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("Disk log problem: {0}")]
@@ -41,7 +50,9 @@ pub enum DiskError {
     ReadOnlySnapshot { name: String },
     #[error("Disk '{name}' is open in another strata process (stop it, or go through its daemon)")]
     InUse { name: String },
-    #[error("Disk '{name}' refuses I/O after a failed write ({reason}); fix the cause and reopen it")]
+    #[error(
+        "Disk '{name}' refuses I/O after a failed write ({reason}); fix the cause and reopen it"
+    )]
     Failed { name: String, reason: String },
     #[error("{op} of {len} bytes at offset {offset} is outside the disk ({size} bytes)")]
     OutOfRange { op: &'static str, offset: u64, len: u64, size: u64 },
@@ -147,13 +158,21 @@ pub fn ref_name(name: &str) -> String {
 }
 
 pub(crate) fn load(store: &Store, name: &str) -> Result<(Ref, DiskMeta)> {
-    let r = store.get_ref(&ref_name(name))?.ok_or_else(|| DiskError::NotFound { name: name.into() })?;
-    let m: DiskMeta = serde_json::from_slice(&r.payload).map_err(|source| DiskError::BadMeta { name: name.into(), source })?;
+    let r =
+        store.get_ref(&ref_name(name))?.ok_or_else(|| DiskError::NotFound { name: name.into() })?;
+    let m: DiskMeta = serde_json::from_slice(&r.payload)
+        .map_err(|source| DiskError::BadMeta { name: name.into(), source })?;
     Ok((r, m))
 }
 
 /// Import a raw image file as disk `name`.
-pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &dyn Progress) -> Result<DiskInfo> {
+pub fn import(
+    store: &Store,
+    name: &str,
+    file: &Path,
+    codec: Codec,
+    progress: &dyn Progress,
+) -> Result<DiskInfo> {
     check_name(name)?;
     // One writer per name, across hosts (docs/backends.md).
     let _lease = store.lease_if_needed(&ref_name(name))?;
@@ -197,7 +216,9 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
         let want = ((n * bs as u64).min(size - pos)) as usize;
         let mut filled = 0;
         while filled < want {
-            let r = f.read_at(&mut buf[filled..want], pos + filled as u64).map_err(|e| io("read", e))?;
+            let r = f
+                .read_at(&mut buf[filled..want], pos + filled as u64)
+                .map_err(|e| io("read", e))?;
             if r == 0 {
                 break;
             }
@@ -214,12 +235,20 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
                     sc.spawn(move || -> std::result::Result<Vec<ChunkId>, StoreError> {
                         group
                             .iter()
-                            .map(|b| if b.iter().all(|&x| x == 0) { Ok(ChunkId::ZERO) } else { ses.put_with(b, ChunkKind::Data, block_codec(b, codec)) })
+                            .map(|b| {
+                                if b.iter().all(|&x| x == 0) {
+                                    Ok(ChunkId::ZERO)
+                                } else {
+                                    ses.put_with(b, ChunkKind::Data, block_codec(b, codec))
+                                }
+                            })
                             .collect()
                     })
                 })
                 .collect();
-            hs.into_iter().map(|h| h.join().expect("import worker")).collect::<std::result::Result<Vec<_>, _>>()
+            hs.into_iter()
+                .map(|h| h.join().expect("import worker"))
+                .collect::<std::result::Result<Vec<_>, _>>()
         })?
         .into_iter()
         .flatten()
@@ -230,8 +259,19 @@ pub fn import(store: &Store, name: &str, file: &Path, codec: Codec, progress: &d
     }
     let root = map::write_map(&ses, &blocks)?;
     let allocated = Some(blocks.iter().filter(|b| !b.is_zero()).count() as u64);
-    let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None, id: Some(new_id()), snapshot_of: None, log_folded: None, allocated };
-    ses.commit_ref(&ref_name(name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
+    let meta = DiskMeta {
+        size,
+        block_size: DEFAULT_BLOCK,
+        parent: None,
+        id: Some(new_id()),
+        snapshot_of: None,
+        log_folded: None,
+        allocated,
+    };
+    ses.commit_ref(
+        &ref_name(name),
+        Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")),
+    )?;
     progress.finish();
     info(store, name)
 }
@@ -284,8 +324,19 @@ pub fn create(store: &Store, name: &str, size: u64) -> Result<DiskInfo> {
     let bs = DEFAULT_BLOCK as u64;
     let ses = store.session();
     let root = map::write_map(&ses, &vec![ChunkId::ZERO; size.div_ceil(bs) as usize])?;
-    let meta = DiskMeta { size, block_size: DEFAULT_BLOCK, parent: None, id: Some(new_id()), snapshot_of: None, log_folded: None, allocated: Some(0) };
-    ses.commit_ref(&ref_name(name), Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")))?;
+    let meta = DiskMeta {
+        size,
+        block_size: DEFAULT_BLOCK,
+        parent: None,
+        id: Some(new_id()),
+        snapshot_of: None,
+        log_folded: None,
+        allocated: Some(0),
+    };
+    ses.commit_ref(
+        &ref_name(name),
+        Ref::new(vec![root], serde_json::to_vec(&meta).expect("json")),
+    )?;
     info(store, name)
 }
 
@@ -325,7 +376,10 @@ pub fn snapshot(store: &Store, name: &str, snap: &str) -> Result<DiskInfo> {
     m.snapshot_of = Some(name.into());
     m.id = None;
     m.log_folded = None;
-    ses.commit_ref(&ref_name(&full), Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")))?;
+    ses.commit_ref(
+        &ref_name(&full),
+        Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")),
+    )?;
     info(store, &full)
 }
 
@@ -349,7 +403,10 @@ pub fn clone(store: &Store, src: &str, dst: &str, full: bool) -> Result<DiskInfo
     m.id = Some(new_id());
     m.snapshot_of = None;
     m.log_folded = None;
-    ses.commit_ref(&ref_name(dst), Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")))?;
+    ses.commit_ref(
+        &ref_name(dst),
+        Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")),
+    )?;
     info(store, dst)
 }
 
@@ -376,7 +433,12 @@ pub fn info(store: &Store, name: &str) -> Result<DiskInfo> {
 }
 
 pub fn list(store: &Store) -> Result<Vec<DiskInfo>> {
-    store.list_refs("disk/")?.iter().filter_map(|n| n.strip_prefix("disk/")).map(|n| info(store, n)).collect()
+    store
+        .list_refs("disk/")?
+        .iter()
+        .filter_map(|n| n.strip_prefix("disk/"))
+        .map(|n| info(store, n))
+        .collect()
 }
 
 /// Remove a disk or snapshot; its local log goes too. Space returns with `strata gc`.
@@ -390,7 +452,8 @@ pub fn remove(store: &Store, name: &str) -> Result<()> {
     }
     store.delete_ref(&ref_name(name))?;
     if let Some(dir) = dir {
-        std::fs::remove_dir_all(&dir).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+        std::fs::remove_dir_all(&dir)
+            .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
             .map_err(|e| DiskError::Io { op: "remove", path: dir, source: e })?;
     }
     Ok(())
@@ -409,7 +472,10 @@ mod tests {
         assert_eq!(byte_entropy(&[&[7u8; 4096]]), 0.0);
         let all: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
         assert!((byte_entropy(&[&all]) - 8.0).abs() < 1e-9);
-        assert!((byte_entropy(&[&all[..1000], &all[1000..]]) - 8.0).abs() < 1e-9, "parts count together");
+        assert!(
+            (byte_entropy(&[&all[..1000], &all[1000..]]) - 8.0).abs() < 1e-9,
+            "parts count together"
+        );
         let two: Vec<u8> = (0..4097u32).map(|i| (i % 2) as u8).collect();
         assert!((byte_entropy(&[&two]) - 1.0).abs() < 1e-3);
         let random: Vec<u8> = (0..SAMPLE).map(|_| rand::random::<u8>()).collect();
@@ -451,7 +517,11 @@ mod tests {
         twice.extend_from_slice(&random[SAMPLE..]);
         assert!((sampled_entropy(&twice[..SAMPLE]) - 8.0).abs() < 1e-9);
         assert!(Codec::Lz4.compress(&twice[..SAMPLE]).unwrap().len() < SAMPLE * 5 / 8);
-        assert_eq!(block_codec(&twice, Codec::Lz4), Codec::None, "uniform-looking samples skip the trial");
+        assert_eq!(
+            block_codec(&twice, Codec::Lz4),
+            Codec::None,
+            "uniform-looking samples skip the trial"
+        );
         // Not uniform, and no repeats for LZ4: the trial decides (raw).
         let six: Vec<u8> = (0..DEFAULT_BLOCK).map(|_| rand::random::<u8>() & 0x3f).collect();
         assert!(sampled_entropy(&six[..SAMPLE]) < UNIFORM_BITS);
@@ -473,7 +543,9 @@ mod tests {
         let size = (1u64 << 30) + 12345;
         f.set_len(size).unwrap();
         let mut expect = vec![];
-        for (i, off) in [0u64, 7 << 20, 300 << 20, (1 << 30) - 100, (1 << 30) + 12000].into_iter().enumerate() {
+        for (i, off) in
+            [0u64, 7 << 20, 300 << 20, (1 << 30) - 100, (1 << 30) + 12000].into_iter().enumerate()
+        {
             let data = vec![i as u8 + 1; 200];
             f.write_all_at(&data, off).unwrap();
             expect.push((off, data));
@@ -508,7 +580,10 @@ mod tests {
         let i = import(&s, "golden", &img, Codec::Lz4, &NoProgress).unwrap();
         assert_eq!(i.size, data.len() as u64);
         assert!(i.allocated_blocks < 40 && i.allocated_blocks > 25, "{i:?}");
-        assert!(matches!(import(&s, "golden", &img, Codec::Lz4, &NoProgress), Err(DiskError::Exists { .. })));
+        assert!(matches!(
+            import(&s, "golden", &img, Codec::Lz4, &NoProgress),
+            Err(DiskError::Exists { .. })
+        ));
         let c = clone_full(&s, "golden", "desk1").unwrap();
         assert_eq!(c.root, i.root, "full clone shares the map");
         let out = d.path().join("out.raw");
@@ -569,7 +644,8 @@ mod tests {
         use std::sync::atomic::Ordering;
         let d = tempfile::tempdir().unwrap();
         let local = crate::backend::local::LocalBackend::open(d.path().join("b")).unwrap();
-        let counted = std::sync::Arc::new(CountPackReads(std::sync::Arc::new(local), Default::default()));
+        let counted =
+            std::sync::Arc::new(CountPackReads(std::sync::Arc::new(local), Default::default()));
         let meta = d.path().join("meta.redb");
         let s = Store::init(counted.clone(), &meta, InitOptions::default()).unwrap();
         let img = d.path().join("img.raw");
@@ -581,17 +657,28 @@ mod tests {
         let s = Store::open(counted.clone(), &meta).unwrap();
         counted.1.store(0, Ordering::Relaxed);
         let c = clone(&s, "golden", "c1", true).unwrap();
-        assert_eq!(counted.1.load(Ordering::Relaxed), 0, "a clone of a settled disk reads no pack bytes");
+        assert_eq!(
+            counted.1.load(Ordering::Relaxed),
+            0,
+            "a clone of a settled disk reads no pack bytes"
+        );
         assert_eq!((c.allocated_blocks, c.root.as_str()), (i.allocated_blocks, i.root.as_str()));
         assert_eq!(info(&s, "c1").unwrap().allocated_blocks, i.allocated_blocks);
         // Writes left in c1's log (the volume is dropped without closing): a clone folds them first.
         let v = volume::Volume::open(&s, "c1").unwrap();
         v.write(4096 * 1024 * 3, &[7u8; 8192], true).unwrap();
-        assert!(matches!(clone(&s, "c1", "busy", true), Err(DiskError::InUse { .. })), "a served disk is not cloned");
+        assert!(
+            matches!(clone(&s, "c1", "busy", true), Err(DiskError::InUse { .. })),
+            "a served disk is not cloned"
+        );
         drop(v);
         let c2 = clone(&s, "c1", "c2", true).unwrap();
         assert_ne!(c2.root, i.root);
-        assert_eq!(c2.allocated_blocks, i.allocated_blocks + 1, "the write allocated one block past the image's data");
+        assert_eq!(
+            c2.allocated_blocks,
+            i.allocated_blocks + 1,
+            "the write allocated one block past the image's data"
+        );
         let out = d.path().join("out.raw");
         export(&s, "c2", &out, &NoProgress).unwrap();
         let got = std::fs::read(&out).unwrap();

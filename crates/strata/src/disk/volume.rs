@@ -171,7 +171,10 @@ pub(super) fn plan(
             None => plan(rest, base, files, bs, p, l, out)?,
             Some(Src::Zero) => out.push((p, l, Piece::Zero)),
             Some(Src::Log { log, pos }) => {
-                let f = files.get(&log).cloned().ok_or_else(|| DiskError::Log(format!("log {log} is not open")))?;
+                let f = files
+                    .get(&log)
+                    .cloned()
+                    .ok_or_else(|| DiskError::Log(format!("log {log} is not open")))?;
                 out.push((p, l, Piece::Log(f, pos)));
             }
         }
@@ -182,7 +185,13 @@ pub(super) fn plan(
 /// Fill `buf` (which starts at disk offset `off`) from planned pieces. The base chunks of
 /// one read are fetched together (`Store::read_ranges`): adjacent frames of a pack become one
 /// backend request, and different packs are read concurrently.
-pub(super) fn fetch(store: &Store, dir: &std::path::Path, off: u64, pieces: &[(u64, u64, Piece)], buf: &mut [u8]) -> Result<()> {
+pub(super) fn fetch(
+    store: &Store,
+    dir: &std::path::Path,
+    off: u64,
+    pieces: &[(u64, u64, Piece)],
+    buf: &mut [u8],
+) -> Result<()> {
     let mut order: Vec<&(u64, u64, Piece)> = pieces.iter().collect();
     order.sort_by_key(|(p, _, _)| *p);
     let mut reads = Vec::new();
@@ -222,23 +231,31 @@ pub(super) fn has_unfolded_log(store: &Store, name: &str, meta: &DiskMeta) -> Re
     let lock_path = dir.join("lock");
     if let Ok(lock) = File::open(&lock_path) {
         // SAFETY: flock on a valid fd; released when `lock` is dropped.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if unsafe {
+            libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB)
+        } != 0
+        {
             return Err(DiskError::InUse { name: name.into() });
         }
     }
     for e in entries.flatten() {
         let fname = e.file_name().to_string_lossy().into_owned();
-        let Some(seq) = fname.strip_prefix("log.").and_then(|s| s.parse::<u64>().ok()) else { continue };
+        let Some(seq) = fname.strip_prefix("log.").and_then(|s| s.parse::<u64>().ok()) else {
+            continue;
+        };
         let mut head = [0u8; (log::LOG_HEADER_LEN + 4) as usize];
         let f = File::open(e.path()).map_err(|err| io_err("open", &e.path(), err))?;
         if std::os::unix::fs::FileExt::read_exact_at(&f, &mut head, 0).is_err() {
             return Ok(true);
         }
-        let Ok(h) = LogHeader::decode(&head[..log::LOG_HEADER_LEN as usize]) else { return Ok(true) };
+        let Ok(h) = LogHeader::decode(&head[..log::LOG_HEADER_LEN as usize]) else {
+            return Ok(true);
+        };
         if h.version >= 2 && meta.log_folded.is_some_and(|f| seq <= f) {
             continue;
         }
-        let magic = u32::from_le_bytes(head[log::LOG_HEADER_LEN as usize..].try_into().expect("4 bytes"));
+        let magic =
+            u32::from_le_bytes(head[log::LOG_HEADER_LEN as usize..].try_into().expect("4 bytes"));
         if magic == log::REC_MAGIC {
             return Ok(true);
         }
@@ -253,20 +270,25 @@ impl Volume {
         if meta.snapshot_of.is_some() {
             return Err(DiskError::ReadOnlySnapshot { name: name.into() });
         }
-        let disk_id = meta.id.clone().ok_or_else(|| DiskError::Log(format!("disk '{name}' has no id")))?;
+        let disk_id =
+            meta.id.clone().ok_or_else(|| DiskError::Log(format!("disk '{name}' has no id")))?;
         let dir = store.local_dir().join("disks").join(&disk_id);
         std::fs::create_dir_all(&dir).map_err(|e| io_err("create", &dir, e))?;
         let lock_path = dir.join("lock");
         let lock = File::create(&lock_path).map_err(|e| io_err("create", &lock_path, e))?;
         // SAFETY: flock on a valid fd.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if unsafe {
+            libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB)
+        } != 0
+        {
             return Err(DiskError::InUse { name: name.into() });
         }
         // The writer lease: no other host (or process) writes this disk while we hold it.
         let lease = store.lease_if_needed(&super::ref_name(name))?;
         let base = map::read_map(store, &r.roots[0])?;
         let mut id_bytes = [0u8; 16];
-        hex::decode_to_slice(&disk_id, &mut id_bytes).map_err(|_| DiskError::Log(format!("disk '{name}' has a bad id")))?;
+        hex::decode_to_slice(&disk_id, &mut id_bytes)
+            .map_err(|_| DiskError::Log(format!("disk '{name}' has a bad id")))?;
 
         // Logs: replay, in file order, every log not yet folded into the base; remove the rest.
         let mut logs: Vec<(u64, PathBuf)> = Vec::new();
@@ -286,7 +308,10 @@ impl Volume {
             let (w, recs) = LogWriter::recover(&path)?;
             let h = w.header;
             if h.disk_id != id_bytes {
-                return Err(DiskError::Log(format!("log {} belongs to another disk; move it aside and reopen '{name}'", path.display())));
+                return Err(DiskError::Log(format!(
+                    "log {} belongs to another disk; move it aside and reopen '{name}'",
+                    path.display()
+                )));
             }
             // Version 1 logs name the generation their records apply on; version 2 logs are
             // folded once the ref says so (`log_folded`), whatever generation made them.
@@ -338,13 +363,24 @@ impl Volume {
             meta,
             dir,
             me: me.clone(),
-            state: RwLock::new(State { generation: r.generation, base: Arc::new(base), active: overlay, frozen: None, files }),
+            state: RwLock::new(State {
+                generation: r.generation,
+                base: Arc::new(base),
+                active: overlay,
+                frozen: None,
+                files,
+            }),
             log: Mutex::new(w),
             appended: AtomicU64::new(0),
             frozen_log: Mutex::new(None),
             sync: Mutex::new(SyncState { synced_seq: 0, syncing: false }),
             sync_cv: Condvar::new(),
-            compaction: Mutex::new(CompactState { running: false, finished: 0, explicit: 0, thread: None }),
+            compaction: Mutex::new(CompactState {
+                running: false,
+                finished: 0,
+                explicit: 0,
+                thread: None,
+            }),
             compaction_cv: Condvar::new(),
             fold_progress: AtomicU64::new(0),
             failed: Mutex::new(None),
@@ -416,7 +452,15 @@ impl Volume {
                     &one
                 }
             };
-            plan(layers, &st.base, &st.files, self.meta.block_size as u64, off, buf.len() as u64, &mut pieces)?;
+            plan(
+                layers,
+                &st.base,
+                &st.files,
+                self.meta.block_size as u64,
+                off,
+                buf.len() as u64,
+                &mut pieces,
+            )?;
         }
         fetch(&self.store, &self.dir, off, &pieces, buf)
     }
@@ -433,7 +477,9 @@ impl Volume {
             };
             self.state.write().active.insert(off, len, src);
             self.appended.fetch_add(1, Ordering::Release);
-            self.stats.log_bytes_written.fetch_add(log::REC_HEADER_LEN + data.len() as u64, Ordering::Relaxed);
+            self.stats
+                .log_bytes_written
+                .fetch_add(log::REC_HEADER_LEN + data.len() as u64, Ordering::Relaxed);
             (w.pos, w.header.file_seq)
         };
         if kind == RecKind::Write {
@@ -471,7 +517,8 @@ impl Volume {
     }
 
     fn sync_file(&self, f: &File, path: &std::path::Path) -> Result<()> {
-        self.hook(SyncEvent::LogSync(path.to_path_buf())).map_err(|e| io_err("fdatasync", path, e))?;
+        self.hook(SyncEvent::LogSync(path.to_path_buf()))
+            .map_err(|e| io_err("fdatasync", path, e))?;
         self.stats.fdatasyncs.fetch_add(1, Ordering::Relaxed);
         f.sync_data().map_err(|e| io_err("fdatasync", path, e))
     }
@@ -496,13 +543,19 @@ impl Volume {
                 // if a compaction has not folded it yet, the frozen one.
                 let (upto, file, path, frozen) = {
                     let w = self.log.lock();
-                    let frozen = self.frozen_log.lock().as_ref().filter(|f| !f.synced).map(|f| (f.seq, f.file.clone(), f.path.clone()));
+                    let frozen = self
+                        .frozen_log
+                        .lock()
+                        .as_ref()
+                        .filter(|f| !f.synced)
+                        .map(|f| (f.seq, f.file.clone(), f.path.clone()));
                     (self.appended.load(Ordering::Acquire), w.file_handle(), w.path.clone(), frozen)
                 };
                 let res = (|| -> Result<()> {
                     if let Some((seq, f, p)) = frozen {
                         self.sync_file(&f, &p)?;
-                        if let Some(fl) = self.frozen_log.lock().as_mut().filter(|fl| fl.seq == seq) {
+                        if let Some(fl) = self.frozen_log.lock().as_mut().filter(|fl| fl.seq == seq)
+                        {
                             fl.synced = true;
                         }
                     }

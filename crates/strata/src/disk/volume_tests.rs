@@ -58,7 +58,10 @@ fn random_ops_match_a_byte_model_across_compaction_and_reopen() {
         let ql = rng.gen_range(1..=(size - qo).min(300_000));
         let mut buf = vec![0xeeu8; ql as usize];
         v.read(qo, &mut buf).unwrap();
-        assert!(buf == model[qo as usize..(qo + ql) as usize], "step {step}: read {qo}+{ql} differs");
+        assert!(
+            buf == model[qo as usize..(qo + ql) as usize],
+            "step {step}: read {qo}+{ql} differs"
+        );
     }
     v.close().unwrap();
     drop(v);
@@ -78,7 +81,11 @@ fn each_flush_costs_at_most_one_fdatasync() {
     }
     assert_eq!(v.stats().fdatasyncs.load(Ordering::Relaxed), 50);
     v.flush().unwrap();
-    assert_eq!(v.stats().fdatasyncs.load(Ordering::Relaxed), 50, "a flush with nothing new costs nothing");
+    assert_eq!(
+        v.stats().fdatasyncs.load(Ordering::Relaxed),
+        50,
+        "a flush with nothing new costs nothing"
+    );
     v.write(0, &[1; 512], true).unwrap();
     assert_eq!(v.stats().fdatasyncs.load(Ordering::Relaxed), 51, "FUA costs one");
     // Concurrent flushers share syncs (group commit).
@@ -203,7 +210,8 @@ fn writes_go_on_while_background_compactions_fold_the_log() {
     for step in 0..600u64 {
         let len = rng.gen_range(1..=16) * 4096u64;
         let off = rng.gen_range(0..(size - len) / 512) * 512;
-        let data: Vec<u8> = (0..len).map(|i| (step as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
+        let data: Vec<u8> =
+            (0..len).map(|i| (step as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
         v.write(off, &data, false).unwrap();
         model[off as usize..(off + len) as usize].copy_from_slice(&data);
         if step % 7 == 0 {
@@ -218,8 +226,12 @@ fn writes_go_on_while_background_compactions_fold_the_log() {
     let st = v.stats();
     assert!(st.compactions.load(Ordering::Relaxed) >= 5, "{st:?}");
     // Each guest flush cost one fdatasync, plus one for the frozen file after a rollover.
-    let (flushes, syncs) = (st.flushes.load(Ordering::Relaxed), st.fdatasyncs.load(Ordering::Relaxed));
-    assert!(syncs <= flushes + st.compactions.load(Ordering::Relaxed), "{flushes} flushes, {syncs} fdatasyncs");
+    let (flushes, syncs) =
+        (st.flushes.load(Ordering::Relaxed), st.fdatasyncs.load(Ordering::Relaxed));
+    assert!(
+        syncs <= flushes + st.compactions.load(Ordering::Relaxed),
+        "{flushes} flushes, {syncs} fdatasyncs"
+    );
     drop(v);
     // Dropped without close (as after kill -9): reopening replays what was not folded.
     let v = Volume::open(&s, "v").unwrap();
@@ -260,16 +272,29 @@ fn a_fold_that_fails_before_its_commit_leaves_two_logs_that_replay_in_order() {
     v.write(100 << 10, &[2u8; 4096], false).unwrap();
     v.write(8192, &[3u8; 4096], false).unwrap();
     v.flush().unwrap();
-    assert_eq!(v.stats().fdatasyncs.load(Ordering::Relaxed), 2, "the first flush after a rollover syncs the frozen log too");
+    assert_eq!(
+        v.stats().fdatasyncs.load(Ordering::Relaxed),
+        2,
+        "the first flush after a rollover syncs the frozen log too"
+    );
     let mut b = vec![0u8; 110 << 10];
     v.read(0, &mut b).unwrap();
     *gate.0.lock() = true;
     gate.1.notify_all();
     v.wait_compaction();
-    assert!(matches!(v.write(0, b"x", false), Err(DiskError::Failed { .. })), "a failed fold stops I/O");
+    assert!(
+        matches!(v.write(0, b"x", false), Err(DiskError::Failed { .. })),
+        "a failed fold stops I/O"
+    );
     drop(v);
-    let logs = std::fs::read_dir(s.local_dir().join("disks")).unwrap().next().unwrap().unwrap().path();
-    let n = logs.read_dir().unwrap().flatten().filter(|e| e.file_name().to_str().unwrap().starts_with("log.")).count();
+    let logs =
+        std::fs::read_dir(s.local_dir().join("disks")).unwrap().next().unwrap().unwrap().path();
+    let n = logs
+        .read_dir()
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_str().unwrap().starts_with("log."))
+        .count();
     assert_eq!(n, 2, "the frozen and the active log are both still there");
     let v = Volume::open(&s, "v").unwrap();
     let mut after = vec![0u8; 110 << 10];
@@ -317,7 +342,10 @@ fn a_writer_held_back_by_a_fold_waits_for_that_fold_only() {
     });
     v.wait_compaction();
     let (n, worst) = (folds.load(Ordering::SeqCst), worst.load(Ordering::SeqCst));
-    assert!(v.stats().compaction_waits.load(Ordering::Relaxed) > 0, "no writer was held back ({n} folds)");
+    assert!(
+        v.stats().compaction_waits.load(Ordering::Relaxed) > 0,
+        "no writer was held back ({n} folds)"
+    );
     // One more than the two for a thread descheduled on a loaded host.
     assert!(worst <= 3, "a write spanned {worst} folds ({n} in all)");
     let mut all = vec![0u8; 8 * 120 * 4096];
@@ -362,7 +390,10 @@ fn past_the_threshold_writers_are_paced_by_the_fold_and_released_by_it() {
             }
             tx.send(()).unwrap();
         });
-        assert!(rx.recv_timeout(std::time::Duration::from_millis(300)).is_err(), "a write past the threshold went on with nothing folded");
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300)).is_err(),
+            "a write past the threshold went on with nothing folded"
+        );
         *gate.0.lock() = true;
         gate.1.notify_all();
         rx.recv_timeout(std::time::Duration::from_secs(30)).expect("the fold released the writer");

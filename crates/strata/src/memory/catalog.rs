@@ -75,12 +75,10 @@ pub fn remove(store: &Store, name: &str) -> Result<(), MemError> {
     }
     match store.delete_ref(&ref_name(name)) {
         Ok(()) => Ok(()),
-        Err(crate::store::StoreError::RefNotFound { .. }) => Err(MemError::NotFound { name: name.into() }),
-        Err(e) => Err(MemError::Store {
-            op: "remove",
-            name: name.into(),
-            source: e,
-        }),
+        Err(crate::store::StoreError::RefNotFound { .. }) => {
+            Err(MemError::NotFound { name: name.into() })
+        }
+        Err(e) => Err(MemError::Store { op: "remove", name: name.into(), source: e }),
     }
 }
 
@@ -111,14 +109,20 @@ pub struct Inspection {
 fn page_ids(store: &Store, c: &Checkpoint) -> Result<HashSet<(ChunkId, u8)>, MemError> {
     let mut set = HashSet::new();
     let mut runs: HashMap<ChunkId, bool> = HashMap::new();
-    let maps = super::restore::read_maps(store, &c.map_roots, super::restore::MAP_READERS).map_err(|(bi, source)| MemError::MetaDamaged {
-        name: c.manifest.name.clone(),
-        what: format!("page map of ramblock '{}'", c.manifest.blocks.get(bi).map_or("?", |b| b.name.as_str())),
-        source,
-    })?;
+    let maps = super::restore::read_maps(store, &c.map_roots, super::restore::MAP_READERS)
+        .map_err(|(bi, source)| MemError::MetaDamaged {
+            name: c.manifest.name.clone(),
+            what: format!(
+                "page map of ramblock '{}'",
+                c.manifest.blocks.get(bi).map_or("?", |b| b.name.as_str())
+            ),
+            source,
+        })?;
     for (bi, ids) in maps.ids.iter().enumerate() {
         for (p, id) in ids.iter().enumerate().filter(|(_, i)| !i.is_zero()) {
-            let run = *runs.entry(*id).or_insert_with(|| c.manifest.version >= 3 && is_run_chunk(store, id));
+            let run = *runs
+                .entry(*id)
+                .or_insert_with(|| c.manifest.version >= 3 && is_run_chunk(store, id));
             set.insert((*id, if run { maps.slot(bi, p as u32) } else { u8::MAX }));
         }
     }

@@ -32,8 +32,8 @@
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -102,7 +102,8 @@ pub fn encode(base: &[u8], page: &[u8], out: &mut Vec<u8>, limit: usize) -> bool
     debug_assert!(base.len() == PAGE_SIZE && page.len() == PAGE_SIZE);
     out.clear();
     let words = PAGE_SIZE / 8;
-    let word = |b: &[u8], i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let word =
+        |b: &[u8], i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
     let mut i = 0;
     while i < words {
         if word(base, i) == word(page, i) {
@@ -166,10 +167,7 @@ pub fn record_tree(e: &DeltaEntry) -> Tree {
     payload.extend_from_slice(RECORD_MAGIC);
     payload.extend_from_slice(&e.target.0);
     payload.extend_from_slice(&e.enc);
-    Tree {
-        children: vec![e.base],
-        payload,
-    }
+    Tree { children: vec![e.base], payload }
 }
 
 /// True when a tree looks like a delta record (one child, `SVMP` payload).
@@ -193,33 +191,27 @@ pub fn parse_record(t: &Tree) -> Result<DeltaEntry, DeltaError> {
     if target.is_zero() {
         return Err(malformed("zero page id"));
     }
-    Ok(DeltaEntry {
-        target,
-        base: t.children[0],
-        enc: p[36..].to_vec(),
-    })
+    Ok(DeltaEntry { target, base: t.children[0], enc: p[36..].to_vec() })
 }
 
 /// Read a delta record from the store and rebuild its page: the record and the base page
 /// are verified against their ids, the result against the page id the record holds.
-pub fn rebuild(store: &Store, record: &ChunkId) -> Result<(ChunkId, Box<[u8; PAGE_SIZE]>), StoreError> {
+pub fn rebuild(
+    store: &Store,
+    record: &ChunkId,
+) -> Result<(ChunkId, Box<[u8; PAGE_SIZE]>), StoreError> {
     let corrupt = |reason: String| StoreError::Corrupt {
         id: *record,
         pack: Default::default(),
         offset: 0,
         reason,
     };
-    let t = Tree::decode(&store.get(record)?).map_err(|source| StoreError::Format {
-        key: format!("chunk {record}"),
-        source,
-    })?;
+    let t = Tree::decode(&store.get(record)?)
+        .map_err(|source| StoreError::Format { key: format!("chunk {record}"), source })?;
     let e = parse_record(&t).map_err(|e| corrupt(e.to_string()))?;
-    let base_page = if e.base.is_zero() {
-        vec![0u8; PAGE_SIZE]
-    } else {
-        store.get(&e.base)?
-    };
-    let page = apply(&base_page, &e.enc).map_err(|x| corrupt(format!("delta against base {}: {x}", e.base)))?;
+    let base_page = if e.base.is_zero() { vec![0u8; PAGE_SIZE] } else { store.get(&e.base)? };
+    let page = apply(&base_page, &e.enc)
+        .map_err(|x| corrupt(format!("delta against base {}: {x}", e.base)))?;
     if ChunkId::of(&page[..]) != e.target {
         return Err(corrupt(format!(
             "delta applied to base {} does not match page {}",
@@ -249,7 +241,8 @@ pub fn select_base(
 ) -> Result<Option<Base>, MemError> {
     let fits = |c: &Checkpoint| {
         let m = &c.manifest;
-        let mut a: Vec<(&str, u64)> = m.blocks.iter().map(|b| (b.name.as_str(), b.used_len)).collect();
+        let mut a: Vec<(&str, u64)> =
+            m.blocks.iter().map(|b| (b.name.as_str(), b.used_len)).collect();
         let mut b: Vec<(&str, u64)> = ram.iter().map(|(n, l)| (n.as_str(), *l)).collect();
         a.sort_unstable();
         b.sort_unstable();
@@ -304,13 +297,16 @@ pub fn select_base(
     let name = ckpt.manifest.name.clone();
     // Slot tables (version 4) are not needed here: a base page that names a run is compared
     // with the run's slot at its own place, and mapped back only to that slot when equal.
-    let maps = super::restore::read_maps(store, &ckpt.map_roots, super::restore::MAP_READERS).map(|m| m.ids).map_err(|(bi, source)| {
-        MemError::MetaDamaged {
+    let maps = super::restore::read_maps(store, &ckpt.map_roots, super::restore::MAP_READERS)
+        .map(|m| m.ids)
+        .map_err(|(bi, source)| MemError::MetaDamaged {
             name: name.clone(),
-            what: format!("page map of ramblock '{}' (as a delta base)", ckpt.manifest.blocks[bi].name),
+            what: format!(
+                "page map of ramblock '{}' (as a delta base)",
+                ckpt.manifest.blocks[bi].name
+            ),
             source,
-        }
-    })?;
+        })?;
     let blocks = ckpt
         .manifest
         .blocks
@@ -436,7 +432,8 @@ impl<'a> DeltaSink<'a> {
 
     fn within_budget(&self) -> bool {
         self.allowance.is_none_or(|a| {
-            self.reads.bytes_read.load(Ordering::Relaxed) < a + READ_PER_SAVED * self.saved.load(Ordering::Relaxed)
+            self.reads.bytes_read.load(Ordering::Relaxed)
+                < a + READ_PER_SAVED * self.saved.load(Ordering::Relaxed)
         })
     }
 
@@ -462,7 +459,9 @@ impl<'a> DeltaSink<'a> {
                     return Ok(None);
                 }
                 r.chunks.fetch_add(1, Ordering::Relaxed);
-                let Ok(frame) = store.backend().get_range(&pack.pack_key(), e.frame_off, e.frame_len as u64) else {
+                let Ok(frame) =
+                    store.backend().get_range(&pack.pack_key(), e.frame_off, e.frame_len as u64)
+                else {
                     return store.get(id).map(Some);
                 };
                 r.frames_read.fetch_add(1, Ordering::Relaxed);
@@ -470,7 +469,9 @@ impl<'a> DeltaSink<'a> {
                 if crc(&frame) != e.frame_crc {
                     return store.get(id).map(Some);
                 }
-                let Ok(raw) = e.codec.decompress(&frame, e.frame_raw_len as usize) else { return store.get(id).map(Some) };
+                let Ok(raw) = e.codec.decompress(&frame, e.frame_raw_len as usize) else {
+                    return store.get(id).map(Some);
+                };
                 let raw = Arc::new(raw);
                 let mut f = self.frames.lock();
                 if f.map.insert(key, raw.clone()).is_none() {
@@ -601,7 +602,10 @@ impl DeltaWorker {
         } else {
             match store.chunk_info(&base_id) {
                 Some((_, ChunkKind::Tree)) => {
-                    let rec = match sink.read_base(store, &base_id).map(|b| b.map(|b| Tree::decode(&b))) {
+                    let rec = match sink
+                        .read_base(store, &base_id)
+                        .map(|b| b.map(|b| Tree::decode(&b)))
+                    {
                         Ok(Some(Ok(t))) if is_record(&t) => parse_record(&t).ok()?,
                         Ok(None) => {
                             untried(self);
@@ -691,12 +695,8 @@ impl DeltaWorker {
             && (whole.is_zero() || ses.pin(whole).is_ok())
         {
             self.paid += 1;
-            let tree = record_tree(&DeltaEntry {
-                target: id,
-                base: whole,
-                enc: buf.clone(),
-            })
-            .encode();
+            let tree =
+                record_tree(&DeltaEntry { target: id, base: whole, enc: buf.clone() }).encode();
             let rid = ChunkId::of(&tree);
             Some(self.record(sink, id, rid, Some(tree), buf.len()))
         } else {
@@ -706,7 +706,14 @@ impl DeltaWorker {
         r
     }
 
-    fn record(&mut self, sink: &DeltaSink<'_>, id: ChunkId, rid: ChunkId, tree: Option<Vec<u8>>, enc_len: usize) -> ChunkId {
+    fn record(
+        &mut self,
+        sink: &DeltaSink<'_>,
+        id: ChunkId,
+        rid: ChunkId,
+        tree: Option<Vec<u8>>,
+        enc_len: usize,
+    ) -> ChunkId {
         let mut t = sink.targets.lock();
         if let Some(r) = t.get(&id) {
             return *r;
@@ -790,11 +797,11 @@ mod tests {
     fn apply_refuses_bad_runs() {
         let base = page(0);
         for bad in [
-            vec![0u8, 0, 0, 0],                  // zero length
-            vec![0xff, 0x0f, 2, 0, 1, 2],        // past the page end
-            vec![8, 0, 1, 0, 1, 0, 0, 1, 0, 1],  // out of order
-            vec![0, 0, 4, 0, 1],                 // truncated
-            vec![0, 0],                          // truncated header
+            vec![0u8, 0, 0, 0],                 // zero length
+            vec![0xff, 0x0f, 2, 0, 1, 2],       // past the page end
+            vec![8, 0, 1, 0, 1, 0, 0, 1, 0, 1], // out of order
+            vec![0, 0, 4, 0, 1],                // truncated
+            vec![0, 0],                         // truncated header
         ] {
             assert!(apply(&base, &bad).is_err(), "{bad:?}");
         }
@@ -839,10 +846,7 @@ mod tests {
 
     #[test]
     fn back_off_after_batches_that_do_not_pay() {
-        let base = Base {
-            name: "b".into(),
-            blocks: vec![],
-        };
+        let base = Base { name: "b".into(), blocks: vec![] };
         let sink = DeltaSink::new(&base);
         let mut w = DeltaWorker::default();
         assert!(w.batch_start(&sink));
@@ -871,19 +875,31 @@ mod tests {
         use crate::store::{InitOptions, Store};
         let d = tempfile::tempdir().unwrap();
         let mem = MemoryBackend::new();
-        let store = Store::init(std::sync::Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::Zstd(1) }).unwrap();
-        let pages: Vec<Vec<u8>> = (0..64u32).map(|i| (0..PAGE_SIZE).map(|b| ((b as u32 * 7 + i) % 251) as u8).collect()).collect();
+        let store = Store::init(
+            std::sync::Arc::new(mem.clone()),
+            &d.path().join("m.redb"),
+            InitOptions { pack_size: 1 << 20, default_codec: Codec::Zstd(1) },
+        )
+        .unwrap();
+        let pages: Vec<Vec<u8>> = (0..64u32)
+            .map(|i| (0..PAGE_SIZE).map(|b| ((b as u32 * 7 + i) % 251) as u8).collect())
+            .collect();
         let ids: Vec<ChunkId> = pages.iter().map(|p| ChunkId::of(p)).collect();
         let ses = store.session();
         for half in [0..32, 32..64] {
             let items: Vec<(ChunkId, &[u8])> = half.map(|i| (ids[i], &pages[i][..])).collect();
             ses.put_frame(&items, ChunkKind::Data, Codec::Zstd(1)).unwrap();
         }
-        ses.commit_ref("vm/base", crate::store::objects::Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
+        ses.commit_ref(
+            "vm/base",
+            crate::store::objects::Ref { roots: vec![ids[0]], ..Default::default() },
+        )
+        .unwrap();
         drop(ses);
         drop(store);
         // Reopened, so every read goes to the backend (no pack buffer of the writer's).
-        let store = Store::open(std::sync::Arc::new(mem.clone()), &d.path().join("m2.redb")).unwrap();
+        let store =
+            Store::open(std::sync::Arc::new(mem.clone()), &d.path().join("m2.redb")).unwrap();
         let base = Base { name: "base".into(), blocks: Vec::new() };
         let sink = DeltaSink::new(&base);
         for (i, id) in ids.iter().enumerate() {
@@ -899,7 +915,11 @@ mod tests {
         bytes[(e.frame_off + 8) as usize] ^= 0x55;
         mem.put(&key, &bytes).unwrap();
         let sink = DeltaSink::new(&base);
-        assert_eq!(sink.read_base(&store, &ids[1]).unwrap(), Some(pages[1].clone()), "the first frame is intact");
+        assert_eq!(
+            sink.read_base(&store, &ids[1]).unwrap(),
+            Some(pages[1].clone()),
+            "the first frame is intact"
+        );
         let err = sink.read_base(&store, &ids[40]).unwrap_err();
         assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
 
@@ -909,10 +929,17 @@ mod tests {
         let sink = DeltaSink::new(&base).with_read_budget(e0.frame_len as u64);
         assert_eq!(sink.read_base(&store, &ids[0]).unwrap(), Some(pages[0].clone()));
         assert_eq!(sink.read_base(&store, &ids[40]).unwrap(), None, "over budget: not read");
-        assert_eq!(sink.read_base(&store, &ids[5]).unwrap(), Some(pages[5].clone()), "a frame at hand costs nothing");
+        assert_eq!(
+            sink.read_base(&store, &ids[5]).unwrap(),
+            Some(pages[5].clone()),
+            "a frame at hand costs nothing"
+        );
         // Savings raise the budget.
         sink.saved.fetch_add(1 << 20, Ordering::Relaxed);
-        assert!(sink.read_base(&store, &ids[40]).is_err(), "within budget again: read (and found damaged)");
+        assert!(
+            sink.read_base(&store, &ids[40]).is_err(),
+            "within budget again: read (and found damaged)"
+        );
         let r = sink.outcome().reads;
         assert_eq!((r.chunks, r.frames_read, r.frame_hits, r.over_budget), (3, 2, 1, 1));
     }

@@ -46,7 +46,9 @@ pub enum MemError {
     #[error("QEMU did not connect to strata's migration socket {} within {secs} s; nothing was stored", path.display())]
     NoConnection { path: PathBuf, secs: u64 },
 
-    #[error("QEMU's migration for '{name}' ended with status '{status}': {desc}; nothing was stored")]
+    #[error(
+        "QEMU's migration for '{name}' ended with status '{status}': {desc}; nothing was stored"
+    )]
     SourceFailed { name: String, status: String, desc: String },
 
     #[error("QEMU exited during the save of '{name}' ({bytes} stream bytes received); nothing was stored")]
@@ -60,12 +62,7 @@ pub enum MemError {
     },
 
     #[error("The stream for '{name}' did not carry page {offset:#x} of ramblock '{block}' ({missing} pages missing); nothing was stored")]
-    Incomplete {
-        name: String,
-        block: String,
-        offset: u64,
-        missing: u64,
-    },
+    Incomplete { name: String, block: String, offset: u64, missing: u64 },
 
     #[error("Store failed during {op} of '{name}'")]
     Store {
@@ -93,7 +90,9 @@ pub enum MemError {
         source: StoreError,
     },
 
-    #[error("Checkpoint '{name}' is damaged: its {what} could not be read; nothing was sent to QEMU")]
+    #[error(
+        "Checkpoint '{name}' is damaged: its {what} could not be read; nothing was sent to QEMU"
+    )]
     MetaDamaged {
         name: String,
         what: String,
@@ -131,19 +130,17 @@ pub enum MemError {
 }
 
 impl MemError {
-    pub(crate) fn qmp<'a>(op: &'static str, path: &'a std::path::Path) -> impl FnOnce(QmpError) -> MemError + 'a {
-        move |source| MemError::Qmp {
-            op,
-            path: path.to_path_buf(),
-            source,
-        }
+    pub(crate) fn qmp<'a>(
+        op: &'static str,
+        path: &'a std::path::Path,
+    ) -> impl FnOnce(QmpError) -> MemError + 'a {
+        move |source| MemError::Qmp { op, path: path.to_path_buf(), source }
     }
 
-    pub(crate) fn store<'a>(op: &'static str, name: &'a str) -> impl FnOnce(StoreError) -> MemError + 'a {
-        move |source| MemError::Store {
-            op,
-            name: name.to_string(),
-            source,
-        }
+    pub(crate) fn store<'a>(
+        op: &'static str,
+        name: &'a str,
+    ) -> impl FnOnce(StoreError) -> MemError + 'a {
+        move |source| MemError::Store { op, name: name.to_string(), source }
     }
 }

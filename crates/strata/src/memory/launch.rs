@@ -38,24 +38,19 @@ const DROP_FLAG: [&str; 2] = ["S", "daemonize"];
 const CHARDEV_OPTS: [&str; 4] = ["chardev", "serial", "monitor", "parallel"];
 
 fn opt_name(a: &str) -> Option<&str> {
-    a.strip_prefix("--")
-        .or_else(|| a.strip_prefix('-'))
-        .filter(|n| !n.is_empty())
+    a.strip_prefix("--").or_else(|| a.strip_prefix('-')).filter(|n| !n.is_empty())
 }
 
 /// `server=on` sockets without `wait=off` block QEMU's start; make them not wait.
 fn no_wait(value: &str) -> String {
     let parts: Vec<&str> = value.split(',').collect();
-    let server = parts
-        .iter()
-        .any(|p| matches!(*p, "server" | "server=on" | "server=yes" | "server=true"));
+    let server =
+        parts.iter().any(|p| matches!(*p, "server" | "server=on" | "server=yes" | "server=true"));
     if !server {
         return value.to_string();
     }
-    let mut kept: Vec<&str> = parts
-        .into_iter()
-        .filter(|p| !(p.starts_with("wait") || *p == "nowait"))
-        .collect();
+    let mut kept: Vec<&str> =
+        parts.into_iter().filter(|p| !(p.starts_with("wait") || *p == "nowait")).collect();
     kept.push("wait=off");
     kept.join(",")
 }
@@ -207,7 +202,9 @@ pub fn restore_launch(
         }
         match QmpClient::connect_timeout(&qmp_path, Duration::from_secs(10)) {
             Ok(c) => break c,
-            Err(QmpError::NoSocket { .. } | QmpError::Refused { .. }) if t0.elapsed() < opts.start_timeout => {
+            Err(QmpError::NoSocket { .. } | QmpError::Refused { .. })
+                if t0.elapsed() < opts.start_timeout =>
+            {
                 std::thread::sleep(Duration::from_millis(20))
             }
             Err(e) => {
@@ -219,14 +216,7 @@ pub fn restore_launch(
         }
     };
     match restore(store, name, &mut qmp, &opts.restore, progress) {
-        Ok(report) => Ok(Launched {
-            child,
-            qmp_path,
-            log_path,
-            program,
-            args,
-            report,
-        }),
+        Ok(report) => Ok(Launched { child, qmp_path, log_path, program, args, report }),
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();

@@ -71,7 +71,10 @@ impl SlotTable {
     /// [`RUN_PAGES`] or more.
     pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, String> {
         if payload.len() % SLOT_ENTRY_BYTES != 0 {
-            return Err(format!("slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries", payload.len()));
+            return Err(format!(
+                "slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries",
+                payload.len()
+            ));
         }
         let mut out = Vec::with_capacity(payload.len() / SLOT_ENTRY_BYTES);
         for e in payload.chunks_exact(SLOT_ENTRY_BYTES) {
@@ -95,9 +98,9 @@ impl SlotTable {
 /// Whether the store holds `id` as a run chunk (a data chunk of [`RUN_BYTES`]), as the index
 /// tells it: a page map entry naming one is a slot of it.
 pub fn is_run_chunk(store: &crate::store::Store, id: &ChunkId) -> bool {
-    store
-        .chunk_info(id)
-        .is_some_and(|(len, kind)| kind == crate::store::pack::ChunkKind::Data && len as usize == RUN_BYTES)
+    store.chunk_info(id).is_some_and(|(len, kind)| {
+        kind == crate::store::pack::ChunkKind::Data && len as usize == RUN_BYTES
+    })
 }
 /// Entropy (bits per byte, of a 1 KiB sample of each page) above which a save counts a page
 /// as uniform, i.e. a run candidate (`memory/ingest/pool.rs`). 1 KiB of uniform random bytes
@@ -134,7 +137,9 @@ pub enum ManifestError {
     Invalid { field: &'static str, why: String },
     #[error("Checkpoint manifest of {len} bytes exceeds the {MAX_MANIFEST}-byte cap")]
     TooLarge { len: usize },
-    #[error("Checkpoint ref has {found} roots, its manifest needs {expected} (1 tail + 1 per ramblock)")]
+    #[error(
+        "Checkpoint ref has {found} roots, its manifest needs {expected} (1 tail + 1 per ramblock)"
+    )]
     Roots { found: usize, expected: usize },
     #[error("Tail tree is malformed: {why}")]
     BadTailTree { why: String },
@@ -334,7 +339,9 @@ pub fn ref_name(name: &str) -> String {
 
 /// Check a checkpoint name: 1–200 bytes of `[A-Za-z0-9._@=+-]` in `/`-separated segments.
 pub fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= MAX_NAME && crate::store::objects::valid_ref_name(&ref_name(name))
+    !name.is_empty()
+        && name.len() <= MAX_NAME
+        && crate::store::objects::valid_ref_name(&ref_name(name))
 }
 
 impl Manifest {
@@ -345,9 +352,8 @@ impl Manifest {
 
     /// The stream layout for the generator.
     pub fn layout(&self) -> Result<StreamLayout, ManifestError> {
-        let config_subsections = hex::decode(&self.stream.config_subsections).map_err(|e| ManifestError::Invalid {
-            field: "stream.config_subsections",
-            why: e.to_string(),
+        let config_subsections = hex::decode(&self.stream.config_subsections).map_err(|e| {
+            ManifestError::Invalid { field: "stream.config_subsections", why: e.to_string() }
         })?;
         Ok(StreamLayout {
             version: self.stream.file_version,
@@ -357,10 +363,7 @@ impl Manifest {
             blocks: self
                 .blocks
                 .iter()
-                .map(|b| RamBlock {
-                    name: b.name.clone(),
-                    used_len: b.used_len,
-                })
+                .map(|b| RamBlock { name: b.name.clone(), used_len: b.used_len })
                 .collect(),
         })
     }
@@ -373,9 +376,7 @@ impl Manifest {
     fn validate(&self) -> Result<(), ManifestError> {
         let bad = |field: &'static str, why: String| Err(ManifestError::Invalid { field, why });
         if self.format != FORMAT {
-            return Err(ManifestError::NotCheckpoint {
-                found: self.format.clone(),
-            });
+            return Err(ManifestError::NotCheckpoint { found: self.format.clone() });
         }
         if self.version > VERSION {
             return Err(ManifestError::TooNew { found: self.version });
@@ -446,16 +447,14 @@ pub fn parse_manifest(bytes: &[u8]) -> Result<Manifest, ManifestError> {
     struct Head {
         format: Option<String>,
     }
-    let head: Head = serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
+    let head: Head =
+        serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
     match head.format {
         Some(f) if f == FORMAT => {}
-        other => {
-            return Err(ManifestError::NotCheckpoint {
-                found: other.unwrap_or_default(),
-            })
-        }
+        other => return Err(ManifestError::NotCheckpoint { found: other.unwrap_or_default() }),
     }
-    let m: Manifest = serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
+    let m: Manifest =
+        serde_json::from_slice(bytes).map_err(|e| ManifestError::Json { detail: e.to_string() })?;
     m.validate()?;
     Ok(m)
 }
@@ -475,10 +474,7 @@ impl Checkpoint {
         let manifest = parse_manifest(&r.payload)?;
         let expected = 1 + manifest.blocks.len();
         if r.roots.len() != expected {
-            return Err(ManifestError::Roots {
-                found: r.roots.len(),
-                expected,
-            });
+            return Err(ManifestError::Roots { found: r.roots.len(), expected });
         }
         Ok(Checkpoint {
             tail_root: r.roots[0],
@@ -503,10 +499,7 @@ pub fn tail_tree(pieces: Vec<ChunkId>, len: u64) -> Tree {
     let mut payload = Vec::with_capacity(12);
     payload.extend_from_slice(TAIL_MAGIC);
     payload.extend_from_slice(&len.to_le_bytes());
-    Tree {
-        children: pieces,
-        payload,
-    }
+    Tree { children: pieces, payload }
 }
 
 /// Read a tail tree back: (pieces, total length), with the piece count checked against the length.
@@ -549,11 +542,7 @@ mod tests {
                 file_version: 3,
                 machine_type: Some("pc-i440fx-7.2".into()),
                 config_subsections: String::new(),
-                ram_section: RamSectionHeader {
-                    section_id: 2,
-                    instance_id: 0,
-                    version_id: 4,
-                },
+                ram_section: RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
                 bytes: 123,
                 background_snapshot: true,
                 vmdesc_devices: 30,
@@ -572,10 +561,7 @@ mod tests {
                     unique_pages: 64,
                 },
             ],
-            tail: TailMeta {
-                len: 200_000,
-                blake3: "ab".repeat(32),
-            },
+            tail: TailMeta { len: 200_000, blake3: "ab".repeat(32) },
             codec: CodecReport {
                 chosen: "lz4".into(),
                 why: "test".into(),
@@ -611,7 +597,10 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&m.encode()).unwrap();
         assert_eq!(v["format"], "strata-vm-checkpoint");
         assert_eq!(v["version"], 4);
-        assert_eq!((VERSION, VERSION_RUNS, VERSION_NO_RUNS, RUN_PAGES, RUN_BYTES), (4, 3, 2, 32, 131_072));
+        assert_eq!(
+            (VERSION, VERSION_RUNS, VERSION_NO_RUNS, RUN_PAGES, RUN_BYTES),
+            (4, 3, 2, 32, 131_072)
+        );
         assert!(v.get("delta").is_none(), "no delta field without a base");
         assert_eq!(v["mode"], "background-snapshot");
         assert_eq!(v["qemu"]["machine_type"], "pc-i440fx-7.2");
@@ -653,17 +642,11 @@ mod tests {
         m.blocks[1].used_len = 4095;
         assert!(matches!(
             parse_manifest(&m.encode()),
-            Err(ManifestError::Invalid {
-                field: "blocks.used_len",
-                ..
-            })
+            Err(ManifestError::Invalid { field: "blocks.used_len", .. })
         ));
         let mut m = sample();
         m.blocks[1].name = "pc.ram".into();
-        assert!(matches!(
-            parse_manifest(&m.encode()),
-            Err(ManifestError::Invalid { .. })
-        ));
+        assert!(matches!(parse_manifest(&m.encode()), Err(ManifestError::Invalid { .. })));
         let mut m = sample();
         m.name = "../x".into();
         assert!(matches!(

@@ -10,9 +10,9 @@
 //! panic.
 
 use super::proto::{
-    parse_option_reply, parse_reply_header, Command, OptionHeader, ReplyHeader, Request, FLAG_C_FIXED_NEWSTYLE,
-    FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT, INFO_EXPORT, NBD_MAGIC, OPTION_REPLY_HEADER_LEN,
-    OPT_GO, REP_ACK, REP_INFO, SIMPLE_REPLY_LEN,
+    parse_option_reply, parse_reply_header, Command, OptionHeader, ReplyHeader, Request,
+    FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT,
+    INFO_EXPORT, NBD_MAGIC, OPTION_REPLY_HEADER_LEN, OPT_GO, REP_ACK, REP_INFO, SIMPLE_REPLY_LEN,
 };
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -78,7 +78,10 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("size", &self.size).field("pending", &self.pending.len()).finish()
+        f.debug_struct("Client")
+            .field("size", &self.size)
+            .field("pending", &self.pending.len())
+            .finish()
     }
 }
 
@@ -91,13 +94,18 @@ impl Client {
         let timeout = Some(Duration::from_secs(120));
         let (r, w): (Box<dyn Read + Send>, Box<dyn Write + Send>) = match target {
             Target::Unix(p) => {
-                let s = UnixStream::connect(p).map_err(|source| ClientError::Connect { target: target.to_string(), source })?;
+                let s = UnixStream::connect(p).map_err(|source| ClientError::Connect {
+                    target: target.to_string(),
+                    source,
+                })?;
                 s.set_read_timeout(timeout).map_err(io_err("setup"))?;
                 (Box::new(s.try_clone().map_err(io_err("setup"))?), Box::new(s))
             }
             Target::Tcp(a) => {
-                let s = TcpStream::connect_timeout(a, Duration::from_secs(10))
-                    .map_err(|source| ClientError::Connect { target: target.to_string(), source })?;
+                let s =
+                    TcpStream::connect_timeout(a, Duration::from_secs(10)).map_err(|source| {
+                        ClientError::Connect { target: target.to_string(), source }
+                    })?;
                 s.set_nodelay(true).map_err(io_err("setup"))?;
                 s.set_read_timeout(timeout).map_err(io_err("setup"))?;
                 (Box::new(s.try_clone().map_err(io_err("setup"))?), Box::new(s))
@@ -111,8 +119,12 @@ impl Client {
     fn handshake(&mut self, export: &str) -> Result<()> {
         let mut g = [0u8; 18];
         self.r.read_exact(&mut g).map_err(io_err("greeting"))?;
-        if u64::from_be_bytes(g[0..8].try_into().expect("8")) != NBD_MAGIC || u64::from_be_bytes(g[8..16].try_into().expect("8")) != IHAVEOPT {
-            return Err(ClientError::Protocol("not a fixed-newstyle NBD server (bad greeting magic)".into()));
+        if u64::from_be_bytes(g[0..8].try_into().expect("8")) != NBD_MAGIC
+            || u64::from_be_bytes(g[8..16].try_into().expect("8")) != IHAVEOPT
+        {
+            return Err(ClientError::Protocol(
+                "not a fixed-newstyle NBD server (bad greeting magic)".into(),
+            ));
         }
         let hflags = u16::from_be_bytes([g[16], g[17]]);
         if hflags & FLAG_FIXED_NEWSTYLE == 0 {
@@ -153,7 +165,9 @@ impl Client {
                         message: String::from_utf8_lossy(&d).into_owned(),
                     })
                 }
-                r => return Err(ClientError::Protocol(format!("unknown option reply type {r:#x}"))),
+                r => {
+                    return Err(ClientError::Protocol(format!("unknown option reply type {r:#x}")))
+                }
             }
         }
         Ok(())
@@ -191,13 +205,14 @@ impl Client {
         self.r.read_exact(&mut h).map_err(io_err("receive"))?;
         let rep = match parse_reply_header(&h) {
             Ok(Some(ReplyHeader::Simple(s))) => s,
-            Ok(_) => return Err(ClientError::Protocol("structured reply without negotiation".into())),
+            Ok(_) => {
+                return Err(ClientError::Protocol("structured reply without negotiation".into()))
+            }
             Err(e) => return Err(ClientError::Protocol(e.to_string())),
         };
-        let (offset, len) = self
-            .pending
-            .remove(&rep.handle)
-            .ok_or_else(|| ClientError::Protocol(format!("reply for unknown handle {}", rep.handle)))?;
+        let (offset, len) = self.pending.remove(&rep.handle).ok_or_else(|| {
+            ClientError::Protocol(format!("reply for unknown handle {}", rep.handle))
+        })?;
         if rep.error != 0 {
             return Err(ClientError::ReadFailed { offset, len, errno: rep.error });
         }
@@ -209,7 +224,9 @@ impl Client {
     /// Read `buf.len()` bytes at `offset` (one request, waiting for its reply).
     pub fn read(&mut self, offset: u64, buf: &mut Vec<u8>) -> Result<()> {
         if !self.pending.is_empty() {
-            return Err(ClientError::Protocol("read() with requests in flight; use send_read/recv".into()));
+            return Err(ClientError::Protocol(
+                "read() with requests in flight; use send_read/recv".into(),
+            ));
         }
         self.send_read(offset, buf.len() as u32)?;
         self.recv(buf).map(|_| ())

@@ -163,7 +163,13 @@ pub trait Export: Send + Sync {
 
     /// Make `len` bytes at `offset` read as zero. `may_trim`: a hole may be punched (the
     /// client did not send NO_HOLE). The default writes zero buffers of at most 1 MiB.
-    fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool) -> Result<(), ExportError> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> Result<(), ExportError> {
         let _ = may_trim;
         const STEP: u64 = 1 << 20;
         let zeroes = vec![0u8; len.min(STEP) as usize];

@@ -205,7 +205,11 @@ pub fn parse_meta_request(data: &[u8]) -> Result<MetaRequest, &'static str> {
 pub fn sanitize_block_size(b: BlockSize, size: u64) -> BlockSize {
     let min = if b.min.is_power_of_two() && b.min <= 65536 { b.min } else { 1 };
     let floor = min.max(512);
-    let preferred = if b.preferred.is_power_of_two() && b.preferred >= floor { b.preferred } else { floor.max(4096) };
+    let preferred = if b.preferred.is_power_of_two() && b.preferred >= floor {
+        b.preferred
+    } else {
+        floor.max(4096)
+    };
     let mut max = b.max.min(MAX_REQUEST_LEN);
     max -= max % min;
     let need = (preferred as u64).min(size).min(MAX_REQUEST_LEN as u64) as u32;
@@ -309,7 +313,11 @@ impl Handshake {
             match &mut self.state {
                 State::Transmission(_) => return Ok(used),
                 State::Aborted | State::Failed => {
-                    return if used == 0 && !input.is_empty() { Err(HandshakeError::Ended) } else { Ok(used) };
+                    return if used == 0 && !input.is_empty() {
+                        Err(HandshakeError::Ended)
+                    } else {
+                        Ok(used)
+                    };
                 }
                 State::Discard { option, len, left } => {
                     let n = (*left).min((input.len() - used) as u64);
@@ -320,7 +328,8 @@ impl Handshake {
                     }
                     let (option, len) = (*option, *len);
                     self.state = State::OptionHeader;
-                    let msg = format!("Option data of {len} bytes exceeds the {MAX_OPTION_LEN}-byte cap");
+                    let msg =
+                        format!("Option data of {len} bytes exceeds the {MAX_OPTION_LEN}-byte cap");
                     self.reply_error(option, REP_ERR_TOO_BIG, &msg);
                     continue;
                 }
@@ -354,7 +363,8 @@ impl Handshake {
     fn step(&mut self, msg: &[u8]) -> Result<(), HandshakeError> {
         match self.state {
             State::ClientFlags => {
-                let flags = parse_client_flags(msg).map_err(|source| HandshakeError::Header { source })?;
+                let flags =
+                    parse_client_flags(msg).map_err(|source| HandshakeError::Header { source })?;
                 if flags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
                     return Err(HandshakeError::BadClientFlags { flags });
                 }
@@ -364,7 +374,8 @@ impl Handshake {
                 Ok(())
             }
             State::OptionHeader => {
-                let h = parse_option_header(msg).map_err(|source| HandshakeError::Header { source })?;
+                let h =
+                    parse_option_header(msg).map_err(|source| HandshakeError::Header { source })?;
                 self.options += 1;
                 if self.options > MAX_OPTIONS {
                     return Err(HandshakeError::TooManyOptions { max: MAX_OPTIONS });
@@ -372,7 +383,9 @@ impl Handshake {
                 tracing::trace!(target: TARGET, option = h.option, len = h.len, "option");
                 self.state = if h.len > MAX_OPTION_LEN {
                     if h.option == OPT_EXPORT_NAME {
-                        return Err(HandshakeError::ExportNameInvalid { reason: "name longer than the option cap" });
+                        return Err(HandshakeError::ExportNameInvalid {
+                            reason: "name longer than the option cap",
+                        });
                     }
                     State::Discard { option: h.option, len: h.len, left: h.len as u64 }
                 } else {
@@ -428,7 +441,11 @@ impl Handshake {
                 Ok(())
             }
             OPT_STARTTLS => {
-                self.reply_error(option, REP_ERR_UNSUP, "TLS is not supported by this server; connect without TLS");
+                self.reply_error(
+                    option,
+                    REP_ERR_UNSUP,
+                    "TLS is not supported by this server; connect without TLS",
+                );
                 Ok(())
             }
             OPT_INFO | OPT_GO => {
@@ -437,7 +454,11 @@ impl Handshake {
             }
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    self.reply_error(option, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data");
+                    self.reply_error(
+                        option,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    );
                 } else {
                     self.structured = true;
                     self.reply(option, REP_ACK, &[]);
@@ -449,7 +470,11 @@ impl Handshake {
                 Ok(())
             }
             _ => {
-                self.reply_error(option, REP_ERR_UNSUP, &format!("Option {option} is not supported"));
+                self.reply_error(
+                    option,
+                    REP_ERR_UNSUP,
+                    &format!("Option {option} is not supported"),
+                );
                 Ok(())
             }
         }
@@ -459,8 +484,8 @@ impl Handshake {
         if data.len() > MAX_STRING_LEN {
             return Err(HandshakeError::ExportNameInvalid { reason: "longer than 4096 bytes" });
         }
-        let name =
-            String::from_utf8(data.to_vec()).map_err(|_| HandshakeError::ExportNameInvalid { reason: "not UTF-8" })?;
+        let name = String::from_utf8(data.to_vec())
+            .map_err(|_| HandshakeError::ExportNameInvalid { reason: "not UTF-8" })?;
         let export = self
             .exports
             .open(&name)
@@ -477,17 +502,31 @@ impl Handshake {
         let tflags = transmission_flags(export.as_ref(), self.structured);
         let block_size = sanitize_block_size(export.block_size(), size);
         let base_allocation = match &self.meta {
-            Some(m) if m.base_allocation && m.export == name && self.structured => Some(BASE_ALLOCATION_ID),
+            Some(m) if m.base_allocation && m.export == name && self.structured => {
+                Some(BASE_ALLOCATION_ID)
+            }
             _ => None,
         };
-        Negotiated { name, export, size, tflags, structured: self.structured, base_allocation, block_size }
+        Negotiated {
+            name,
+            export,
+            size,
+            tflags,
+            structured: self.structured,
+            base_allocation,
+            block_size,
+        }
     }
 
     fn info_or_go(&mut self, option: u32, data: &[u8]) {
         let req = match parse_info_request(data) {
             Ok(r) => r,
             Err(why) => {
-                self.reply_error(option, REP_ERR_INVALID, &format!("Malformed NBD_OPT_INFO/GO: {why}"));
+                self.reply_error(
+                    option,
+                    REP_ERR_INVALID,
+                    &format!("Malformed NBD_OPT_INFO/GO: {why}"),
+                );
                 return;
             }
         };
@@ -523,7 +562,10 @@ impl Handshake {
             }
         }
         if option == OPT_GO && bs.min > 1 && !req.infos.contains(&INFO_BLOCK_SIZE) {
-            let msg = format!("Export needs {}-byte aligned requests; request NBD_INFO_BLOCK_SIZE", bs.min);
+            let msg = format!(
+                "Export needs {}-byte aligned requests; request NBD_INFO_BLOCK_SIZE",
+                bs.min
+            );
             self.reply_error(option, REP_ERR_BLOCK_SIZE_REQD, &msg);
             return;
         }
@@ -551,7 +593,11 @@ impl Handshake {
         let req = match parse_meta_request(data) {
             Ok(r) => r,
             Err(why) => {
-                self.reply_error(option, REP_ERR_INVALID, &format!("Malformed meta context option: {why}"));
+                self.reply_error(
+                    option,
+                    REP_ERR_INVALID,
+                    &format!("Malformed meta context option: {why}"),
+                );
                 return;
             }
         };
@@ -562,7 +608,8 @@ impl Handshake {
         let matches = if set {
             req.queries.iter().any(|q| q == CONTEXT_BASE_ALLOCATION)
         } else {
-            req.queries.is_empty() || req.queries.iter().any(|q| q == "base:" || q == CONTEXT_BASE_ALLOCATION)
+            req.queries.is_empty()
+                || req.queries.iter().any(|q| q == "base:" || q == CONTEXT_BASE_ALLOCATION)
         };
         if matches {
             let id = if set { BASE_ALLOCATION_ID } else { 0 };
@@ -610,7 +657,9 @@ pub fn negotiate<S: Read + Write>(
             Phase::Transmission => return Ok(hs.into_negotiated()),
             Phase::Aborted => return Ok(None),
             // receive() reports a failure as Err, handled below, before Failed is observable.
-            Phase::Failed => return Err(NegotiateError::Protocol { source: HandshakeError::Ended }),
+            Phase::Failed => {
+                return Err(NegotiateError::Protocol { source: HandshakeError::Ended })
+            }
             Phase::Negotiating => {}
         }
         let want = hs.wanted().min(buf.len());

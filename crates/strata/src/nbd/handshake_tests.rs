@@ -109,16 +109,25 @@ fn go_with_structured_replies_and_meta_context() {
     let mut h = started(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
     h.receive(&opt(OPT_STRUCTURED_REPLY, &[])).unwrap();
     assert_eq!(replies(&h.take_output()), vec![(8, REP_ACK, vec![])]);
-    h.receive(&opt(OPT_SET_META_CONTEXT, &meta_data("a", &["base:allocation", "qemu:dirty-bitmap:x"]))).unwrap();
+    h.receive(&opt(
+        OPT_SET_META_CONTEXT,
+        &meta_data("a", &["base:allocation", "qemu:dirty-bitmap:x"]),
+    ))
+    .unwrap();
     let r = replies(&h.take_output());
     assert_eq!(r.len(), 2);
     assert_eq!(r[0].1, REP_META_CONTEXT);
     assert_eq!(&r[0].2[..4], &BASE_ALLOCATION_ID.to_be_bytes());
     assert_eq!(&r[0].2[4..], b"base:allocation");
     assert_eq!(r[1].1, REP_ACK);
-    h.receive(&opt(OPT_GO, &info_data("a", &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION]))).unwrap();
+    h.receive(&opt(OPT_GO, &info_data("a", &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION])))
+        .unwrap();
     let r = replies(&h.take_output());
-    let kinds: Vec<u16> = r.iter().filter(|x| x.1 == REP_INFO).map(|x| u16::from_be_bytes([x.2[0], x.2[1]])).collect();
+    let kinds: Vec<u16> = r
+        .iter()
+        .filter(|x| x.1 == REP_INFO)
+        .map(|x| u16::from_be_bytes([x.2[0], x.2[1]]))
+        .collect();
     assert_eq!(kinds, vec![INFO_EXPORT, INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION]);
     let tflags = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
@@ -247,7 +256,10 @@ fn export_name_with_and_without_zeroes() {
     assert_eq!(h.take_output().len(), 10);
 
     let mut h = started(1);
-    assert!(matches!(h.receive(&opt(OPT_EXPORT_NAME, b"zz")), Err(HandshakeError::ExportNameRefused { .. })));
+    assert!(matches!(
+        h.receive(&opt(OPT_EXPORT_NAME, b"zz")),
+        Err(HandshakeError::ExportNameRefused { .. })
+    ));
     assert_eq!(h.phase(), Phase::Failed);
     assert!(h.take_output().is_empty());
 }
@@ -258,7 +270,10 @@ fn abort_unknown_and_starttls() {
     h.receive(&opt(OPT_STARTTLS, &[])).unwrap();
     assert_eq!(replies(&h.take_output())[0].1, REP_ERR_UNSUP);
     h.receive(&opt(4242, &[1, 2, 3])).unwrap();
-    assert_eq!(replies(&h.take_output())[0], (4242, REP_ERR_UNSUP, b"Option 4242 is not supported".to_vec()));
+    assert_eq!(
+        replies(&h.take_output())[0],
+        (4242, REP_ERR_UNSUP, b"Option 4242 is not supported".to_vec())
+    );
     h.receive(&opt(OPT_STRUCTURED_REPLY, &[9])).unwrap();
     assert_eq!(replies(&h.take_output())[0].1, REP_ERR_INVALID);
     h.receive(&opt(OPT_ABORT, &[])).unwrap();

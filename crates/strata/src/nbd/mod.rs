@@ -20,7 +20,9 @@ pub mod server;
 pub mod transmission;
 
 pub use export::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
-pub use handshake::{Handshake, HandshakeError, Negotiated, Phase, MAX_OPTION_LEN, MAX_REQUEST_LEN};
+pub use handshake::{
+    Handshake, HandshakeError, Negotiated, Phase, MAX_OPTION_LEN, MAX_REQUEST_LEN,
+};
 pub use proto::{parse_request, NbdErrno, Request};
 pub use server::{Server, ServerAddr, ServerConfig, ServerError, ServerHandle, Stopper};
 pub use transmission::{check_request, Limits, TransmissionConfig};

@@ -464,12 +464,14 @@ pub fn parse_reply_header(b: &[u8]) -> Result<Option<ReplyHeader>, BadReplyMagic
         SIMPLE_REPLY_MAGIC if b.len() >= SIMPLE_REPLY_LEN => {
             Ok(Some(ReplyHeader::Simple(SimpleReply { error: be32(b, 4), handle: be64(b, 8) })))
         }
-        STRUCTURED_REPLY_MAGIC if b.len() >= CHUNK_HEADER_LEN => Ok(Some(ReplyHeader::Chunk(ChunkHeader {
-            flags: be16(b, 4),
-            kind: be16(b, 6),
-            handle: be64(b, 8),
-            len: be32(b, 16),
-        }))),
+        STRUCTURED_REPLY_MAGIC if b.len() >= CHUNK_HEADER_LEN => {
+            Ok(Some(ReplyHeader::Chunk(ChunkHeader {
+                flags: be16(b, 4),
+                kind: be16(b, 6),
+                handle: be64(b, 8),
+                len: be32(b, 16),
+            })))
+        }
         SIMPLE_REPLY_MAGIC | STRUCTURED_REPLY_MAGIC => Ok(None),
         magic => Err(BadReplyMagic { magic }),
     }
@@ -514,7 +516,8 @@ pub fn parse_block_status_payload(b: &[u8]) -> Option<(u32, Vec<Descriptor>)> {
         return None;
     }
     let id = be32(b, 0);
-    let descs = b[4..].chunks_exact(8).map(|c| Descriptor { len: be32(c, 0), flags: be32(c, 4) }).collect();
+    let descs =
+        b[4..].chunks_exact(8).map(|c| Descriptor { len: be32(c, 0), flags: be32(c, 4) }).collect();
     Some((id, descs))
 }
 
@@ -526,7 +529,10 @@ mod tests {
     fn magics_are_the_protocol_values() {
         assert_eq!(&NBD_MAGIC.to_be_bytes(), b"NBDMAGIC");
         assert_eq!(&IHAVEOPT.to_be_bytes(), b"IHAVEOPT");
-        assert_eq!(OPTION_REPLY_MAGIC.to_be_bytes(), [0x00, 0x03, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9]);
+        assert_eq!(
+            OPTION_REPLY_MAGIC.to_be_bytes(),
+            [0x00, 0x03, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9]
+        );
         assert_eq!(REQUEST_MAGIC.to_be_bytes(), [0x25, 0x60, 0x95, 0x13]);
         assert_eq!(SIMPLE_REPLY_MAGIC.to_be_bytes(), [0x67, 0x44, 0x66, 0x98]);
         assert_eq!(STRUCTURED_REPLY_MAGIC.to_be_bytes(), [0x66, 0x8e, 0x33, 0xef]);
@@ -580,7 +586,10 @@ mod tests {
 
     #[test]
     fn request_errors() {
-        assert_eq!(parse_request(&[0; 27]), Err(ProtoError::Short { what: "request", got: 27, need: 28 }));
+        assert_eq!(
+            parse_request(&[0; 27]),
+            Err(ProtoError::Short { what: "request", got: 27, need: 28 })
+        );
         let mut raw = [0u8; 28];
         raw[0..4].copy_from_slice(&0x12560953u32.to_be_bytes());
         assert_eq!(parse_request(&raw), Err(ProtoError::BadRequestMagic { magic: 0x12560953 }));
@@ -604,14 +613,26 @@ mod tests {
     #[test]
     fn option_reply_layout() {
         let b = encode_option_reply(OPT_LIST, REP_SERVER, 9);
-        assert_eq!(b, [0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 9]);
-        assert_eq!(parse_option_reply(&b).unwrap(), OptionReplyHeader { option: 3, reply: 2, len: 9 });
+        assert_eq!(
+            b,
+            [0, 3, 0xe8, 0x89, 0x04, 0x55, 0x65, 0xa9, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 9]
+        );
+        assert_eq!(
+            parse_option_reply(&b).unwrap(),
+            OptionReplyHeader { option: 3, reply: 2, len: 9 }
+        );
     }
 
     #[test]
     fn info_payloads() {
-        assert_eq!(encode_info_export(0x1_0000_0000, 0x0d6f), [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0x0d, 0x6f]);
-        assert_eq!(encode_info_block_size(1, 4096, 32 << 20), [0, 3, 0, 0, 0, 1, 0, 0, 0x10, 0, 0x02, 0, 0, 0]);
+        assert_eq!(
+            encode_info_export(0x1_0000_0000, 0x0d6f),
+            [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0x0d, 0x6f]
+        );
+        assert_eq!(
+            encode_info_block_size(1, 4096, 32 << 20),
+            [0, 3, 0, 0, 0, 1, 0, 0, 0x10, 0, 0x02, 0, 0, 0]
+        );
     }
 
     #[test]
@@ -632,7 +653,10 @@ mod tests {
             Some(ReplyHeader::Simple(SimpleReply { error: 22, handle: 0xAABB }))
         );
         let c = encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, 5, 4104);
-        assert_eq!(c, [0x66, 0x8e, 0x33, 0xef, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0x10, 0x08]);
+        assert_eq!(
+            c,
+            [0x66, 0x8e, 0x33, 0xef, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0x10, 0x08]
+        );
         assert_eq!(
             parse_reply_header(&c).unwrap(),
             Some(ReplyHeader::Chunk(ChunkHeader { flags: 1, kind: 1, handle: 5, len: 4104 }))
@@ -649,7 +673,10 @@ mod tests {
         let e = encode_error_payload(NbdErrno::Io, &long);
         assert_eq!(u16::from_be_bytes([e[4], e[5]]) as usize, 4096);
         assert!(std::str::from_utf8(&e[6..]).is_ok());
-        let d = [Descriptor { len: 4096, flags: STATE_HOLE | STATE_ZERO }, Descriptor { len: 512, flags: 0 }];
+        let d = [
+            Descriptor { len: 4096, flags: STATE_HOLE | STATE_ZERO },
+            Descriptor { len: 512, flags: 0 },
+        ];
         let p = encode_block_status_payload(1, &d);
         assert_eq!(p, [0, 0, 0, 1, 0, 0, 0x10, 0, 0, 0, 0, 3, 0, 0, 2, 0, 0, 0, 0, 0]);
         assert_eq!(parse_block_status_payload(&p), Some((1, d.to_vec())));

@@ -192,8 +192,10 @@ impl Server {
 
     /// Listen on TCP at `addr`. NBD has no authentication here: prefer loopback.
     pub fn bind_tcp(addr: SocketAddr) -> Result<Server, ServerError> {
-        let l = TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr: addr.to_string(), source })?;
-        let bound = l.local_addr().map_err(|source| ServerError::Setup { op: "local_addr", source })?;
+        let l = TcpListener::bind(addr)
+            .map_err(|source| ServerError::Bind { addr: addr.to_string(), source })?;
+        let bound =
+            l.local_addr().map_err(|source| ServerError::Setup { op: "local_addr", source })?;
         Ok(Server {
             listener: Some(Listener::Tcp(l)),
             addr: ServerAddr::Tcp(bound),
@@ -204,7 +206,10 @@ impl Server {
 
     /// Listen on 127.0.0.1 at `port` (10809 if `None`; `Some(0)` picks a free port).
     pub fn bind_tcp_loopback(port: Option<u16>) -> Result<Server, ServerError> {
-        Server::bind_tcp(SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port.unwrap_or(NBD_DEFAULT_PORT))))
+        Server::bind_tcp(SocketAddr::V4(SocketAddrV4::new(
+            Ipv4Addr::LOCALHOST,
+            port.unwrap_or(NBD_DEFAULT_PORT),
+        )))
     }
 
     pub fn with_config(mut self, config: ServerConfig) -> Server {
@@ -218,18 +223,21 @@ impl Server {
 
     /// Start the accept thread and return a handle that stops it.
     pub fn serve(mut self, exports: Arc<dyn ExportSet>) -> Result<ServerHandle, ServerError> {
-        let (stop_r, stop_w) = pipe().map_err(|source| ServerError::Setup { op: "pipe", source })?;
+        let (stop_r, stop_w) =
+            pipe().map_err(|source| ServerError::Setup { op: "pipe", source })?;
         let listener = self.listener.take().ok_or(ServerError::Setup {
             op: "listener already used",
             source: io::Error::from(io::ErrorKind::InvalidInput),
         })?;
         let listen_fd = match &listener {
             Listener::Unix(l) => {
-                l.set_nonblocking(true).map_err(|source| ServerError::Setup { op: "set_nonblocking", source })?;
+                l.set_nonblocking(true)
+                    .map_err(|source| ServerError::Setup { op: "set_nonblocking", source })?;
                 l.as_raw_fd()
             }
             Listener::Tcp(l) => {
-                l.set_nonblocking(true).map_err(|source| ServerError::Setup { op: "set_nonblocking", source })?;
+                l.set_nonblocking(true)
+                    .map_err(|source| ServerError::Setup { op: "set_nonblocking", source })?;
                 l.as_raw_fd()
             }
         };
@@ -395,7 +403,13 @@ impl Drop for ServerHandle {
     }
 }
 
-fn accept_loop(listener: Listener, listen_fd: RawFd, stop: OwnedFd, shared: Arc<Shared>, exports: Arc<dyn ExportSet>) {
+fn accept_loop(
+    listener: Listener,
+    listen_fd: RawFd,
+    stop: OwnedFd,
+    shared: Arc<Shared>,
+    exports: Arc<dyn ExportSet>,
+) {
     loop {
         let mut fds = [
             libc::pollfd { fd: listen_fd, events: libc::POLLIN, revents: 0 },
@@ -423,7 +437,12 @@ fn accept_loop(listener: Listener, listen_fd: RawFd, stop: OwnedFd, shared: Arc<
         };
         let stream = match accepted {
             Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                continue
+            }
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
                 tracing::warn!(target: TARGET, error = %e, "accept failed");

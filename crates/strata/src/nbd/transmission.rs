@@ -178,7 +178,8 @@ pub fn check_request(r: &Request, l: &Limits) -> Result<Action, Rejection> {
     let fua = r.flags & CMD_FLAG_FUA != 0;
     let len = r.len as u64;
     let in_range = r.offset.checked_add(len).is_some_and(|end| end <= l.size);
-    let aligned = l.min_block <= 1 || (r.offset % l.min_block as u64 == 0 && len % l.min_block as u64 == 0);
+    let aligned =
+        l.min_block <= 1 || (r.offset % l.min_block as u64 == 0 && len % l.min_block as u64 == 0);
     match r.command {
         Command::Read => {
             if r.len > l.max_block {
@@ -316,7 +317,12 @@ struct Queue {
 impl Queue {
     fn new(cfg: &TransmissionConfig) -> Queue {
         Queue {
-            state: Mutex::new(QueueState { jobs: VecDeque::new(), closed: false, bytes: 0, requests: 0 }),
+            state: Mutex::new(QueueState {
+                jobs: VecDeque::new(),
+                closed: false,
+                bytes: 0,
+                requests: 0,
+            }),
             work: Condvar::new(),
             space: Condvar::new(),
             max_bytes: cfg.max_inflight_bytes.max(1),
@@ -388,14 +394,24 @@ impl<W: Write> Conn<'_, W> {
     }
 
     /// An error reply: a structured ERROR chunk (with message) when negotiated, else simple.
-    fn send_error(&self, req: &Request, errno: NbdErrno, message: &str) -> Result<(), TransmissionError> {
+    fn send_error(
+        &self,
+        req: &Request,
+        errno: NbdErrno,
+        message: &str,
+    ) -> Result<(), TransmissionError> {
         self.stats.errors.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(target: TARGET, export = %self.n.name, cmd = req.command.name(), offset = req.offset,
             len = req.len, errno = %errno, message, "request failed");
         if self.n.structured {
             let payload = encode_error_payload(errno, message);
-            let mut b =
-                encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, req.handle, payload.len() as u32).to_vec();
+            let mut b = encode_chunk_header(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_ERROR,
+                req.handle,
+                payload.len() as u32,
+            )
+            .to_vec();
             b.extend_from_slice(&payload);
             self.send(req.handle, &b)
         } else {
@@ -426,17 +442,25 @@ impl<W: Write> Conn<'_, W> {
         match job.action {
             Action::Read { .. } => {
                 // One buffer holds the reply header and the data: one allocation, one write.
-                let prefix = if self.n.structured { CHUNK_HEADER_LEN + 8 } else { SIMPLE_REPLY_LEN };
+                let prefix =
+                    if self.n.structured { CHUNK_HEADER_LEN + 8 } else { SIMPLE_REPLY_LEN };
                 if self.n.structured && req.len == 0 {
-                    return self
-                        .send(req.handle, &encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.handle, 0));
+                    return self.send(
+                        req.handle,
+                        &encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, req.handle, 0),
+                    );
                 }
                 let mut buf = vec![0u8; prefix + req.len as usize];
                 if let Err(e) = self.export.read(req.offset, &mut buf[prefix..]) {
                     return self.export_error(req, &e);
                 }
                 if self.n.structured {
-                    let h = encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, req.handle, 8 + req.len);
+                    let h = encode_chunk_header(
+                        REPLY_FLAG_DONE,
+                        REPLY_TYPE_OFFSET_DATA,
+                        req.handle,
+                        8 + req.len,
+                    );
                     buf[..CHUNK_HEADER_LEN].copy_from_slice(&h);
                     buf[CHUNK_HEADER_LEN..prefix].copy_from_slice(&req.offset.to_be_bytes());
                 } else {
@@ -460,18 +484,28 @@ impl<W: Write> Conn<'_, W> {
                 Ok(()) => self.send_ok(req.handle),
                 Err(e) => self.export_error(req, &e),
             },
-            Action::WriteZeroes { fua, may_trim } => match self.export.write_zeroes(req.offset, len, may_trim, fua) {
-                Ok(()) => self.send_ok(req.handle),
-                Err(e) => self.export_error(req, &e),
-            },
+            Action::WriteZeroes { fua, may_trim } => {
+                match self.export.write_zeroes(req.offset, len, may_trim, fua) {
+                    Ok(()) => self.send_ok(req.handle),
+                    Err(e) => self.export_error(req, &e),
+                }
+            }
             Action::BlockStatus { req_one } => {
                 let extents = match self.export.block_status(req.offset, req.len) {
                     Ok(x) => x,
                     Err(e) => return self.export_error(req, &e),
                 };
                 let id = self.n.base_allocation.unwrap_or(0);
-                let payload = encode_block_status_payload(id, &block_status_descriptors(&extents, req.len, req_one));
-                let h = encode_chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, req.handle, payload.len() as u32);
+                let payload = encode_block_status_payload(
+                    id,
+                    &block_status_descriptors(&extents, req.len, req_one),
+                );
+                let h = encode_chunk_header(
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_BLOCK_STATUS,
+                    req.handle,
+                    payload.len() as u32,
+                );
                 let mut b = Vec::with_capacity(CHUNK_HEADER_LEN + payload.len());
                 b.extend_from_slice(&h);
                 b.extend_from_slice(&payload);
@@ -564,7 +598,8 @@ fn read_loop<R: Source, W: Write>(
         if !read_full(reader, &mut header, "request header", true)? {
             return Ok(Ending::Hangup);
         }
-        let req = parse_request(&header).map_err(|source| TransmissionError::Protocol { source })?;
+        let req =
+            parse_request(&header).map_err(|source| TransmissionError::Protocol { source })?;
         conn.stats.requests.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(target: TARGET, cmd = req.command.name(), handle = req.handle, offset = req.offset, len = req.len, flags = req.flags, "request");
         let action = match check_request(&req, limits) {
@@ -613,15 +648,26 @@ pub fn serve_transmission<R: Source, W: Write + Send>(
     debug_assert!(MAX_REQUEST_LEN as usize <= 64 << 20);
     let limits = Limits::of(n);
     let queue = Queue::new(cfg);
-    let conn = Conn { writer: Mutex::new(writer), broken: AtomicBool::new(false), n, export: n.export.as_ref(), stats };
+    let conn = Conn {
+        writer: Mutex::new(writer),
+        broken: AtomicBool::new(false),
+        n,
+        export: n.export.as_ref(),
+        stats,
+    };
     let mut reader = BufReader::with_capacity(64 * 1024, reader);
     thread::scope(|s| {
         let mut started = 0;
         for i in 0..cfg.workers.max(1) {
             let (queue, conn) = (&queue, &conn);
-            match thread::Builder::new().name(format!("nbd-worker-{i}")).spawn_scoped(s, move || worker(queue, conn)) {
+            match thread::Builder::new()
+                .name(format!("nbd-worker-{i}"))
+                .spawn_scoped(s, move || worker(queue, conn))
+            {
                 Ok(_) => started += 1,
-                Err(e) => tracing::warn!(target: TARGET, error = %e, "could not start an NBD worker thread"),
+                Err(e) => {
+                    tracing::warn!(target: TARGET, error = %e, "could not start an NBD worker thread")
+                }
             }
         }
         if started == 0 {
@@ -668,19 +714,31 @@ mod tests {
     #[test]
     fn range_and_length_checks() {
         let l = limits();
-        assert_eq!(check_request(&req(Command::Read, 0, 0, 4096), &l), Ok(Action::Read { df: false }));
+        assert_eq!(
+            check_request(&req(Command::Read, 0, 0, 4096), &l),
+            Ok(Action::Read { df: false })
+        );
         assert_eq!(
             check_request(&req(Command::Read, CMD_FLAG_DF, (1 << 20) - 1, 1), &l),
             Ok(Action::Read { df: true })
         );
         assert_eq!(errno(check_request(&req(Command::Read, 0, 1 << 20, 1), &l)), NbdErrno::Inval);
         assert_eq!(errno(check_request(&req(Command::Read, 0, u64::MAX, 2), &l)), NbdErrno::Inval);
-        assert_eq!(errno(check_request(&req(Command::Read, 0, 0, MAX_REQUEST_LEN + 1), &l)), NbdErrno::Inval);
+        assert_eq!(
+            errno(check_request(&req(Command::Read, 0, 0, MAX_REQUEST_LEN + 1), &l)),
+            NbdErrno::Inval
+        );
         assert_eq!(errno(check_request(&req(Command::Write, 0, 1 << 20, 1), &l)), NbdErrno::NoSpc);
-        assert_eq!(errno(check_request(&req(Command::WriteZeroes, 0, 1 << 20, 1), &l)), NbdErrno::NoSpc);
+        assert_eq!(
+            errno(check_request(&req(Command::WriteZeroes, 0, 1 << 20, 1), &l)),
+            NbdErrno::NoSpc
+        );
         assert_eq!(errno(check_request(&req(Command::Trim, 0, 1 << 20, 1), &l)), NbdErrno::Inval);
         assert_eq!(errno(check_request(&req(Command::BlockStatus, 0, 0, 0), &l)), NbdErrno::Inval);
-        assert_eq!(errno(check_request(&req(Command::BlockStatus, 0, 1, 1 << 20), &l)), NbdErrno::Inval);
+        assert_eq!(
+            errno(check_request(&req(Command::BlockStatus, 0, 1, 1 << 20), &l)),
+            NbdErrno::Inval
+        );
         assert_eq!(check_request(&req(Command::Flush, CMD_FLAG_FUA, 0, 0), &l), Ok(Action::Flush));
         assert_eq!(check_request(&req(Command::Disc, 0xffff, 0, 0), &l), Ok(Action::Disconnect));
     }
@@ -689,23 +747,38 @@ mod tests {
     fn flag_and_command_checks() {
         let mut l = limits();
         assert_eq!(errno(check_request(&req(Command::Unknown(42), 0, 0, 0), &l)), NbdErrno::Inval);
-        assert_eq!(errno(check_request(&req(Command::Read, CMD_FLAG_REQ_ONE, 0, 1), &l)), NbdErrno::Inval);
-        assert_eq!(errno(check_request(&req(Command::Write, CMD_FLAG_NO_HOLE, 0, 1), &l)), NbdErrno::Inval);
+        assert_eq!(
+            errno(check_request(&req(Command::Read, CMD_FLAG_REQ_ONE, 0, 1), &l)),
+            NbdErrno::Inval
+        );
+        assert_eq!(
+            errno(check_request(&req(Command::Write, CMD_FLAG_NO_HOLE, 0, 1), &l)),
+            NbdErrno::Inval
+        );
         assert_eq!(errno(check_request(&req(Command::Read, 1 << 9, 0, 1), &l)), NbdErrno::Inval);
         assert_eq!(
             check_request(&req(Command::WriteZeroes, CMD_FLAG_NO_HOLE | CMD_FLAG_FUA, 0, 10), &l),
             Ok(Action::WriteZeroes { fua: true, may_trim: false })
         );
         // Fast zero: refused with ENOTSUP when the export cannot zero fast, allowed otherwise.
-        assert_eq!(errno(check_request(&req(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 10), &l)), NbdErrno::NotSup);
+        assert_eq!(
+            errno(check_request(&req(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 10), &l)),
+            NbdErrno::NotSup
+        );
         l.can_fast_zero = true;
         assert!(check_request(&req(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 10), &l).is_ok());
         // Without SEND_FAST_ZERO the flag itself is invalid.
         l.tflags &= !TFLAG_SEND_FAST_ZERO;
-        assert_eq!(errno(check_request(&req(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 10), &l)), NbdErrno::Inval);
+        assert_eq!(
+            errno(check_request(&req(Command::WriteZeroes, CMD_FLAG_FAST_ZERO, 0, 10), &l)),
+            NbdErrno::Inval
+        );
         // DF only when advertised.
         l.tflags &= !TFLAG_SEND_DF;
-        assert_eq!(errno(check_request(&req(Command::Read, CMD_FLAG_DF, 0, 1), &l)), NbdErrno::Inval);
+        assert_eq!(
+            errno(check_request(&req(Command::Read, CMD_FLAG_DF, 0, 1), &l)),
+            NbdErrno::Inval
+        );
         // Block status needs a context.
         l.base_allocation = false;
         assert_eq!(errno(check_request(&req(Command::BlockStatus, 0, 0, 1), &l)), NbdErrno::Inval);
@@ -767,7 +840,10 @@ mod tests {
         assert_eq!(read_payload(&mut r, 34_461).unwrap(), data[65_539..]);
         assert!(read_payload(&mut r, 0).unwrap().is_empty());
         let mut short = BufReader::new(Dribble { data: &data[..1000], interrupt: false });
-        assert!(matches!(read_payload(&mut short, 1001), Err(TransmissionError::Truncated { what: "write payload" })));
+        assert!(matches!(
+            read_payload(&mut short, 1001),
+            Err(TransmissionError::Truncated { what: "write payload" })
+        ));
     }
 
     #[test]
@@ -785,19 +861,38 @@ mod tests {
 
     #[test]
     fn descriptors_are_clipped_merged_and_never_empty() {
-        let x = [Extent::data(100), Extent::data(0), Extent::data(50), Extent::hole(1000), Extent::zero(10)];
+        let x = [
+            Extent::data(100),
+            Extent::data(0),
+            Extent::data(50),
+            Extent::hole(1000),
+            Extent::zero(10),
+        ];
         let d = block_status_descriptors(&x, 400, false);
-        assert_eq!(d, vec![Descriptor { len: 150, flags: 0 }, Descriptor { len: 250, flags: STATE_HOLE | STATE_ZERO }]);
-        assert_eq!(block_status_descriptors(&x, 400, true), vec![Descriptor { len: 150, flags: 0 }]);
+        assert_eq!(
+            d,
+            vec![
+                Descriptor { len: 150, flags: 0 },
+                Descriptor { len: 250, flags: STATE_HOLE | STATE_ZERO }
+            ]
+        );
+        assert_eq!(
+            block_status_descriptors(&x, 400, true),
+            vec![Descriptor { len: 150, flags: 0 }]
+        );
         assert_eq!(block_status_descriptors(&[], 7, false), vec![Descriptor { len: 7, flags: 0 }]);
-        assert_eq!(block_status_descriptors(&[Extent::hole(0)], 7, false), vec![Descriptor { len: 7, flags: 0 }]);
+        assert_eq!(
+            block_status_descriptors(&[Extent::hole(0)], 7, false),
+            vec![Descriptor { len: 7, flags: 0 }]
+        );
         // Short answers are allowed: the client asks again for the rest.
         assert_eq!(
             block_status_descriptors(&[Extent::zero(3)], 7, false),
             vec![Descriptor { len: 3, flags: STATE_ZERO }]
         );
-        let many: Vec<Extent> =
-            (0..(MAX_EXTENTS + 10)).map(|i| if i % 2 == 0 { Extent::data(1) } else { Extent::hole(1) }).collect();
+        let many: Vec<Extent> = (0..(MAX_EXTENTS + 10))
+            .map(|i| if i % 2 == 0 { Extent::data(1) } else { Extent::hole(1) })
+            .collect();
         assert_eq!(block_status_descriptors(&many, u32::MAX, false).len(), MAX_EXTENTS);
     }
 }

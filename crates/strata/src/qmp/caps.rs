@@ -37,10 +37,7 @@ pub struct Unsupported {
 }
 
 fn list(r: &[RefusedCapability]) -> String {
-    r.iter()
-        .map(|c| format!("{} ({})", c.name, c.reason))
-        .collect::<Vec<_>>()
-        .join(", ")
+    r.iter().map(|c| format!("{} ({})", c.name, c.reason)).collect::<Vec<_>>().join(", ")
 }
 
 /// Verdict for one capability: `None` = fine when enabled.
@@ -94,10 +91,8 @@ pub fn check_capabilities_with(
         .iter()
         .filter(|c| c.state)
         .filter_map(|c| {
-            verdict(&c.capability, policy).map(|reason| RefusedCapability {
-                name: c.capability.clone(),
-                reason,
-            })
+            verdict(&c.capability, policy)
+                .map(|reason| RefusedCapability { name: c.capability.clone(), reason })
         })
         .collect();
     if refused.is_empty() {
@@ -112,33 +107,22 @@ mod tests {
     use super::*;
 
     fn caps(on: &[&str]) -> Vec<MigrationCapability> {
-        [
-            "xbzrle",
-            "events",
-            "multifd",
-            "background-snapshot",
-            "compress",
-            "block",
-            "return-path",
-        ]
-        .iter()
-        .chain(on.iter().filter(|c| {
-            ![
-                "xbzrle",
-                "events",
-                "multifd",
-                "background-snapshot",
-                "compress",
-                "block",
-                "return-path",
-            ]
-            .contains(c)
-        }))
-        .map(|c| MigrationCapability {
-            capability: c.to_string(),
-            state: on.contains(c),
-        })
-        .collect()
+        ["xbzrle", "events", "multifd", "background-snapshot", "compress", "block", "return-path"]
+            .iter()
+            .chain(on.iter().filter(|c| {
+                ![
+                    "xbzrle",
+                    "events",
+                    "multifd",
+                    "background-snapshot",
+                    "compress",
+                    "block",
+                    "return-path",
+                ]
+                .contains(c)
+            }))
+            .map(|c| MigrationCapability { capability: c.to_string(), state: on.contains(c) })
+            .collect()
     }
 
     #[test]
@@ -174,9 +158,7 @@ mod tests {
 
     #[test]
     fn multifd_only_with_opt_in() {
-        let p = CapabilityPolicy {
-            allow_multifd: true,
-        };
+        let p = CapabilityPolicy { allow_multifd: true };
         assert_eq!(check_capabilities_with(&caps(&["multifd"]), &p), Ok(()));
         assert!(check_capabilities(&caps(&["multifd"])).is_err());
     }

@@ -93,27 +93,18 @@ impl QmpClient {
         let sock = UnixStream::connect(&path).map_err(|source| match source.kind() {
             io::ErrorKind::ConnectionRefused => QmpError::Refused { path: path.clone() },
             io::ErrorKind::NotFound => QmpError::NoSocket { path: path.clone() },
-            _ => QmpError::Connect {
-                path: path.clone(),
-                source,
-            },
+            _ => QmpError::Connect { path: path.clone(), source },
         })?;
-        sock.set_write_timeout(Some(timeout))
-            .map_err(|source| QmpError::Io {
-                op: "socket setup".into(),
-                path: path.clone(),
-                source,
-            })?;
+        sock.set_write_timeout(Some(timeout)).map_err(|source| QmpError::Io {
+            op: "socket setup".into(),
+            path: path.clone(),
+            source,
+        })?;
         let mut c = QmpClient {
             sock,
             path,
             rbuf: Vec::with_capacity(64 << 10),
-            version: QemuVersion {
-                major: 0,
-                minor: 0,
-                micro: 0,
-                package: String::new(),
-            },
+            version: QemuVersion { major: 0, minor: 0, micro: 0, package: String::new() },
             server_caps: Vec::new(),
             events: VecDeque::new(),
             next_id: 1,
@@ -129,44 +120,25 @@ impl QmpClient {
     }
 
     fn parse_greeting(&mut self, g: &Value) -> Result<(), QmpError> {
-        let bad = |why: &str| QmpError::BadGreeting {
-            path: self.path.clone(),
-            why: why.into(),
-        };
+        let bad = |why: &str| QmpError::BadGreeting { path: self.path.clone(), why: why.into() };
         let q = g
             .get("QMP")
             .ok_or_else(|| bad("no \"QMP\" object; is this a QMP (not HMP) socket?"))?;
         let v = q.get("version").ok_or_else(|| bad("no version"))?;
         let num = |k: &str| {
-            v.get("qemu")
-                .and_then(|x| x.get(k))
-                .and_then(Value::as_u64)
-                .map(|n| n as u32)
+            v.get("qemu").and_then(|x| x.get(k)).and_then(Value::as_u64).map(|n| n as u32)
         };
         match (num("major"), num("minor"), num("micro")) {
             (Some(major), Some(minor), Some(micro)) => {
-                let package = v
-                    .get("package")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_owned();
-                self.version = QemuVersion {
-                    major,
-                    minor,
-                    micro,
-                    package,
-                };
+                let package = v.get("package").and_then(Value::as_str).unwrap_or("").to_owned();
+                self.version = QemuVersion { major, minor, micro, package };
             }
             _ => return Err(bad("version numbers missing")),
         }
         self.server_caps = q
             .get("capabilities")
             .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|c| c.as_str().map(str::to_owned))
-                    .collect()
-            })
+            .map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect())
             .unwrap_or_default();
         Ok(())
     }
@@ -208,9 +180,7 @@ impl QmpClient {
             self.pipelined.clear();
         }
         let (id, line) = self.request(cmd, args.as_ref())?;
-        self.sock
-            .write_all(&line)
-            .map_err(|source| self.io_error(cmd, source))?;
+        self.sock.write_all(&line).map_err(|source| self.io_error(cmd, source))?;
         tracing::debug!(target: TARGET, cmd, "QMP execute");
         self.reply(cmd, &id)?
     }
@@ -241,9 +211,7 @@ impl QmpClient {
             sent.push((cmd.to_string(), args.clone(), id));
         }
         let names: Vec<&str> = cmds.iter().map(|c| c.0).collect();
-        self.sock
-            .write_all(&buf)
-            .map_err(|source| self.io_error(&names.join(", "), source))?;
+        self.sock.write_all(&buf).map_err(|source| self.io_error(&names.join(", "), source))?;
         tracing::debug!(target: TARGET, cmds = ?names, "QMP pipeline");
         self.unread = sent;
         Ok(())
@@ -283,10 +251,8 @@ impl QmpClient {
         if let Some(a) = args {
             msg["arguments"] = a.clone();
         }
-        let mut line = serde_json::to_vec(&msg).map_err(|source| QmpError::BadJson {
-            op: cmd.into(),
-            source,
-        })?;
+        let mut line = serde_json::to_vec(&msg)
+            .map_err(|source| QmpError::BadJson { op: cmd.into(), source })?;
         line.push(b'\n');
         Ok((id, line))
     }
@@ -304,9 +270,8 @@ impl QmpClient {
             let rid = m.get("id").and_then(Value::as_str);
             if rid != Some(id) {
                 // A late reply to a command that timed out earlier: drop it.
-                if let Some(n) = rid
-                    .and_then(|r| r.strip_prefix("strata-"))
-                    .and_then(|n| n.parse::<u64>().ok())
+                if let Some(n) =
+                    rid.and_then(|r| r.strip_prefix("strata-")).and_then(|n| n.parse::<u64>().ok())
                 {
                     let ours = id.strip_prefix("strata-").and_then(|n| n.parse::<u64>().ok());
                     if ours.is_some_and(|o| n < o) {
@@ -391,11 +356,7 @@ impl QmpClient {
 
     /// PID of the QEMU process on the other end (`SO_PEERCRED`).
     pub fn peer_pid(&self) -> Result<u32, QmpError> {
-        let mut cred = libc::ucred {
-            pid: 0,
-            uid: 0,
-            gid: 0,
-        };
+        let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
         let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
         // SAFETY: `cred` and `len` are valid for writes of the sizes given, and the fd is a
         // connected unix socket owned by `self.sock` for the whole call.
@@ -426,11 +387,8 @@ impl QmpClient {
     /// Command line of the QEMU process on the other end, from `/proc/PID/cmdline`.
     pub fn peer_cmdline(&self) -> Result<Vec<String>, QmpError> {
         let pid = self.peer_pid()?;
-        let raw =
-            std::fs::read(format!("/proc/{pid}/cmdline")).map_err(|source| QmpError::PeerCred {
-                path: self.path.clone(),
-                source,
-            })?;
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map_err(|source| QmpError::PeerCred { path: self.path.clone(), source })?;
         Ok(raw
             .split(|&b| b == 0)
             .filter(|s| !s.is_empty())
@@ -440,15 +398,10 @@ impl QmpClient {
 
     fn io_error(&self, op: &str, source: io::Error) -> QmpError {
         match source.kind() {
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => QmpError::Closed {
-                op: op.into(),
-                path: self.path.clone(),
-            },
-            _ => QmpError::Io {
-                op: op.into(),
-                path: self.path.clone(),
-                source,
-            },
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
+                QmpError::Closed { op: op.into(), path: self.path.clone() }
+            }
+            _ => QmpError::Io { op: op.into(), path: self.path.clone(), source },
         }
     }
 
@@ -465,17 +418,11 @@ impl QmpClient {
                 let end = scanned + nl;
                 let v = serde_json::from_slice::<Value>(&self.rbuf[..end]);
                 self.rbuf.drain(..=end);
-                return v.map_err(|source| QmpError::BadJson {
-                    op: op.into(),
-                    source,
-                });
+                return v.map_err(|source| QmpError::BadJson { op: op.into(), source });
             }
             scanned = self.rbuf.len();
             if self.rbuf.len() > MAX_MESSAGE {
-                return Err(QmpError::TooLarge {
-                    op: op.into(),
-                    max: MAX_MESSAGE,
-                });
+                return Err(QmpError::TooLarge { op: op.into(), max: MAX_MESSAGE });
             }
             let now = Instant::now();
             if now >= deadline {
@@ -486,19 +433,11 @@ impl QmpClient {
                 .map_err(|source| self.io_error(op, source))?;
             let mut chunk = [0u8; 64 << 10];
             match self.sock.read(&mut chunk) {
-                Ok(0) => {
-                    return Err(QmpError::Closed {
-                        op: op.into(),
-                        path: self.path.clone(),
-                    })
-                }
+                Ok(0) => return Err(QmpError::Closed { op: op.into(), path: self.path.clone() }),
                 Ok(n) => self.rbuf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
+                    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
                 {
                     return Err(self.timeout_error(op, wait));
                 }
@@ -508,27 +447,15 @@ impl QmpClient {
     }
 
     fn timeout_error(&self, op: &str, wait: Duration) -> QmpError {
-        QmpError::Timeout {
-            op: op.into(),
-            path: self.path.clone(),
-            after: wait,
-        }
+        QmpError::Timeout { op: op.into(), path: self.path.clone(), after: wait }
     }
 }
 
 fn to_event(m: &Value) -> QmpEvent {
     let ts = m.get("timestamp");
-    let t = |k: &str| {
-        ts.and_then(|t| t.get(k))
-            .and_then(Value::as_i64)
-            .unwrap_or(0)
-    };
+    let t = |k: &str| ts.and_then(|t| t.get(k)).and_then(Value::as_i64).unwrap_or(0);
     QmpEvent {
-        name: m
-            .get("event")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned(),
+        name: m.get("event").and_then(Value::as_str).unwrap_or("").to_owned(),
         data: m.get("data").cloned().unwrap_or(Value::Null),
         seconds: t("seconds"),
         microseconds: t("microseconds"),

@@ -92,20 +92,16 @@ pub type Request = (&'static str, Option<Value>);
 impl MigrateParameters {
     /// The `migrate-set-parameters` request for these parameters.
     pub fn request(&self) -> Result<Request, QmpError> {
-        let v = serde_json::to_value(self).map_err(|source| QmpError::BadJson {
-            op: "migrate-set-parameters".into(),
-            source,
-        })?;
+        let v = serde_json::to_value(self)
+            .map_err(|source| QmpError::BadJson { op: "migrate-set-parameters".into(), source })?;
         Ok(("migrate-set-parameters", Some(v)))
     }
 }
 
 /// The `migrate-set-capabilities` request for (name, state) pairs.
 pub fn set_capabilities_request(caps: &[(&str, bool)]) -> Request {
-    let list: Vec<Value> = caps
-        .iter()
-        .map(|(c, s)| json!({ "capability": c, "state": s }))
-        .collect();
+    let list: Vec<Value> =
+        caps.iter().map(|(c, s)| json!({ "capability": c, "state": s })).collect();
     ("migrate-set-capabilities", Some(json!({ "capabilities": list })))
 }
 
@@ -122,14 +118,8 @@ impl QmpClient {
     /// `query-status`.
     pub fn query_status(&mut self) -> Result<RunStatus, QmpError> {
         let r = self.execute("query-status", None)?;
-        match (
-            r.get("status").and_then(Value::as_str),
-            r.get("running").and_then(Value::as_bool),
-        ) {
-            (Some(s), Some(running)) => Ok(RunStatus {
-                status: s.to_owned(),
-                running,
-            }),
+        match (r.get("status").and_then(Value::as_str), r.get("running").and_then(Value::as_bool)) {
+            (Some(s), Some(running)) => Ok(RunStatus { status: s.to_owned(), running }),
             _ => Err(QmpError::BadReply {
                 cmd: "query-status".into(),
                 why: format!("no status/running in {r}"),
@@ -206,11 +196,7 @@ impl QmpClient {
     /// `query-migrate`.
     pub fn query_migrate(&mut self) -> Result<MigrationInfo, QmpError> {
         let r = self.execute("query-migrate", None)?;
-        let status = r
-            .get("status")
-            .and_then(Value::as_str)
-            .unwrap_or("none")
-            .to_owned();
+        let status = r.get("status").and_then(Value::as_str).unwrap_or("none").to_owned();
         let ram = r.get("ram").map(|m| MigrationRam {
             transferred: u64_at(m, "transferred").unwrap_or(0),
             total: u64_at(m, "total").unwrap_or(0),
@@ -224,10 +210,7 @@ impl QmpClient {
             total_time_ms: u64_at(&r, "total-time"),
             downtime_ms: u64_at(&r, "downtime"),
             ram,
-            error_desc: r
-                .get("error-desc")
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            error_desc: r.get("error-desc").and_then(Value::as_str).map(str::to_owned),
             raw: r,
         })
     }
@@ -297,10 +280,7 @@ impl QmpClient {
                 Some(MachineInfo {
                     name: m.get("name")?.as_str()?.to_owned(),
                     alias: m.get("alias").and_then(Value::as_str).map(str::to_owned),
-                    is_default: m
-                        .get("is-default")
-                        .and_then(Value::as_bool)
-                        .unwrap_or(false),
+                    is_default: m.get("is-default").and_then(Value::as_bool).unwrap_or(false),
                 })
             })
             .collect())
@@ -321,13 +301,12 @@ impl QmpClient {
     /// `query-machines` entry of the running machine type.
     pub fn current_machine(&mut self) -> Result<MachineInfo, QmpError> {
         let name = self.machine_type()?;
-        self.query_machines()?
-            .into_iter()
-            .find(|m| m.name == name)
-            .ok_or_else(|| QmpError::BadReply {
+        self.query_machines()?.into_iter().find(|m| m.name == name).ok_or_else(|| {
+            QmpError::BadReply {
                 cmd: "query-machines".into(),
                 why: format!("no entry for '{name}'"),
-            })
+            }
+        })
     }
 
     /// `query-memory-size-summary`.
@@ -344,16 +323,11 @@ impl QmpClient {
 
     /// `human-monitor-command`: run an HMP command and return its text output.
     pub fn human_monitor_command(&mut self, line: &str) -> Result<String, QmpError> {
-        let r = self.execute(
-            "human-monitor-command",
-            Some(json!({ "command-line": line })),
-        )?;
-        r.as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| QmpError::BadReply {
-                cmd: format!("human-monitor-command {line}"),
-                why: "not a string".into(),
-            })
+        let r = self.execute("human-monitor-command", Some(json!({ "command-line": line })))?;
+        r.as_str().map(str::to_owned).ok_or_else(|| QmpError::BadReply {
+            cmd: format!("human-monitor-command {line}"),
+            why: "not a string".into(),
+        })
     }
 
     /// The ramblocks of the running VM (HMP `info ramblock`).
@@ -391,9 +365,7 @@ pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, String> {
             "GiB" => 1 << 30,
             u => return Err(format!("bad page-size unit '{u}' in '{line}'")),
         };
-        let size: u64 = t[n - 5]
-            .parse()
-            .map_err(|_| format!("bad page size in '{line}'"))?;
+        let size: u64 = t[n - 5].parse().map_err(|_| format!("bad page size in '{line}'"))?;
         out.push(RamBlockInfo {
             name: t[..n - 5].join(" "),
             page_size: size * unit,

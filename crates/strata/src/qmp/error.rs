@@ -23,11 +23,7 @@ pub enum QmpError {
     },
 
     #[error("Timed out after {after:?} waiting for {op} on {}: QEMU is busy, hung, or another client holds the monitor", path.display())]
-    Timeout {
-        op: String,
-        path: PathBuf,
-        after: Duration,
-    },
+    Timeout { op: String, path: PathBuf, after: Duration },
 
     #[error("QEMU closed the QMP connection on {} during {op}: it exited or was killed", path.display())]
     Closed { op: String, path: PathBuf },
@@ -54,11 +50,7 @@ pub enum QmpError {
     BadGreeting { path: PathBuf, why: String },
 
     #[error("QEMU refused {cmd}: {class}: {desc}")]
-    Command {
-        cmd: String,
-        class: String,
-        desc: String,
-    },
+    Command { cmd: String, class: String, desc: String },
 
     #[error("Unexpected reply to {cmd}: {why}")]
     BadReply { cmd: String, why: String },

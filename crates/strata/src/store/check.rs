@@ -68,21 +68,38 @@ impl Store {
         let be = self.backend();
         let mut rep = CheckReport::default();
         let mut bad_chunks: HashMap<ChunkId, usize> = HashMap::new(); // chunk -> problem index
-        let problem = |rep: &mut CheckReport, sev, object: String, chunk: Option<ChunkId>, message: String| {
-            rep.problems.push(Problem { severity: sev, object, chunk: chunk.map(|c| c.to_hex()), message, refs: vec![] });
+        let problem = |rep: &mut CheckReport,
+                       sev,
+                       object: String,
+                       chunk: Option<ChunkId>,
+                       message: String| {
+            rep.problems.push(Problem {
+                severity: sev,
+                object,
+                chunk: chunk.map(|c| c.to_hex()),
+                message,
+                refs: vec![],
+            });
             rep.problems.len() - 1
         };
 
         let packs: HashMap<PackId, u64> = be
             .list("packs/")?
             .into_iter()
-            .filter_map(|o| o.key.rsplit('/').next().and_then(PackId::from_hex).map(|p| (p, o.size)))
+            .filter_map(|o| {
+                o.key.rsplit('/').next().and_then(PackId::from_hex).map(|p| (p, o.size))
+            })
             .collect();
         let visible = super::discover::list_packs(&**be)?;
-        let mut indexes: Vec<(PackId, super::discover::Source)> = visible.iter().map(|(p, s)| (*p, *s)).collect();
+        let mut indexes: Vec<(PackId, super::discover::Source)> =
+            visible.iter().map(|(p, s)| (*p, *s)).collect();
         indexes.sort_unstable_by_key(|(p, _)| *p);
         let total: u64 = indexes.iter().filter_map(|(p, _)| packs.get(p)).sum();
-        progress.phase("checking packs", Some(if opts.read_data { total } else { indexes.len() as u64 }), Unit::Bytes);
+        progress.phase(
+            "checking packs",
+            Some(if opts.read_data { total } else { indexes.len() as u64 }),
+            Unit::Bytes,
+        );
 
         let mut indexed: HashSet<ChunkId> = HashSet::new();
         let mut kinds: HashMap<ChunkId, ChunkKind> = HashMap::new();
@@ -94,7 +111,13 @@ impl Store {
             let idx = match super::discover::read_entries(&**be, *pid, *source) {
                 Ok(i) => i,
                 Err(e) => {
-                    problem(&mut rep, Severity::Error, ikey.clone(), None, format!("{}; the chunks of pack {pid} are invisible", chain(&e)));
+                    problem(
+                        &mut rep,
+                        Severity::Error,
+                        ikey.clone(),
+                        None,
+                        format!("{}; the chunks of pack {pid} are invisible", chain(&e)),
+                    );
                     continue;
                 }
             };
@@ -113,7 +136,10 @@ impl Store {
                 continue;
             };
             if size != idx.pack_size {
-                let msg = format!("pack is {size} bytes, its index says {} (truncated or replaced)", idx.pack_size);
+                let msg = format!(
+                    "pack is {size} bytes, its index says {} (truncated or replaced)",
+                    idx.pack_size
+                );
                 let p = problem(&mut rep, Severity::Error, pkey.clone(), None, msg);
                 for e in &idx.entries {
                     bad_chunks.insert(e.id, p);
@@ -138,10 +164,22 @@ impl Store {
             match parse_pack(&bytes) {
                 Ok((id, entries)) if id == *pid && entries == idx.entries => {}
                 Ok(_) => {
-                    problem(&mut rep, Severity::Error, pkey.clone(), None, "pack trailer disagrees with its index object".into());
+                    problem(
+                        &mut rep,
+                        Severity::Error,
+                        pkey.clone(),
+                        None,
+                        "pack trailer disagrees with its index object".into(),
+                    );
                 }
                 Err(e) => {
-                    problem(&mut rep, Severity::Error, pkey.clone(), None, format!("pack structure damaged: {e}"));
+                    problem(
+                        &mut rep,
+                        Severity::Error,
+                        pkey.clone(),
+                        None,
+                        format!("pack structure damaged: {e}"),
+                    );
                 }
             }
             // Verify chunk by chunk from the index (which is what readers use).
@@ -156,14 +194,20 @@ impl Store {
                     let res = if end <= bytes.len() {
                         decode_chunk(&bytes[off as usize..end], e, *pid).map(|_| ())
                     } else {
-                        Err(StoreError::Corrupt { id: e.id, pack: *pid, offset: off, reason: "frame past end of pack".into() })
+                        Err(StoreError::Corrupt {
+                            id: e.id,
+                            pack: *pid,
+                            offset: off,
+                            reason: "frame past end of pack".into(),
+                        })
                     };
                     if let Err(err) = res {
                         let reason = match err {
                             StoreError::Corrupt { reason, .. } => reason,
                             other => other.to_string(),
                         };
-                        let msg = format!("chunk {} (frame at byte {off}) is corrupt: {reason}", e.id);
+                        let msg =
+                            format!("chunk {} (frame at byte {off}) is corrupt: {reason}", e.id);
                         let p = problem(&mut rep, Severity::Error, pkey.clone(), Some(e.id), msg);
                         bad_chunks.insert(e.id, p);
                     }
@@ -171,7 +215,9 @@ impl Store {
             }
         }
         for (pid, ..) in super::discover::orphan_packs(&**be, &visible)? {
-            let msg = "orphan pack: no index object names it (left by an interrupted write; reclaimable)".to_string();
+            let msg =
+                "orphan pack: no index object names it (left by an interrupted write; reclaimable)"
+                    .to_string();
             problem(&mut rep, Severity::Warning, pid.pack_key(), None, msg);
         }
 
@@ -209,11 +255,20 @@ impl Store {
                 }
                 if kinds.get(&id) == Some(&ChunkKind::Tree) {
                     match self.get(&id).and_then(|b| {
-                        Tree::decode(&b).map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
+                        Tree::decode(&b).map_err(|source| StoreError::Format {
+                            key: format!("chunk {id}"),
+                            source,
+                        })
                     }) {
                         Ok(t) => stack.extend(t.children),
                         Err(e) => {
-                            let p = problem(&mut rep, Severity::Error, rkey.clone(), Some(id), format!("tree unreadable: {}", chain(&e)));
+                            let p = problem(
+                                &mut rep,
+                                Severity::Error,
+                                rkey.clone(),
+                                Some(id),
+                                format!("tree unreadable: {}", chain(&e)),
+                            );
                             rep.problems[p].refs.push(name.clone());
                         }
                     }

@@ -60,7 +60,10 @@ pub fn list_packs(backend: &dyn Backend) -> BResult<HashMap<PackId, Source>> {
 /// Packs on a non-network backend that no index object names: written but never indexed (a
 /// write interrupted by a crash or a full disk), with their sizes. Always empty on a network
 /// backend, where every listed pack is whole.
-pub fn orphan_packs(backend: &dyn Backend, visible: &HashMap<PackId, Source>) -> BResult<Vec<(PackId, String, u64)>> {
+pub fn orphan_packs(
+    backend: &dyn Backend,
+    visible: &HashMap<PackId, Source>,
+) -> BResult<Vec<(PackId, String, u64)>> {
     if backend.capabilities().network {
         return Ok(Vec::new());
     }
@@ -80,11 +83,15 @@ pub fn read_entries(backend: &dyn Backend, pid: PackId, source: Source) -> Resul
         Source::Index => {
             let key = pid.index_key();
             let b = backend.get(&key)?;
-            let o = IndexObject::decode(&b).map_err(|source| StoreError::Format { key: key.clone(), source })?;
+            let o = IndexObject::decode(&b)
+                .map_err(|source| StoreError::Format { key: key.clone(), source })?;
             if o.pack != pid {
                 return Err(StoreError::Format {
                     key,
-                    source: super::format::FormatError::Malformed { what: "index object", detail: format!("names pack {}", o.pack) },
+                    source: super::format::FormatError::Malformed {
+                        what: "index object",
+                        detail: format!("names pack {}", o.pack),
+                    },
                 });
             }
             Ok(o)
@@ -102,7 +109,11 @@ pub fn read_entries(backend: &dyn Backend, pid: PackId, source: Source) -> Resul
                         PackTail::Entries(e) => e,
                         // Only a backend returning fewer bytes than asked gets here.
                         PackTail::Need(_) => {
-                            return Err(fmt(super::format::FormatError::Truncated { what: "pack trailer", needed: need, have: tail.len() as u64 }))
+                            return Err(fmt(super::format::FormatError::Truncated {
+                                what: "pack trailer",
+                                needed: need,
+                                have: tail.len() as u64,
+                            }))
                         }
                     }
                 }
@@ -114,7 +125,8 @@ pub fn read_entries(backend: &dyn Backend, pid: PackId, source: Source) -> Resul
 
 /// [`read_entries`] for many packs, [`READERS`] at a time; results in the order given.
 pub fn read_many(backend: &dyn Backend, todo: &[(PackId, Source)]) -> Vec<Result<IndexObject>> {
-    let slots: Vec<Mutex<Option<Result<IndexObject>>>> = todo.iter().map(|_| Mutex::new(None)).collect();
+    let slots: Vec<Mutex<Option<Result<IndexObject>>>> =
+        todo.iter().map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for _ in 0..READERS.min(todo.len()) {

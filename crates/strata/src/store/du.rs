@@ -65,7 +65,12 @@ impl Store {
     }
 
     /// Logical data bytes under `id` (tree chunks themselves are metadata and not counted).
-    fn logical(&self, id: ChunkId, memo: &mut HashMap<ChunkId, u64>, reachable: &mut HashSet<ChunkId>) -> Result<u64> {
+    fn logical(
+        &self,
+        id: ChunkId,
+        memo: &mut HashMap<ChunkId, u64>,
+        reachable: &mut HashSet<ChunkId>,
+    ) -> Result<u64> {
         if id.is_zero() {
             return Ok(0);
         }
@@ -75,7 +80,8 @@ impl Store {
         reachable.insert(id);
         let v = match self.chunk_info(&id) {
             Some((_, ChunkKind::Tree)) => {
-                let t = Tree::decode(&self.get(&id)?).map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })?;
+                let t = Tree::decode(&self.get(&id)?)
+                    .map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })?;
                 let mut s = 0;
                 for c in t.children {
                     s += self.logical(c, memo, reachable)?;

@@ -49,11 +49,13 @@ impl<'a> Rd<'a> {
         self.pos
     }
     pub fn bytes(&mut self, n: usize) -> FResult<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(FormatError::Truncated {
-            what: self.what,
-            needed: (self.pos as u64).saturating_add(n as u64),
-            have: self.buf.len() as u64,
-        })?;
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(
+            FormatError::Truncated {
+                what: self.what,
+                needed: (self.pos as u64).saturating_add(n as u64),
+                have: self.buf.len() as u64,
+            },
+        )?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)

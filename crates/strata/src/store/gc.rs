@@ -36,7 +36,11 @@ pub struct GcReport {
 
 impl Store {
     /// Mark everything reachable from `roots` (skipping subtrees already marked).
-    pub(crate) fn mark_from(&self, roots: impl IntoIterator<Item = ChunkId>, marked: &mut HashSet<ChunkId>) -> Result<()> {
+    pub(crate) fn mark_from(
+        &self,
+        roots: impl IntoIterator<Item = ChunkId>,
+        marked: &mut HashSet<ChunkId>,
+    ) -> Result<()> {
         let mut stack: Vec<ChunkId> = roots.into_iter().collect();
         while let Some(id) = stack.pop() {
             if id.is_zero() || !marked.insert(id) {
@@ -46,7 +50,10 @@ impl Store {
                 Some((_, ChunkKind::Tree)) => {
                     // A tree we cannot read could hide live chunks: refuse to sweep at all.
                     let t = self.get(&id).and_then(|b| {
-                        Tree::decode(&b).map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
+                        Tree::decode(&b).map_err(|source| StoreError::Format {
+                            key: format!("chunk {id}"),
+                            source,
+                        })
                     })?;
                     stack.extend(t.children.iter().filter(|c| !c.is_zero() && !marked.contains(c)));
                 }
@@ -94,8 +101,13 @@ impl Store {
                     seen_refs.insert(name, r.roots);
                 }
             }
-            let pins: Vec<ChunkId> =
-                self.inner.sessions.lock().values().flat_map(|p| p.lock().iter().copied().collect::<Vec<_>>()).collect();
+            let pins: Vec<ChunkId> = self
+                .inner
+                .sessions
+                .lock()
+                .values()
+                .flat_map(|p| p.lock().iter().copied().collect::<Vec<_>>())
+                .collect();
             self.mark_from(pins, &mut marked)?;
             report.refs = seen_refs.len();
 
@@ -133,7 +145,9 @@ impl Store {
                     idx.packs[no as usize] = None;
                     idx.by_id.remove(&pid);
                     doomed.push((pid, size, all_ids));
-                } else if dead_bytes as f64 >= REPACK_DEAD_FRACTION * (dead_bytes + live_bytes) as f64 {
+                } else if dead_bytes as f64
+                    >= REPACK_DEAD_FRACTION * (dead_bytes + live_bytes) as f64
+                {
                     report.dead_chunks += dead.len();
                     for e in &dead {
                         idx.chunks.remove(&e.id);
@@ -148,7 +162,8 @@ impl Store {
         progress.phase("repacking", Some(repack.len() as u64), Unit::Items);
         for (pid, _, live, _) in &repack {
             let bytes = self.backend().get(&pid.pack_key())?;
-            let (_, entries) = parse_pack(&bytes).map_err(|source| StoreError::Format { key: pid.pack_key(), source })?;
+            let (_, entries) = parse_pack(&bytes)
+                .map_err(|source| StoreError::Format { key: pid.pack_key(), source })?;
             let live_ids: HashSet<ChunkId> = live.iter().map(|e| e.id).collect();
             let mut frames: BTreeMap<u64, Vec<PackEntry>> = BTreeMap::new();
             for e in entries.into_iter().filter(|e| live_ids.contains(&e.id)) {
@@ -156,7 +171,8 @@ impl Store {
             }
             for (off, es) in frames {
                 let stored = &bytes[off as usize..off as usize + es[0].frame_len as usize];
-                let chunks: Vec<_> = es.iter().map(|e| (e.id, e.off_in_frame, e.raw_len, e.kind)).collect();
+                let chunks: Vec<_> =
+                    es.iter().map(|e| (e.id, e.off_in_frame, e.raw_len, e.kind)).collect();
                 self.put_raw_frame(stored, &es[0], &chunks)?;
             }
             progress.advance(1);
@@ -174,8 +190,10 @@ impl Store {
         report.packs_repacked = repack.len();
         // Delete in reverse order of writing: index objects, sync, then pack data, sync.
         progress.phase("deleting", Some((doomed.len() + repack.len()) as u64), Unit::Items);
-        let victims: Vec<(PackId, u64, Vec<ChunkId>)> =
-            doomed.into_iter().chain(repack.into_iter().map(|(p, s, _, ids)| (p, s, ids))).collect();
+        let victims: Vec<(PackId, u64, Vec<ChunkId>)> = doomed
+            .into_iter()
+            .chain(repack.into_iter().map(|(p, s, _, ids)| (p, s, ids)))
+            .collect();
         if !victims.is_empty() {
             let sh = &self.inner.sh;
             // (A network pack is its own index: deleting it is one atomic step, and the index
@@ -190,7 +208,8 @@ impl Store {
                 progress.advance(1);
             }
             sh.sync()?;
-            let rows: Vec<(PackId, Vec<ChunkId>)> = victims.iter().map(|(p, _, ids)| (*p, ids.clone())).collect();
+            let rows: Vec<(PackId, Vec<ChunkId>)> =
+                victims.iter().map(|(p, _, ids)| (*p, ids.clone())).collect();
             sh.meta.remove_packs(&rows, true)?;
         }
         // Orphan packs: written but never indexed (a write interrupted by a crash or a full

@@ -15,9 +15,13 @@ use check::CheckOptions;
 fn gc_reclaims_deleted_refs_and_keeps_shared_chunks() {
     let (_d, s, b) = mem_store(64 << 10);
     let ses = s.session();
-    let shared: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-    let only_a: Vec<ChunkId> = (100..140).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
-    let ra = ses.put_tree(&Tree { children: [shared.clone(), only_a.clone()].concat(), payload: vec![] }).unwrap();
+    let shared: Vec<ChunkId> =
+        (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let only_a: Vec<ChunkId> =
+        (100..140).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let ra = ses
+        .put_tree(&Tree { children: [shared.clone(), only_a.clone()].concat(), payload: vec![] })
+        .unwrap();
     let rb = ses.put_tree(&Tree { children: shared.clone(), payload: vec![] }).unwrap();
     ses.commit_ref("disk/a", Ref::new(vec![ra], vec![])).unwrap();
     ses.commit_ref("disk/b", Ref::new(vec![rb], vec![])).unwrap();
@@ -72,10 +76,15 @@ fn gc_concurrent_with_writers_loses_nothing() {
                     while !stop.load(Ordering::Relaxed) || n < 30 {
                         let ses = s.session();
                         // Half the chunks repeat earlier content (dedup hits on possibly-dead chunks).
-                        let ids: Vec<ChunkId> =
-                            (0..8).map(|i| ses.put(&data((n + i) % 20 + t * 1000, 4096), ChunkKind::Data).unwrap()).collect();
+                        let ids: Vec<ChunkId> = (0..8)
+                            .map(|i| {
+                                ses.put(&data((n + i) % 20 + t * 1000, 4096), ChunkKind::Data)
+                                    .unwrap()
+                            })
+                            .collect();
                         let root = ses.put_tree(&Tree { children: ids, payload: vec![] }).unwrap();
-                        ses.commit_ref(&format!("w{t}/{}", n % 5), Ref::new(vec![root], vec![])).unwrap();
+                        ses.commit_ref(&format!("w{t}/{}", n % 5), Ref::new(vec![root], vec![]))
+                            .unwrap();
                         n += 1;
                     }
                 })
@@ -113,7 +122,11 @@ struct HookBackend {
 
 impl HookBackend {
     fn new(inner: &MemoryBackend) -> Arc<HookBackend> {
-        Arc::new(HookBackend { inner: inner.clone(), hook: Default::default(), fail_next_get: Default::default() })
+        Arc::new(HookBackend {
+            inner: inner.clone(),
+            hook: Default::default(),
+            fail_next_get: Default::default(),
+        })
     }
     fn set_hook(&self, on: &str, f: impl FnOnce() + Send + 'static) {
         *self.hook.lock() = Some((on.to_string(), Box::new(f)));
@@ -121,7 +134,11 @@ impl HookBackend {
     fn fire(&self, on: &str) {
         let hook = {
             let mut h = self.hook.lock();
-            if h.as_ref().is_some_and(|(k, _)| k == on) { h.take() } else { None }
+            if h.as_ref().is_some_and(|(k, _)| k == on) {
+                h.take()
+            } else {
+                None
+            }
         };
         if let Some((_, f)) = hook {
             f();
@@ -147,7 +164,11 @@ impl Backend for HookBackend {
     }
     fn get(&self, key: &str) -> crate::backend::BResult<Vec<u8>> {
         if self.fail_next_get.lock().take_if(|k| k == key).is_some() {
-            return Err(crate::backend::BackendError::new(crate::backend::ErrorKind::Other, "get", key));
+            return Err(crate::backend::BackendError::new(
+                crate::backend::ErrorKind::Other,
+                "get",
+                key,
+            ));
         }
         let r = self.inner.get(key);
         self.fire(&format!("get:{key}"));
@@ -182,7 +203,12 @@ fn gc_re_marks_a_ref_rewritten_during_its_mark_even_with_the_same_generation() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let hb = HookBackend::new(&mem);
-    let s = Store::init(hb.clone(), &d.path().join("m.redb"), InitOptions { pack_size: 32 << 10, default_codec: Codec::None }).unwrap();
+    let s = Store::init(
+        hb.clone(),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 32 << 10, default_codec: Codec::None },
+    )
+    .unwrap();
     let w = s.session();
     let a = w.put(&data(1, 4096), ChunkKind::Data).unwrap();
     w.commit_ref("a", Ref::new(vec![a], vec![])).unwrap();
@@ -215,9 +241,15 @@ fn gc_keeps_packs_put_while_it_lists_orphans() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let hb = HookBackend::new(&mem);
-    let s = Store::init(hb.clone(), &d.path().join("m.redb"), InitOptions { pack_size: 32 << 10, default_codec: Codec::None }).unwrap();
+    let s = Store::init(
+        hb.clone(),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 32 << 10, default_codec: Codec::None },
+    )
+    .unwrap();
     let ses = s.session();
-    let packs = |m: &MemoryBackend| m.keys().into_iter().filter(|k| k.starts_with("packs/")).count();
+    let packs =
+        |m: &MemoryBackend| m.keys().into_iter().filter(|k| k.starts_with("packs/")).count();
     let before = packs(&mem);
     // Just before GC lists packs for its orphan sweep, a writer fills a pack: it is sealed
     // and put, and its index object waits for the next flush.
@@ -260,7 +292,8 @@ fn gc_learns_packs_written_by_other_instances_first() {
     let opts = InitOptions { pack_size: 64 << 10, default_codec: Codec::Lz4 };
     let a = Store::init(Arc::new(b.clone()), &d.path().join("a.redb"), opts).unwrap();
     let ses = a.session();
-    let ids: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<ChunkId> =
+        (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
     let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
     ses.commit_ref("disk/x", Ref::new(vec![root], vec![])).unwrap();
     drop(ses);
@@ -268,7 +301,8 @@ fn gc_learns_packs_written_by_other_instances_first() {
     {
         let other = Store::open(Arc::new(b.clone()), &d.path().join("b.redb")).unwrap();
         let ses = other.session();
-        let same: Vec<ChunkId> = (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+        let same: Vec<ChunkId> =
+            (0..20).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
         assert_eq!(same, ids);
         let root = ses.put_tree(&Tree { children: same, payload: b"y".to_vec() }).unwrap();
         ses.commit_ref("disk/y", Ref::new(vec![root], vec![])).unwrap();

@@ -115,7 +115,8 @@ impl LeaseRecord {
         if rd.pos() != b.len() {
             return Err(FormatError::Malformed { what, detail: "trailing bytes".into() });
         }
-        serde_json::from_slice(json).map_err(|e| FormatError::Malformed { what, detail: e.to_string() })
+        serde_json::from_slice(json)
+            .map_err(|e| FormatError::Malformed { what, detail: e.to_string() })
     }
 
     /// `host pid N (purpose)`, for messages.
@@ -264,7 +265,12 @@ impl Leases {
         }
     }
 
-    fn be<T>(&self, _op: &'static str, _name: &str, r: std::result::Result<T, BackendError>) -> Result<T> {
+    fn be<T>(
+        &self,
+        _op: &'static str,
+        _name: &str,
+        r: std::result::Result<T, BackendError>,
+    ) -> Result<T> {
         r.map_err(LeaseError::Backend)
     }
 
@@ -321,7 +327,11 @@ impl Leases {
             let next = g + 1;
             let start = Instant::now();
             let rec = self.record(name, next, now, false);
-            if self.be("put_if_absent", name, self.backend.put_if_absent(&gen_key(dir, next), &rec.encode()))? {
+            if self.be(
+                "put_if_absent",
+                name,
+                self.backend.put_if_absent(&gen_key(dir, next), &rec.encode()),
+            )? {
                 self.held.lock().insert(
                     dir.to_string(),
                     Held {
@@ -334,7 +344,12 @@ impl Leases {
                     },
                 );
                 // Older generations are history; removing them keeps listings short.
-                for old in self.generations(dir, name).unwrap_or_default().into_iter().filter(|&o| o < next) {
+                for old in self
+                    .generations(dir, name)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|&o| o < next)
+                {
                     let _ = self.backend.delete(&gen_key(dir, old));
                 }
                 self.start_keeper();
@@ -342,7 +357,11 @@ impl Leases {
                 return Ok(());
             }
         }
-        Err(LeaseError::Held { name: name.into(), holder: "another writer racing for it".into(), expires_in_s: 0 })
+        Err(LeaseError::Held {
+            name: name.into(),
+            holder: "another writer racing for it".into(),
+            expires_in_s: 0,
+        })
     }
 
     fn release_dir(&self, dir: &str) {
@@ -379,7 +398,10 @@ impl Leases {
             return Err(LeaseError::Lost { name: name.into(), holder: holder.clone() });
         }
         if Instant::now() > h.valid_until {
-            return Err(LeaseError::Lapsed { name: name.into(), ttl_ms: self.ttl().as_millis() as u64 });
+            return Err(LeaseError::Lapsed {
+                name: name.into(),
+                ttl_ms: self.ttl().as_millis() as u64,
+            });
         }
         Ok(())
     }
@@ -392,7 +414,10 @@ impl Leases {
         let now = now_ms();
         if let Some(r) = rec.filter(|r| self.me.live_other(r, now)) {
             self.release_dir(&dir);
-            return Err(LeaseError::GcRunning { holder: r.holder(), expires_in_s: (r.expires_unix_ms - now).div_ceil(1000) });
+            return Err(LeaseError::GcRunning {
+                holder: r.holder(),
+                expires_in_s: (r.expires_unix_ms - now).div_ceil(1000),
+            });
         }
         Ok(())
     }
@@ -418,7 +443,9 @@ impl Leases {
             let (_, rec) = self.newest(&dir, "open")?;
             let now = now_ms();
             match rec {
-                Some(r) if self.me.live_other(&r, now) => return Err(LeaseError::StoreInUse { holder: r.holder() }),
+                Some(r) if self.me.live_other(&r, now) => {
+                    return Err(LeaseError::StoreInUse { holder: r.holder() })
+                }
                 // A dead instance's presence: tidy it away.
                 Some(r) if r.expires_unix_ms <= now || r.released || r.host == self.me.host => {
                     for g in self.generations(&dir, "open").unwrap_or_default() {
@@ -470,9 +497,13 @@ impl Leases {
             let put = self.backend.put_volatile(&gen_key(&dir, g), &rec.encode());
             let lost = match (&put, self.generations(&dir, &name)) {
                 (Ok(()), Ok(gens)) => match gens.last() {
-                    Some(&newest) if newest > g => {
-                        Some(self.newest(&dir, &name).ok().and_then(|(_, r)| r).map(|r| r.holder()).unwrap_or_else(|| "another host".into()))
-                    }
+                    Some(&newest) if newest > g => Some(
+                        self.newest(&dir, &name)
+                            .ok()
+                            .and_then(|(_, r)| r)
+                            .map(|r| r.holder())
+                            .unwrap_or_else(|| "another host".into()),
+                    ),
                     _ => None,
                 },
                 _ => {
@@ -488,7 +519,9 @@ impl Leases {
                         h.lost = Some(holder);
                     }
                     // Only extend a lease still valid: once lapsed it stays lapsed.
-                    None if Instant::now() <= h.valid_until => h.valid_until = start + self.ttl() * 3 / 4,
+                    None if Instant::now() <= h.valid_until => {
+                        h.valid_until = start + self.ttl() * 3 / 4
+                    }
                     None => {}
                 }
             }
@@ -562,14 +595,18 @@ mod tests {
         let b = mem();
         let ls: Vec<Arc<Leases>> = (0..8).map(|_| Leases::new(b.clone())).collect();
         let wins: Vec<Option<LeaseGuard>> = std::thread::scope(|s| {
-            let hs: Vec<_> = ls.iter().map(|l| s.spawn(move || l.acquire_ref("disk/x").ok())).collect();
+            let hs: Vec<_> =
+                ls.iter().map(|l| s.spawn(move || l.acquire_ref("disk/x").ok())).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(wins.iter().filter(|w| w.is_some()).count(), 1);
         let winner = wins.iter().position(|w| w.is_some()).unwrap();
         let other = (winner + 1) % 8;
         let e = ls[other].acquire_ref("disk/x").unwrap_err();
-        assert!(matches!(e, LeaseError::Held { .. }) && e.to_string().contains("being written by"), "{e}");
+        assert!(
+            matches!(e, LeaseError::Held { .. }) && e.to_string().contains("being written by"),
+            "{e}"
+        );
         assert!(ls[winner].check_ref("disk/x").is_ok());
         drop(wins);
         // Released cleanly: the next taker needs no wait, and gets a newer generation.

@@ -30,12 +30,22 @@ pub enum MetaError {
     #[error("Store metadata at {path} is in use by another strata process: stop it, or talk to its daemon")]
     InUse { path: PathBuf },
     #[error("Store metadata at {path} cannot be opened")]
-    Open { path: PathBuf, #[source] source: redb::DatabaseError },
+    Open {
+        path: PathBuf,
+        #[source]
+        source: redb::DatabaseError,
+    },
     #[error("Store metadata operation {op} failed")]
-    Db { op: &'static str, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    Db {
+        op: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
-fn db<E: std::error::Error + Send + Sync + 'static>(op: &'static str) -> impl FnOnce(E) -> MetaError {
+fn db<E: std::error::Error + Send + Sync + 'static>(
+    op: &'static str,
+) -> impl FnOnce(E) -> MetaError {
     move |e| MetaError::Db { op, source: Box::new(e) }
 }
 
@@ -98,7 +108,8 @@ impl Meta {
             Err(e) => {
                 tracing::warn!(target: "strata::store", path = %path.display(), error = %e, "discarding unreadable metadata cache");
                 let _ = std::fs::remove_file(path);
-                Database::create(path).map_err(|source| MetaError::Open { path: path.to_path_buf(), source })?
+                Database::create(path)
+                    .map_err(|source| MetaError::Open { path: path.to_path_buf(), source })?
             }
         };
         let meta = Meta { db: database };
@@ -108,7 +119,8 @@ impl Meta {
                 Ok(t) => {
                     let schema = t.get("schema").map_err(db("get"))?.map(|v| v.value().to_vec());
                     let sid = t.get("store_id").map_err(db("get"))?.map(|v| v.value().to_vec());
-                    schema.as_deref() == Some(&[SCHEMA][..]) && sid.as_deref() == Some(&store_id[..])
+                    schema.as_deref() == Some(&[SCHEMA][..])
+                        && sid.as_deref() == Some(&store_id[..])
                 }
                 Err(_) => false,
             }
@@ -137,8 +149,10 @@ impl Meta {
         match Meta::open(path, store_id) {
             Err(MetaError::InUse { .. }) => {
                 let dir = path.parent().unwrap_or(Path::new(".")).join("private");
-                std::fs::create_dir_all(&dir).map_err(|e| MetaError::Db { op: "create_dir", source: Box::new(e) })?;
-                let p = dir.join(format!("{}-{:016x}.redb", std::process::id(), rand::random::<u64>()));
+                std::fs::create_dir_all(&dir)
+                    .map_err(|e| MetaError::Db { op: "create_dir", source: Box::new(e) })?;
+                let p =
+                    dir.join(format!("{}-{:016x}.redb", std::process::id(), rand::random::<u64>()));
                 let meta = Meta::open(&p, store_id)?;
                 let _ = std::fs::remove_file(&p);
                 tracing::info!(target: "strata::store", path = %path.display(),
@@ -175,7 +189,11 @@ impl Meta {
     }
 
     /// Record packs that became durable, with their entries.
-    pub fn add_packs(&self, packs: &[(PackId, u64, &[PackEntry])], durable: bool) -> Result<(), MetaError> {
+    pub fn add_packs(
+        &self,
+        packs: &[(PackId, u64, &[PackEntry])],
+        durable: bool,
+    ) -> Result<(), MetaError> {
         let mut tx = self.db.begin_write().map_err(db("begin_write"))?;
         tx.set_durability(if durable { Durability::Immediate } else { Durability::None });
         {
@@ -192,7 +210,11 @@ impl Meta {
     }
 
     /// Forget packs: their pack rows, and chunk rows that still point at them.
-    pub fn remove_packs(&self, packs: &[(PackId, Vec<ChunkId>)], durable: bool) -> Result<(), MetaError> {
+    pub fn remove_packs(
+        &self,
+        packs: &[(PackId, Vec<ChunkId>)],
+        durable: bool,
+    ) -> Result<(), MetaError> {
         let mut tx = self.db.begin_write().map_err(db("begin_write"))?;
         tx.set_durability(if durable { Durability::Immediate } else { Durability::None });
         {
@@ -201,7 +223,8 @@ impl Meta {
             for (pid, ids) in packs {
                 pt.remove(&pid.0).map_err(db("remove"))?;
                 for id in ids {
-                    let still_here = ct.get(&id.0).map_err(db("get"))?.map(|v| v.value()[0..16] == pid.0);
+                    let still_here =
+                        ct.get(&id.0).map_err(db("get"))?.map(|v| v.value()[0..16] == pid.0);
                     if still_here == Some(true) {
                         ct.remove(&id.0).map_err(db("remove"))?;
                     }

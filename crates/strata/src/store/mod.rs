@@ -29,12 +29,12 @@ pub mod lease;
 pub mod meta;
 pub mod objects;
 pub mod pack;
-pub mod ref_copies;
-pub mod slice;
-pub mod tree_cache;
 mod read;
+pub mod ref_copies;
 mod refs;
 mod session;
+pub mod slice;
+pub mod tree_cache;
 mod writer;
 
 use crate::backend::{local::LocalBackend, BackendError, DynBackend, ErrorKind};
@@ -52,7 +52,10 @@ use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
 pub use read::LOCATE_BATCH;
-pub use session::{Precompressed, Session, EARLY_SEAL_BUSY_BYTES, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS};
+pub use session::{
+    Precompressed, Session, EARLY_SEAL_BUSY_BYTES, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES,
+    EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS,
+};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +67,11 @@ pub enum StoreError {
     #[error("GC refused: chunk {chunk} is reachable from a ref but in no pack; nothing was deleted. Run `strata check` to find the damage, then remove or restore the refs it names")]
     GcMissingChunk { chunk: ChunkId },
     #[error("Object '{key}' is unreadable")]
-    Format { key: String, #[source] source: FormatError },
+    Format {
+        key: String,
+        #[source]
+        source: FormatError,
+    },
     #[error(transparent)]
     Backend(#[from] BackendError),
     #[error(transparent)]
@@ -81,9 +88,13 @@ pub enum StoreError {
     RefExists { name: String },
     #[error("Invalid ref name '{name}': use letters, digits, '._@=+-' and '/' separators, at most 255 bytes")]
     BadRefName { name: String },
-    #[error("Root chunk {id} of ref '{name}' is not in the store (was its source deleted meanwhile?)")]
+    #[error(
+        "Root chunk {id} of ref '{name}' is not in the store (was its source deleted meanwhile?)"
+    )]
     MissingRoot { name: String, id: ChunkId },
-    #[error("Store is poisoned after a failed write ({reason}); fix the cause and reopen the store")]
+    #[error(
+        "Store is poisoned after a failed write ({reason}); fix the cause and reopen the store"
+    )]
     Poisoned { reason: String },
     #[error("Chunk of {size} bytes exceeds the {MAX_FRAME_RAW}-byte cap")]
     TooLarge { size: usize },
@@ -303,7 +314,8 @@ impl Store {
             }
             Err(e) => return Err(e.into()),
         };
-        let config = StoreConfig::decode(&raw).map_err(|source| StoreError::Format { key: "config".into(), source })?;
+        let config = StoreConfig::decode(&raw)
+            .map_err(|source| StoreError::Format { key: "config".into(), source })?;
         let (meta, _private) = Meta::open_or_private(meta_path, &config.store_id)?;
         // Announce this instance before trusting the index: a GC elsewhere must see us (and we
         // must not open while one runs), see `lease.rs`.
@@ -317,7 +329,8 @@ impl Store {
             .clamp(64 << 10, backend.capabilities().max_object_size.min(pack::MAX_PACK_SIZE) / 2);
         let location = backend.name();
         let caps_network = backend.capabilities().network;
-        let local_dir = meta_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+        let local_dir =
+            meta_path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
         let sh = Arc::new(Shared {
             backend,
             config,
@@ -351,7 +364,8 @@ impl Store {
                 early_seal: caps_network,
                 location,
                 trees: caps_network.then(|| tree_cache::TreeCache::new(local_dir.join("trees"))),
-                ref_copies: caps_network.then(|| ref_copies::RefCopies::new(local_dir.join("refs"))),
+                ref_copies: caps_network
+                    .then(|| ref_copies::RefCopies::new(local_dir.join("refs"))),
                 local_dir,
                 leases,
                 slices: slice::SliceCache::default(),

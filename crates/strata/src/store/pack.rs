@@ -114,12 +114,28 @@ impl PackEntry {
         cap(what, "frame_raw_len", frame_raw_len as u64, MAX_FRAME_RAW as u64)?;
         cap(what, "frame_len", frame_len as u64, MAX_FRAME_RAW as u64 + 65536)?;
         if off_in_frame as u64 + raw_len as u64 > frame_raw_len as u64 {
-            return Err(FormatError::Malformed { what, detail: "chunk extends past its frame".into() });
+            return Err(FormatError::Malformed {
+                what,
+                detail: "chunk extends past its frame".into(),
+            });
         }
         if codec == Codec::None && frame_len != frame_raw_len {
-            return Err(FormatError::Malformed { what, detail: "uncompressed frame length mismatch".into() });
+            return Err(FormatError::Malformed {
+                what,
+                detail: "uncompressed frame length mismatch".into(),
+            });
         }
-        Ok(PackEntry { id, frame_off, frame_len, frame_raw_len, off_in_frame, raw_len, codec, kind, frame_crc })
+        Ok(PackEntry {
+            id,
+            frame_off,
+            frame_len,
+            frame_raw_len,
+            off_in_frame,
+            raw_len,
+            codec,
+            kind,
+            frame_crc,
+        })
     }
 }
 
@@ -206,7 +222,12 @@ impl PackBuilder {
     /// Append a frame already compressed by the caller: `stored` is what goes in the pack,
     /// `codec` how to expand it, and `chunks` (id, raw length, kind) what it expands to, back
     /// to back. Returns the entries added.
-    pub fn add_frame(&mut self, stored: &[u8], codec: Codec, chunks: &[(ChunkId, u32, ChunkKind)]) -> &[PackEntry] {
+    pub fn add_frame(
+        &mut self,
+        stored: &[u8],
+        codec: Codec,
+        chunks: &[(ChunkId, u32, ChunkKind)],
+    ) -> &[PackEntry] {
         let frame_raw_len: u32 = chunks.iter().map(|c| c.1).sum();
         let mut off = 0u32;
         let placed: Vec<(ChunkId, u32, u32, ChunkKind)> = chunks
@@ -223,7 +244,11 @@ impl PackBuilder {
     /// Append an uncompressed frame given as consecutive parts (one per chunk, in order),
     /// copied straight into the pack: the same bytes as `add_frame` of the joined parts with
     /// `Codec::None`, without joining them first.
-    pub fn add_frame_parts(&mut self, parts: &[&[u8]], chunks: &[(ChunkId, u32, ChunkKind)]) -> &[PackEntry] {
+    pub fn add_frame_parts(
+        &mut self,
+        parts: &[&[u8]],
+        chunks: &[(ChunkId, u32, ChunkKind)],
+    ) -> &[PackEntry] {
         debug_assert_eq!(parts.len(), chunks.len());
         let frame_off = self.buf.len() as u64;
         let mut frame_crc = 0u32;
@@ -335,7 +360,11 @@ pub fn parse_pack_header_version(b: &[u8]) -> FResult<(PackId, u16)> {
 pub fn parse_pack_footer(b: &[u8], pack_len: u64) -> FResult<PackFooter> {
     let what = "pack footer";
     if b.len() != PACK_FOOTER_LEN {
-        return Err(FormatError::Truncated { what, needed: PACK_FOOTER_LEN as u64, have: b.len() as u64 });
+        return Err(FormatError::Truncated {
+            what,
+            needed: PACK_FOOTER_LEN as u64,
+            have: b.len() as u64,
+        });
     }
     if &b[24..32] != PACK_END_MAGIC {
         return Err(FormatError::BadMagic { what, expected: "STRAPEND" });
@@ -354,18 +383,30 @@ pub fn parse_pack_footer(b: &[u8], pack_len: u64) -> FResult<PackFooter> {
         Some(end) if trailer_off >= PACK_HEADER_LEN as u64 && trailer_off <= end => {
             Ok(PackFooter { count, trailer_off, trailer_len: end - trailer_off, entries_crc })
         }
-        _ => Err(FormatError::Malformed { what, detail: "trailer offset is outside the pack".into() }),
+        _ => Err(FormatError::Malformed {
+            what,
+            detail: "trailer offset is outside the pack".into(),
+        }),
     }
 }
 
 /// The raw 64-byte entries of a trailer of a pack of `version`, checked against the footer's
 /// entry CRC.
-fn trailer_entries(trailer: &[u8], f: &PackFooter, version: u16, what: &'static str) -> FResult<Vec<u8>> {
+fn trailer_entries(
+    trailer: &[u8],
+    f: &PackFooter,
+    version: u16,
+    what: &'static str,
+) -> FResult<Vec<u8>> {
     let raw = if version == PACK_VERSION_RAW {
         if trailer.len() as u64 != f.count * ENTRY_LEN as u64 {
             return Err(FormatError::Malformed {
                 what,
-                detail: format!("{} bytes of raw entries, expected 64 x {}", trailer.len(), f.count),
+                detail: format!(
+                    "{} bytes of raw entries, expected 64 x {}",
+                    trailer.len(),
+                    f.count
+                ),
             });
         }
         trailer.to_vec()
@@ -422,8 +463,15 @@ pub enum PackTail {
 pub fn parse_pack_tail(tail: &[u8], pack_len: u64) -> FResult<PackTail> {
     let what = "pack trailer";
     cap("pack", "size", pack_len, MAX_PACK_SIZE)?;
-    if tail.len() < PACK_FOOTER_LEN || tail.len() as u64 > pack_len || pack_len < (PACK_HEADER_LEN + PACK_FOOTER_LEN) as u64 {
-        return Err(FormatError::Truncated { what, needed: PACK_FOOTER_LEN as u64, have: tail.len() as u64 });
+    if tail.len() < PACK_FOOTER_LEN
+        || tail.len() as u64 > pack_len
+        || pack_len < (PACK_HEADER_LEN + PACK_FOOTER_LEN) as u64
+    {
+        return Err(FormatError::Truncated {
+            what,
+            needed: PACK_FOOTER_LEN as u64,
+            have: tail.len() as u64,
+        });
     }
     let f = parse_pack_footer(&tail[tail.len() - PACK_FOOTER_LEN..], pack_len)?;
     let need = pack_len - f.trailer_off;
@@ -432,7 +480,9 @@ pub fn parse_pack_tail(tail: &[u8], pack_len: u64) -> FResult<PackTail> {
         return Ok(PackTail::Need(need));
     }
     let trailer = &tail[tail.len() - need as usize..tail.len() - PACK_FOOTER_LEN];
-    let version = if trailer.starts_with(&table::ZSTD_MAGIC) && trailer.len() as u64 != f.count * ENTRY_LEN as u64 {
+    let version = if trailer.starts_with(&table::ZSTD_MAGIC)
+        && trailer.len() as u64 != f.count * ENTRY_LEN as u64
+    {
         PACK_VERSION
     } else if trailer.len() as u64 == f.count * ENTRY_LEN as u64 {
         // A raw table; a compressed one of exactly this length fails the CRC here and is
@@ -457,7 +507,14 @@ pub struct IndexObject {
     pub entries: Vec<PackEntry>,
 }
 
-fn index_header(version: u16, pack: PackId, pack_size: u64, count: u32, entries_crc: u32, body_len: usize) -> Vec<u8> {
+fn index_header(
+    version: u16,
+    pack: PackId,
+    pack_size: u64,
+    count: u32,
+    entries_crc: u32,
+    body_len: usize,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(INDEX_HEADER_LEN + body_len);
     out.extend_from_slice(INDEX_MAGIC);
     out.u16le(version);
@@ -485,7 +542,8 @@ pub fn index_object_of_pack(pack: &[u8]) -> FResult<Vec<u8>> {
     let (id, version) = parse_pack_header_version(&pack[..PACK_HEADER_LEN])?;
     let f = parse_pack_footer(&pack[pack.len() - PACK_FOOTER_LEN..], pack.len() as u64)?;
     let trailer = &pack[f.trailer_off as usize..pack.len() - PACK_FOOTER_LEN];
-    let mut out = index_header(version, id, pack.len() as u64, f.count as u32, f.entries_crc, trailer.len());
+    let mut out =
+        index_header(version, id, pack.len() as u64, f.count as u32, f.entries_crc, trailer.len());
     out.extend_from_slice(trailer);
     Ok(out)
 }
@@ -498,7 +556,14 @@ impl IndexObject {
         let mut table = Vec::new();
         append_table(&entries, &mut table);
         let count = self.entries.len() as u32;
-        let mut out = index_header(PACK_VERSION, self.pack, self.pack_size, count, crc(&entries), table.len());
+        let mut out = index_header(
+            PACK_VERSION,
+            self.pack,
+            self.pack_size,
+            count,
+            crc(&entries),
+            table.len(),
+        );
         out.extend_from_slice(&table);
         out
     }
@@ -587,15 +652,26 @@ mod tests {
         let count = u64::from_le_bytes(bytes[n - 32..n - 24].try_into().unwrap());
         let (trailer, footer) = trailer_of(&bytes);
         assert_eq!(count, 3);
-        assert_eq!(trailer, 32 + 4096 + entries[1].frame_len as usize, "trailer follows the last frame");
+        assert_eq!(
+            trailer,
+            32 + 4096 + entries[1].frame_len as usize,
+            "trailer follows the last frame"
+        );
         // Trailer: one zstd frame of the 64-byte entries, then the CRC-32C of that frame.
         let frame = &bytes[trailer..footer - 4];
         assert_eq!(&frame[..4], &[0x28, 0xb5, 0x2f, 0xfd], "zstd magic");
         assert_eq!(u32::from_le_bytes(bytes[footer - 4..footer].try_into().unwrap()), crc(frame));
         let raw = zstd::bulk::decompress(frame, 1 << 20).unwrap();
         assert_eq!(raw.len(), 3 * 64);
-        assert_eq!(u32::from_le_bytes(bytes[n - 16..n - 12].try_into().unwrap()), crc(&raw), "CRC of the raw entries");
-        assert_eq!(u32::from_le_bytes(bytes[n - 12..n - 8].try_into().unwrap()), crc(&bytes[n - 32..n - 12]));
+        assert_eq!(
+            u32::from_le_bytes(bytes[n - 16..n - 12].try_into().unwrap()),
+            crc(&raw),
+            "CRC of the raw entries"
+        );
+        assert_eq!(
+            u32::from_le_bytes(bytes[n - 12..n - 8].try_into().unwrap()),
+            crc(&bytes[n - 32..n - 12])
+        );
         // Entry layout: id 0..32, frame_off 32..40, frame_len 40..44, frame_raw 44..48,
         // off_in_frame 48..52, raw_len 52..56, codec 56, level 57, kind 58, crc 60..64.
         let e2 = &raw[128..192];
@@ -611,7 +687,10 @@ mod tests {
         assert_eq!(id, PackId([7; 16]));
         assert_eq!(parsed, entries);
         let f = parse_pack_footer(&bytes[n - 32..], n as u64).unwrap();
-        assert_eq!((f.count, f.trailer_off as usize, f.trailer_len as usize), (3, trailer, footer - trailer));
+        assert_eq!(
+            (f.count, f.trailer_off as usize, f.trailer_len as usize),
+            (3, trailer, footer - trailer)
+        );
     }
 
     #[test]
@@ -625,12 +704,20 @@ mod tests {
         assert_eq!(u64::from_le_bytes(enc[28..36].try_into().unwrap()), bytes.len() as u64);
         assert_eq!(u32::from_le_bytes(enc[36..40].try_into().unwrap()), 3);
         let n = bytes.len();
-        assert_eq!(&enc[40..44], &bytes[n - 16..n - 12], "CRC of the raw entries, as in the pack footer");
+        assert_eq!(
+            &enc[40..44],
+            &bytes[n - 16..n - 12],
+            "CRC of the raw entries, as in the pack footer"
+        );
         assert_eq!(u32::from_le_bytes(enc[44..48].try_into().unwrap()), crc(&enc[..44]));
         // The body is the pack's trailer byte for byte.
         let (trailer, footer) = trailer_of(&bytes);
         assert_eq!(&enc[48..], &bytes[trailer..footer]);
-        assert_eq!(index_object_of_pack(&bytes).unwrap(), enc, "copied from the pack = encoded afresh");
+        assert_eq!(
+            index_object_of_pack(&bytes).unwrap(),
+            enc,
+            "copied from the pack = encoded afresh"
+        );
         assert_eq!(IndexObject::decode(&enc).unwrap(), idx);
     }
 
@@ -684,8 +771,19 @@ mod tests {
         assert_eq!((id, &parsed), (PackId([7; 16]), &entries));
         assert_eq!(parse_pack_header_version(&pack[..32]).unwrap().1, PACK_VERSION_RAW);
         let idx = IndexObject::decode(&index).unwrap();
-        assert_eq!(idx, IndexObject { pack: PackId([7; 16]), pack_size: pack.len() as u64, entries: entries.clone() });
-        assert_eq!(index_object_of_pack(&pack).unwrap(), index, "a version-1 pack's index is version 1");
+        assert_eq!(
+            idx,
+            IndexObject {
+                pack: PackId([7; 16]),
+                pack_size: pack.len() as u64,
+                entries: entries.clone()
+            }
+        );
+        assert_eq!(
+            index_object_of_pack(&pack).unwrap(),
+            index,
+            "a version-1 pack's index is version 1"
+        );
         // Re-encoding writes version 2, with the same meaning.
         let v2 = idx.encode();
         assert_eq!(v2[8], 2);
@@ -732,19 +830,29 @@ mod tests {
         let e = parse_pack(&b).unwrap_err();
         assert_eq!(e, FormatError::Checksum { what: "pack entries" });
         assert_eq!(e.to_string(), "Checksum mismatch in pack entries");
-        let enc = IndexObject { pack: PackId([7; 16]), pack_size: bytes.len() as u64, entries }.encode();
+        let enc =
+            IndexObject { pack: PackId([7; 16]), pack_size: bytes.len() as u64, entries }.encode();
         for i in 0..enc.len() {
             for bit in 0..8 {
                 let mut b = enc.clone();
                 b[i] ^= 1 << bit;
-                assert!(IndexObject::decode(&b).is_err(), "flip of bit {bit} at {i} of the index object went unnoticed");
+                assert!(
+                    IndexObject::decode(&b).is_err(),
+                    "flip of bit {bit} at {i} of the index object went unnoticed"
+                );
             }
         }
         let mut b = enc.clone();
         b[60] ^= 0x40;
-        assert_eq!(IndexObject::decode(&b).unwrap_err(), FormatError::Checksum { what: "index entries" });
+        assert_eq!(
+            IndexObject::decode(&b).unwrap_err(),
+            FormatError::Checksum { what: "index entries" }
+        );
         for cut in [47, 48, 52, enc.len() - 1] {
-            assert!(IndexObject::decode(&enc[..cut]).is_err(), "truncation at {cut} went unnoticed");
+            assert!(
+                IndexObject::decode(&enc[..cut]).is_err(),
+                "truncation at {cut} went unnoticed"
+            );
         }
     }
 
@@ -776,7 +884,9 @@ mod tests {
         let mut stored = Vec::new();
         table::stored_zstd_frame(&raw, &mut stored);
         assert_eq!(parse_pack(&pack_with_table(&stored, 3, c)).unwrap().1, entries);
-        let malformed = |p: &[u8]| matches!(parse_pack(p), Err(FormatError::Malformed { what: "pack entries", .. }));
+        let malformed = |p: &[u8]| {
+            matches!(parse_pack(p), Err(FormatError::Malformed { what: "pack entries", .. }))
+        };
         // Fewer or more entries than the footer says.
         assert!(malformed(&pack_with_table(&z, 2, c)));
         assert!(malformed(&pack_with_table(&z, 4, c)));
@@ -786,7 +896,10 @@ mod tests {
         assert!(malformed(&pack_with_table(&bomb, 3, c)));
         // The most entries allowed, from a tiny frame: refused, bounded by 64 MiB.
         assert!(malformed(&pack_with_table(&z, MAX_ENTRIES, c)));
-        assert!(matches!(parse_pack(&pack_with_table(&z, MAX_ENTRIES + 1, c)), Err(FormatError::Cap { .. })));
+        assert!(matches!(
+            parse_pack(&pack_with_table(&z, MAX_ENTRIES + 1, c)),
+            Err(FormatError::Cap { .. })
+        ));
         // Two frames, trailing bytes, something else than zstd, nothing at all.
         assert!(malformed(&pack_with_table(&[z.clone(), z.clone()].concat(), 3, c)));
         assert!(malformed(&pack_with_table(&[&z[..], &[0]].concat(), 3, c)));
@@ -811,7 +924,10 @@ mod tests {
         let (mut bytes, entries) = sample_pack();
         bytes[8] = 3;
         let e = parse_pack_header(&bytes[..32]).unwrap_err();
-        assert_eq!(e, FormatError::TooNew { what: "pack header", found: 3, supported: PACK_VERSION });
+        assert_eq!(
+            e,
+            FormatError::TooNew { what: "pack header", found: 3, supported: PACK_VERSION }
+        );
         assert!(e.to_string().contains("upgrade strata"), "{e}");
         let mut idx = IndexObject { pack: PackId([7; 16]), pack_size: 1 << 20, entries }.encode();
         idx[8] = 3;
@@ -834,10 +950,16 @@ mod tests {
             let (trailer, _) = trailer_of(pack);
             let need = n - trailer as u64;
             for start in [0, trailer - 1, trailer] {
-                assert_eq!(parse_pack_tail(&pack[start..], n).unwrap(), PackTail::Entries(entries.clone()));
+                assert_eq!(
+                    parse_pack_tail(&pack[start..], n).unwrap(),
+                    PackTail::Entries(entries.clone())
+                );
             }
             assert_eq!(parse_pack_tail(&pack[pack.len() - 32..], n).unwrap(), PackTail::Need(need));
-            assert_eq!(parse_pack_tail(&pack[pack.len() - need as usize + 1..], n).unwrap(), PackTail::Need(need));
+            assert_eq!(
+                parse_pack_tail(&pack[pack.len() - need as usize + 1..], n).unwrap(),
+                PackTail::Need(need)
+            );
             for bit in 0..need * 8 {
                 let mut bad = pack.clone();
                 bad[trailer + (bit / 8) as usize] ^= 1 << (bit % 8);

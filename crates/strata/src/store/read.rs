@@ -35,11 +35,16 @@ impl Store {
     /// per id (a restore locates every page of a checkpoint: ~15,000 for 128 MiB). `f` gets
     /// each id's position in `ids` and its pack and entry, or `None` if the index lacks it. It
     /// runs under the lock, so it must not call back into the store.
-    pub fn locate_many(&self, ids: &[ChunkId], mut f: impl FnMut(usize, Option<(PackId, &PackEntry)>)) {
+    pub fn locate_many(
+        &self,
+        ids: &[ChunkId],
+        mut f: impl FnMut(usize, Option<(PackId, &PackEntry)>),
+    ) {
         for (b, batch) in ids.chunks(LOCATE_BATCH).enumerate() {
             let idx = self.inner.sh.index.read();
             for (i, id) in batch.iter().enumerate() {
-                let hit = idx.chunks.get(id).and_then(|loc| Some((idx.slot(loc.pack)?.id, &loc.entry)));
+                let hit =
+                    idx.chunks.get(id).and_then(|loc| Some((idx.slot(loc.pack)?.id, &loc.entry)));
                 f(b * LOCATE_BATCH + i, hit);
             }
         }
@@ -84,7 +89,9 @@ impl Store {
         let e = &loc.entry;
         let (pid, mem, durable) = {
             let idx = self.inner.sh.index.read();
-            let slot = idx.slot(loc.pack).ok_or(StoreError::PackMissing { id: e.id, pack: PackId::default() })?;
+            let slot = idx
+                .slot(loc.pack)
+                .ok_or(StoreError::PackMissing { id: e.id, pack: PackId::default() })?;
             (slot.id, slot.mem.clone(), slot.durable)
         };
         let first = e.frame_off as usize + start as usize;
@@ -108,14 +115,12 @@ impl Store {
         if let Some(mem) = self.inner.sh.index.read().slot(loc.pack).and_then(|s| s.mem.clone()) {
             return Ok(mem[range].to_vec());
         }
-        self.inner
-            .sh
-            .backend
-            .get_range(&pid.pack_key(), e.frame_off + start, len)
-            .map_err(|err| match err.kind {
+        self.inner.sh.backend.get_range(&pid.pack_key(), e.frame_off + start, len).map_err(|err| {
+            match err.kind {
                 ErrorKind::NotFound => StoreError::PackMissing { id: e.id, pack: pid },
                 _ => StoreError::Backend(err),
-            })
+            }
+        })
     }
 
     fn read_loc(&self, id: &ChunkId, loc: &Loc) -> Result<Vec<u8>> {
@@ -148,7 +153,8 @@ impl Store {
 
 /// Decompress a frame, slice the chunk out, and verify its hash.
 pub(crate) fn decode_chunk(frame: &[u8], e: &PackEntry, pack: PackId) -> Result<Vec<u8>> {
-    let corrupt = |reason: String| StoreError::Corrupt { id: e.id, pack, offset: e.frame_off, reason };
+    let corrupt =
+        |reason: String| StoreError::Corrupt { id: e.id, pack, offset: e.frame_off, reason };
     if format::crc(frame) != e.frame_crc {
         return Err(corrupt("frame checksum mismatch".into()));
     }
@@ -159,7 +165,10 @@ pub(crate) fn decode_chunk(frame: &[u8], e: &PackEntry, pack: PackId) -> Result<
         }
         return Ok(frame.to_vec());
     }
-    let raw = e.codec.decompress(frame, e.frame_raw_len as usize).map_err(|err| corrupt(err.to_string()))?;
+    let raw = e
+        .codec
+        .decompress(frame, e.frame_raw_len as usize)
+        .map_err(|err| corrupt(err.to_string()))?;
     let data = raw[e.off_in_frame as usize..(e.off_in_frame + e.raw_len) as usize].to_vec();
     if ChunkId::of(&data) != e.id {
         return Err(corrupt("content does not match its hash".into()));

@@ -137,7 +137,10 @@ impl RefCopies {
         if !valid_ref_name(name) {
             return;
         }
-        let ms = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let ms = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
         let raw = encode(name, r, ms);
         if raw.len() as u64 > MAX_REF_BYTES + 512 {
             self.remove(name);
@@ -155,7 +158,9 @@ impl RefCopies {
     pub fn any_with_prefix(&self, prefix: &str) -> bool {
         let want = prefix.replace('/', ":");
         std::fs::read_dir(&self.dir)
-            .map(|rd| rd.flatten().any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&want))))
+            .map(|rd| {
+                rd.flatten().any(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&want)))
+            })
             .unwrap_or(false)
     }
 
@@ -209,12 +214,23 @@ mod tests {
         assert_eq!(u16::from_le_bytes([b[12], b[13]]), 4, "name length at 12");
         assert_eq!(u16::from_le_bytes([b[14], b[15]]), 0, "reserved at 14");
         let body = r.encode();
-        assert_eq!(u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize, body.len(), "ref length at 16");
-        assert_eq!(u64::from_le_bytes(b[20..28].try_into().unwrap()), 0x1122_3344_5566, "saved at 20");
+        assert_eq!(
+            u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize,
+            body.len(),
+            "ref length at 16"
+        );
+        assert_eq!(
+            u64::from_le_bytes(b[20..28].try_into().unwrap()),
+            0x1122_3344_5566,
+            "saved at 20"
+        );
         assert_eq!(&b[28..32], b"vm/a", "name at 28");
         assert_eq!(&b[32..32 + body.len()], &body[..], "the ref verbatim after the name");
         assert_eq!(b.len(), 32 + body.len() + 4);
-        assert_eq!(u32::from_le_bytes(b[b.len() - 4..].try_into().unwrap()), crc(&b[..b.len() - 4]));
+        assert_eq!(
+            u32::from_le_bytes(b[b.len() - 4..].try_into().unwrap()),
+            crc(&b[..b.len() - 4])
+        );
         assert_eq!(decode(&b).unwrap(), ("vm/a".to_string(), r, 0x1122_3344_5566));
         for cut in 0..b.len() {
             assert!(decode(&b[..cut]).is_err(), "cut at {cut}");
@@ -226,7 +242,10 @@ mod tests {
         // after the target's selector byte) decodes too.
         let seed = include_bytes!("../../../../fuzz/seeds/store_objects/refcopy");
         let (n, r, saved) = decode(&seed[1..]).unwrap();
-        assert_eq!((n.as_str(), r.generation, r.roots, saved), ("vm/desk", 3, vec![ChunkId([9; 32])], 1_764_000_000_000));
+        assert_eq!(
+            (n.as_str(), r.generation, r.roots, saved),
+            ("vm/desk", 3, vec![ChunkId([9; 32])], 1_764_000_000_000)
+        );
         let mut big = b.clone();
         big[16..20].copy_from_slice(&((MAX_REF_BYTES as u32) + 1).to_le_bytes());
         assert!(matches!(decode(&big).unwrap_err(), FormatError::Cap { field: "ref_len", .. }));
@@ -254,9 +273,17 @@ mod tests {
         c.put("vm/a", &a_ref(1));
         c.put("disk/a", &a_ref(9));
         assert_eq!(c.get("vm/a"), Some(a_ref(1)));
-        assert_eq!(c.get("disk/a"), Some(a_ref(9)), "names that differ only by their prefix stay apart");
+        assert_eq!(
+            c.get("disk/a"),
+            Some(a_ref(9)),
+            "names that differ only by their prefix stay apart"
+        );
         c.put("vm/a", &a_ref(2));
-        assert_eq!(RefCopies::new(d.path().join("refs")).get("vm/a"), Some(a_ref(2)), "another process sees the newest copy");
+        assert_eq!(
+            RefCopies::new(d.path().join("refs")).get("vm/a"),
+            Some(a_ref(2)),
+            "another process sees the newest copy"
+        );
         // A damaged file is a miss, and goes.
         let p = c.dir().join("vm:a");
         let mut raw = std::fs::read(&p).unwrap();
@@ -282,7 +309,10 @@ mod tests {
         let old = SystemTime::now() - std::time::Duration::from_secs(100);
         for i in 0..8 {
             c.put(&format!("vm/old{i}"), &a_ref(i));
-            let f = std::fs::File::options().append(true).open(c.dir().join(format!("vm:old{i}"))).unwrap();
+            let f = std::fs::File::options()
+                .append(true)
+                .open(c.dir().join(format!("vm:old{i}")))
+                .unwrap();
             f.set_modified(old + std::time::Duration::from_secs(i)).unwrap();
         }
         c.put("vm/new", &a_ref(1));

@@ -100,7 +100,10 @@ impl Store {
     /// pack, and a sync at the end, to the save.
     pub fn seal_for_upload(&self) -> Result<()> {
         let uploads = &self.inner.sh.uploads;
-        if !self.inner.early_seal || uploads.pending() >= EARLY_SEAL_UPLOADS || uploads.pending_bytes() >= EARLY_SEAL_BUSY_BYTES {
+        if !self.inner.early_seal
+            || uploads.pending() >= EARLY_SEAL_UPLOADS
+            || uploads.pending_bytes() >= EARLY_SEAL_BUSY_BYTES
+        {
             return Ok(());
         }
         let _f = self.inner.flush_lock.lock();
@@ -182,14 +185,18 @@ impl Store {
         }
         // Compressed frames need their chunks joined; raw ones are copied part by part
         // straight into the pack.
-        let pre = pre.filter(|p| p.ids.len() == fresh.len() && p.ids.iter().zip(&fresh).all(|(a, (b, _))| a == b));
+        let pre = pre.filter(|p| {
+            p.ids.len() == fresh.len() && p.ids.iter().zip(&fresh).all(|(a, (b, _))| a == b)
+        });
         let compressed: Option<Vec<u8>> = if codec == Codec::None {
             None
         } else if let Some(p) = pre {
             p.stored
         } else if fresh.len() == 1 {
             codec.compress(fresh[0].1)
-        } else if let Some(j) = joined.filter(|j| fresh.len() == items.len() && j.len() == raw_total) {
+        } else if let Some(j) =
+            joined.filter(|j| fresh.len() == items.len() && j.len() == raw_total)
+        {
             codec.compress(j)
         } else {
             let mut j = Vec::with_capacity(raw_total);
@@ -213,7 +220,8 @@ impl Store {
             }
             if open.builder.is_none() {
                 let id = PackId::random();
-                open.no = sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
+                open.no =
+                    sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
                 let reserve = self.pack_reserve();
                 let spare = sh.spare_packs.lock().pop().filter(|b| b.capacity() >= reserve);
                 open.builder = Some(match spare {
@@ -258,7 +266,11 @@ impl Store {
             } else if early {
                 open.busy_seal_at = (open.busy_seal_at * 2).min(EARLY_SEAL_BYTES);
             }
-            let sealed = if len >= self.inner.pack_size || early { self.seal_locked(&mut open) } else { None };
+            let sealed = if len >= self.inner.pack_size || early {
+                self.seal_locked(&mut open)
+            } else {
+                None
+            };
             (sealed, n_new)
         };
         let (sealing, n_new) = job;
@@ -275,26 +287,37 @@ impl Store {
 
     /// Copy an existing stored frame into the open pack (GC repacking): the chunks listed
     /// (id, offset in frame, length, kind) are re-pointed at the copy.
-    pub(crate) fn put_raw_frame(&self, stored: &[u8], template: &PackEntry, chunks: &[(ChunkId, u32, u32, ChunkKind)]) -> Result<()> {
+    pub(crate) fn put_raw_frame(
+        &self,
+        stored: &[u8],
+        template: &PackEntry,
+        chunks: &[(ChunkId, u32, u32, ChunkKind)],
+    ) -> Result<()> {
         let sh = &self.inner.sh;
         let job = {
             let mut open = self.inner.open.lock();
             sh.check_poison()?;
             if open.builder.is_none() {
                 let id = PackId::random();
-                open.no = sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
+                open.no =
+                    sh.index.write().add_slot(PackSlot { id, size: 0, mem: None, durable: false });
                 open.builder = Some(PackBuilder::new(id));
             }
             let no = open.no;
             let b = open.builder.as_mut().unwrap();
-            let entries = b.add_frame_at(stored, template.codec, template.frame_raw_len, chunks).to_vec();
+            let entries =
+                b.add_frame_at(stored, template.codec, template.frame_raw_len, chunks).to_vec();
             {
                 let mut idx = sh.index.write();
                 for e in entries {
                     idx.chunks.insert(e.id, Loc { pack: no, entry: e });
                 }
             }
-            if b.len() >= self.inner.pack_size { self.seal_locked(&mut open) } else { None }
+            if b.len() >= self.inner.pack_size {
+                self.seal_locked(&mut open)
+            } else {
+                None
+            }
         };
         self.send_sealed(job)
     }
@@ -325,14 +348,25 @@ impl Session {
 
     /// Store several chunks compressed together as one frame (ids must be BLAKE3 of the
     /// data; chunks already present are skipped). Returns how many were new.
-    pub fn put_frame(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec) -> Result<usize> {
+    pub fn put_frame(
+        &self,
+        items: &[(ChunkId, &[u8])],
+        kind: ChunkKind,
+        codec: Codec,
+    ) -> Result<usize> {
         self.put_frame_pre(items, kind, codec, None)
     }
 
     /// [`put_frame`](Self::put_frame) with the frame possibly compressed already: `pre` is
     /// used when its ids are exactly the chunks the frame stores (those not in the store, in
     /// order, repeats once), and ignored otherwise (another thread stored one meanwhile).
-    pub fn put_frame_pre(&self, items: &[(ChunkId, &[u8])], kind: ChunkKind, codec: Codec, pre: Option<Precompressed>) -> Result<usize> {
+    pub fn put_frame_pre(
+        &self,
+        items: &[(ChunkId, &[u8])],
+        kind: ChunkKind,
+        codec: Codec,
+        pre: Option<Precompressed>,
+    ) -> Result<usize> {
         self.put_frame_joined(items, kind, codec, pre, None)
     }
 
@@ -349,7 +383,9 @@ impl Session {
         joined: Option<&[u8]>,
     ) -> Result<usize> {
         debug_assert!(items.iter().all(|(id, d)| ChunkId::of(d) == *id));
-        debug_assert!(joined.is_none_or(|j| j == items.iter().flat_map(|(_, d)| d.iter().copied()).collect::<Vec<u8>>()));
+        debug_assert!(joined.is_none_or(
+            |j| j == items.iter().flat_map(|(_, d)| d.iter().copied()).collect::<Vec<u8>>()
+        ));
         let _g = self.store.inner.gc_lock.read();
         self.store.inner.sh.check_poison()?;
         self.pins.lock().extend(items.iter().map(|(id, _)| *id));
@@ -364,7 +400,10 @@ impl Session {
     /// Keep an existing chunk (e.g. the root of a clone source) alive for this session.
     pub fn pin(&self, id: ChunkId) -> Result<()> {
         let _g = self.store.inner.gc_lock.read();
-        if !id.is_zero() && !self.store.contains(&id) && { self.store.refresh()?; !self.store.contains(&id) } {
+        if !id.is_zero() && !self.store.contains(&id) && {
+            self.store.refresh()?;
+            !self.store.contains(&id)
+        } {
             return Err(StoreError::ChunkMissing { id });
         }
         self.pins.lock().insert(id);
@@ -390,7 +429,10 @@ impl Session {
         let inner = &self.store.inner;
         let _g = inner.gc_lock.read();
         for root in &r.roots {
-            if !root.is_zero() && !self.store.contains(root) && { self.store.refresh()?; !self.store.contains(root) } {
+            if !root.is_zero() && !self.store.contains(root) && {
+                self.store.refresh()?;
+                !self.store.contains(root)
+            } {
                 return Err(StoreError::MissingRoot { name: name.into(), id: *root });
             }
             self.pins.lock().insert(*root);

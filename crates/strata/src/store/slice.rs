@@ -25,7 +25,9 @@
 use super::{decode_chunk, Loc, Result, Store, StoreError};
 use crate::codec::Codec;
 use crate::id::{ChunkId, PackId};
-use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode};
+use blake3::hazmat::{
+    left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode,
+};
 use parking_lot::RwLock;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,7 +98,11 @@ pub struct SliceCache {
 
 impl SliceCache {
     pub fn new(cv_bytes: usize, data_bytes: usize) -> SliceCache {
-        SliceCache { cvs: RwLock::new(Fifo::new(cv_bytes)), data: RwLock::new(Fifo::new(data_bytes)), stats: SliceStats::default() }
+        SliceCache {
+            cvs: RwLock::new(Fifo::new(cv_bytes)),
+            data: RwLock::new(Fifo::new(data_bytes)),
+            stats: SliceStats::default(),
+        }
     }
 }
 
@@ -131,7 +137,8 @@ fn subtree(cvs: &[ChainingValue]) -> ChainingValue {
 /// The piece CVs of a sliceable chunk and the BLAKE3 hash (the chunk id) they add up to.
 pub fn piece_cvs(data: &[u8]) -> (Vec<ChainingValue>, ChunkId) {
     debug_assert!(sliceable(data.len()));
-    let cvs: Vec<ChainingValue> = data.chunks(PIECE).enumerate().map(|(i, p)| piece_cv(i, p)).collect();
+    let cvs: Vec<ChainingValue> =
+        data.chunks(PIECE).enumerate().map(|(i, p)| piece_cv(i, p)).collect();
     let left = (left_subtree_len(data.len() as u64) as usize) / PIECE;
     let root = merge_subtrees_root(&subtree(&cvs[..left]), &subtree(&cvs[left..]), Mode::Hash);
     (cvs, ChunkId(*root.as_bytes()))
@@ -189,7 +196,14 @@ impl Store {
 
     /// Check fetched pieces (`bytes`, from chunk offset `start`) against their CVs and copy
     /// the requested part out. `None` if a piece does not match.
-    fn check_pieces(&self, cvs: &[ChainingValue], start: u64, bytes: &[u8], offset: u64, buf: &mut [u8]) -> Option<usize> {
+    fn check_pieces(
+        &self,
+        cvs: &[ChainingValue],
+        start: u64,
+        bytes: &[u8],
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<usize> {
         let first = (start / PIECE as u64) as usize;
         for (k, p) in bytes.chunks(PIECE).enumerate() {
             if piece_cv(first + k, p) != cvs[first + k] {
@@ -205,7 +219,14 @@ impl Store {
 
     /// Verify a whole fetched frame against the chunk id, remember what makes the next read
     /// cheap (piece CVs, or the decompressed chunk), and copy the requested part out.
-    fn finish_frame(&self, id: &ChunkId, loc: &Loc, frame: Vec<u8>, offset: u64, buf: &mut [u8]) -> Result<usize> {
+    fn finish_frame(
+        &self,
+        id: &ChunkId,
+        loc: &Loc,
+        frame: Vec<u8>,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<usize> {
         let c = &self.inner.slices;
         let e = &loc.entry;
         let len = e.raw_len as usize;
@@ -284,12 +305,17 @@ impl Store {
             for ((i, loc, want), bytes) in items.into_iter().zip(got) {
                 let r = &mut reqs[i];
                 done[i] = match want {
-                    Want::Pieces { cvs, start, .. } => self.check_pieces(&cvs, start, &bytes, r.offset, r.buf),
+                    Want::Pieces { cvs, start, .. } => {
+                        self.check_pieces(&cvs, start, &bytes, r.offset, r.buf)
+                    }
                     Want::Frame => Some(self.finish_frame(&r.id, &loc, bytes, r.offset, r.buf)?),
                 };
             }
         }
-        reqs.iter_mut().zip(done).map(|(r, d)| d.map_or_else(|| self.read_range(&r.id, r.offset, r.buf), Ok)).collect()
+        reqs.iter_mut()
+            .zip(done)
+            .map(|(r, d)| d.map_or_else(|| self.read_range(&r.id, r.offset, r.buf), Ok))
+            .collect()
     }
 
     /// Counters of verified range reads.
@@ -342,13 +368,22 @@ mod tests {
             assert_eq!(cvs.len(), len / PIECE);
             assert_eq!(root, ChunkId::of(&data), "len {len}");
         }
-        assert!(!sliceable(4096) && !sliceable(65535) && !sliceable(MAX_SLICED + PIECE) && sliceable(65536));
+        assert!(
+            !sliceable(4096)
+                && !sliceable(65535)
+                && !sliceable(MAX_SLICED + PIECE)
+                && sliceable(65536)
+        );
     }
 
     fn corrupt_byte(dir: &std::path::Path, s: &Store, id: &ChunkId, at: u64) {
         use std::os::unix::fs::FileExt;
         let (pack, e) = s.locate(id).unwrap();
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join(pack.pack_key())).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(pack.pack_key()))
+            .unwrap();
         let mut b = [0u8];
         f.read_exact_at(&mut b, e.frame_off + at).unwrap();
         f.write_all_at(&[b[0] ^ 0x40], e.frame_off + at).unwrap();
@@ -359,20 +394,33 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path().join("s");
         // Small packs, so a batch spans several packs (read concurrently).
-        let s = Store::init_local(&dir, crate::store::InitOptions { pack_size: 200 << 10, ..Default::default() }).unwrap();
+        let s = Store::init_local(
+            &dir,
+            crate::store::InitOptions { pack_size: 200 << 10, ..Default::default() },
+        )
+        .unwrap();
         let ses = s.session();
         let mut chunks = Vec::new();
         for k in 0..12u32 {
-            let raw: Vec<u8> = (0..65536u32).map(|i| (i.wrapping_mul(2654435761 + k) >> 13) as u8).collect();
+            let raw: Vec<u8> =
+                (0..65536u32).map(|i| (i.wrapping_mul(2654435761 + k) >> 13) as u8).collect();
             let codec = if k % 3 == 0 { Codec::Lz4 } else { Codec::None };
-            let data = if k % 3 == 0 { (0..65536u32).map(|i| (i / 512 + k) as u8).collect() } else { raw };
-            chunks.push((ses.put_with(&data, crate::store::pack::ChunkKind::Data, codec).unwrap(), data));
+            let data =
+                if k % 3 == 0 { (0..65536u32).map(|i| (i / 512 + k) as u8).collect() } else { raw };
+            chunks.push((
+                ses.put_with(&data, crate::store::pack::ChunkKind::Data, codec).unwrap(),
+                data,
+            ));
         }
         s.flush().unwrap();
         drop(ses);
         let run = |s: &Store, at: u64, len: usize| {
             let mut bufs: Vec<Vec<u8>> = chunks.iter().map(|_| vec![0u8; len]).collect();
-            let mut reqs: Vec<RangeRead> = chunks.iter().zip(bufs.iter_mut()).map(|((id, _), b)| RangeRead { id: *id, offset: at, buf: b }).collect();
+            let mut reqs: Vec<RangeRead> = chunks
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|((id, _), b)| RangeRead { id: *id, offset: at, buf: b })
+                .collect();
             let n = s.read_ranges(&mut reqs).unwrap();
             for ((b, (_, data)), n) in bufs.iter().zip(&chunks).zip(n) {
                 let end = (at as usize + len).min(data.len());
@@ -394,7 +442,10 @@ mod tests {
         s.close().unwrap();
         let s = Store::open_local(&dir).unwrap();
         let mut b2 = vec![0u8; 100];
-        let mut reqs = vec![RangeRead { id: chunks[2].0, offset: 0, buf: &mut b }, RangeRead { id: chunks[1].0, offset: 0, buf: &mut b2 }];
+        let mut reqs = vec![
+            RangeRead { id: chunks[2].0, offset: 0, buf: &mut b },
+            RangeRead { id: chunks[1].0, offset: 0, buf: &mut b2 },
+        ];
         assert!(matches!(s.read_ranges(&mut reqs), Err(StoreError::Corrupt { .. })));
     }
 
@@ -403,7 +454,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path().join("s");
         let s = Store::init_local(&dir, crate::store::InitOptions::default()).unwrap();
-        let raw: Vec<u8> = (0..65536u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        let raw: Vec<u8> =
+            (0..65536u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
         let packed: Vec<u8> = (0..65536u32).map(|i| (i / 512) as u8).collect();
         let ses = s.session();
         let a = ses.put_with(&raw, crate::store::pack::ChunkKind::Data, Codec::None).unwrap();

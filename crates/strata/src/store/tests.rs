@@ -6,8 +6,8 @@ use super::*;
 use crate::backend::fault::FaultBackend;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
-use check::CheckOptions;
 use crate::progress::NoProgress;
+use check::CheckOptions;
 
 pub(super) fn data(seed: u64, len: usize) -> Vec<u8> {
     // Distinct per seed, and only partly compressible (6 random bits per byte).
@@ -25,7 +25,12 @@ pub(super) fn data(seed: u64, len: usize) -> Vec<u8> {
 pub(super) fn mem_store(pack_size: u64) -> (tempfile::TempDir, Store, MemoryBackend) {
     let d = tempfile::tempdir().unwrap();
     let b = MemoryBackend::new();
-    let s = Store::init(Arc::new(b.clone()), &d.path().join("m.redb"), InitOptions { pack_size, default_codec: Codec::Lz4 }).unwrap();
+    let s = Store::init(
+        Arc::new(b.clone()),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size, default_codec: Codec::Lz4 },
+    )
+    .unwrap();
     (d, s, b)
 }
 
@@ -34,7 +39,8 @@ fn put_get_round_trip_every_codec_and_dedup() {
     let (_d, s, _) = mem_store(1 << 20);
     let ses = s.session();
     let mut ids = vec![];
-    for (i, c) in [Codec::None, Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)].into_iter().enumerate() {
+    for (i, c) in [Codec::None, Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)].into_iter().enumerate()
+    {
         let d = data(i as u64, 65536);
         let id = ses.put_with(&d, ChunkKind::Data, c).unwrap();
         assert_eq!(id, ChunkId::of(&d));
@@ -81,19 +87,34 @@ fn precompressed_frames_are_kept_only_when_their_ids_match() {
     let z1 = Codec::Zstd(1).compress(&join(&pages[..4])).unwrap();
     assert_ne!(z19.len(), z1.len());
     let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
-    let pre = Precompressed { ids: items[..4].iter().map(|(id, _)| *id).collect(), stored: Some(z19.clone()) };
-    assert_eq!(ses.put_frame_pre(&items[..4], ChunkKind::Data, Codec::Zstd(1), Some(pre)).unwrap(), 4);
+    let pre = Precompressed {
+        ids: items[..4].iter().map(|(id, _)| *id).collect(),
+        stored: Some(z19.clone()),
+    };
+    assert_eq!(
+        ses.put_frame_pre(&items[..4], ChunkKind::Data, Codec::Zstd(1), Some(pre)).unwrap(),
+        4
+    );
     assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, z19.len() as u64);
     // Ids that no longer match (two of them are stored now): ignored, the frame is compressed.
     let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
-    let stale = Precompressed { ids: items[2..6].iter().map(|(id, _)| *id).collect(), stored: Some(vec![0xee; 100]) };
-    assert_eq!(ses.put_frame_pre(&items[2..6], ChunkKind::Data, Codec::Zstd(1), Some(stale)).unwrap(), 2);
+    let stale = Precompressed {
+        ids: items[2..6].iter().map(|(id, _)| *id).collect(),
+        stored: Some(vec![0xee; 100]),
+    };
+    assert_eq!(
+        ses.put_frame_pre(&items[2..6], ChunkKind::Data, Codec::Zstd(1), Some(stale)).unwrap(),
+        2
+    );
     let z = Codec::Zstd(1).compress(&join(&pages[4..6])).unwrap();
     assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, z.len() as u64);
     // A sample that did not pay: stored raw.
     let before = s.stats().stored_bytes_new.load(Ordering::Relaxed);
     let raw = Precompressed { ids: items[6..].iter().map(|(id, _)| *id).collect(), stored: None };
-    assert_eq!(ses.put_frame_pre(&items[6..], ChunkKind::Data, Codec::Zstd(1), Some(raw)).unwrap(), 2);
+    assert_eq!(
+        ses.put_frame_pre(&items[6..], ChunkKind::Data, Codec::Zstd(1), Some(raw)).unwrap(),
+        2
+    );
     assert_eq!(s.stats().stored_bytes_new.load(Ordering::Relaxed) - before, 8192);
     s.flush().unwrap();
     for (id, p) in &items {
@@ -107,9 +128,14 @@ fn refs_reopen_and_sealing_across_packs() {
     let dir = d.path().join("store");
     let mut expect = vec![];
     {
-        let s = Store::init_local(&dir, InitOptions { pack_size: 256 << 10, default_codec: Codec::Zstd(1) }).unwrap();
+        let s = Store::init_local(
+            &dir,
+            InitOptions { pack_size: 256 << 10, default_codec: Codec::Zstd(1) },
+        )
+        .unwrap();
         let ses = s.session();
-        let ids: Vec<ChunkId> = (0..100).map(|i| ses.put(&data(i, 16384), ChunkKind::Data).unwrap()).collect();
+        let ids: Vec<ChunkId> =
+            (0..100).map(|i| ses.put(&data(i, 16384), ChunkKind::Data).unwrap()).collect();
         let root = ses.put_tree(&Tree { children: ids.clone(), payload: b"p".to_vec() }).unwrap();
         ses.commit_ref("disk/a", Ref::new(vec![root], b"{\"size\":1}".to_vec())).unwrap();
         ses.commit_ref("disk/a", Ref::new(vec![root], b"{\"size\":2}".to_vec())).unwrap();
@@ -144,7 +170,10 @@ fn not_a_store_newer_version_and_in_use() {
     assert!(e.to_string().contains("strata init"), "{e}");
     let dir = d.path().join("s");
     let s = Store::init_local(&dir, InitOptions::default()).unwrap();
-    assert!(matches!(Store::init_local(&dir, InitOptions::default()), Err(StoreError::AlreadyExists { .. })));
+    assert!(matches!(
+        Store::init_local(&dir, InitOptions::default()),
+        Err(StoreError::AlreadyExists { .. })
+    ));
     // A second opener while the first holds the metadata cache gets a private cache rebuilt
     // from the backend: it sees what the first committed, and the first sees its writes.
     let ses = s.session();
@@ -175,7 +204,8 @@ fn not_a_store_newer_version_and_in_use() {
 fn check_names_flipped_chunk_missing_and_truncated_packs() {
     let (_d, s, b) = mem_store(64 << 10);
     let ses = s.session();
-    let ids: Vec<ChunkId> = (0..40).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<ChunkId> =
+        (0..40).map(|i| ses.put(&data(i, 8192), ChunkKind::Data).unwrap()).collect();
     let root = ses.put_tree(&Tree { children: ids.clone(), payload: vec![] }).unwrap();
     ses.commit_ref("disk/x", Ref::new(vec![root], vec![])).unwrap();
     let clean = s.check(CheckOptions::default(), &NoProgress).unwrap();
@@ -188,7 +218,11 @@ fn check_names_flipped_chunk_missing_and_truncated_packs() {
     b.tamper(&pid.pack_key(), |v| v[loc.entry.frame_off as usize + 3] ^= 0x01);
     let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
     assert!(rep.is_damaged());
-    let p = rep.problems.iter().find(|p| p.chunk.as_deref() == Some(&ids[7].to_hex()[..])).expect("names the chunk");
+    let p = rep
+        .problems
+        .iter()
+        .find(|p| p.chunk.as_deref() == Some(&ids[7].to_hex()[..]))
+        .expect("names the chunk");
     assert!(p.refs.contains(&"disk/x".to_string()), "names the ref: {p:?}");
     assert!(matches!(s.get(&ids[7]), Err(StoreError::Corrupt { .. })));
 
@@ -198,8 +232,16 @@ fn check_names_flipped_chunk_missing_and_truncated_packs() {
     b.tamper(&packs[0], |v| v.truncate(v.len() - 10));
     b.delete(&packs[1]).unwrap();
     let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
-    assert!(rep.problems.iter().any(|p| p.object == packs[0] && p.message.contains("truncated")), "{:?}", rep.problems);
-    assert!(rep.problems.iter().any(|p| p.object == packs[1] && p.message.contains("missing")), "{:?}", rep.problems);
+    assert!(
+        rep.problems.iter().any(|p| p.object == packs[0] && p.message.contains("truncated")),
+        "{:?}",
+        rep.problems
+    );
+    assert!(
+        rep.problems.iter().any(|p| p.object == packs[1] && p.message.contains("missing")),
+        "{:?}",
+        rep.problems
+    );
 }
 
 #[test]
@@ -207,7 +249,9 @@ fn failed_sync_poisons_until_reopen() {
     let d = tempfile::tempdir().unwrap();
     let base = MemoryBackend::new();
     {
-        let s = Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default()).unwrap();
+        let s =
+            Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default())
+                .unwrap();
         s.close().unwrap();
     }
     let mut fb = FaultBackend::new(&base);
@@ -227,7 +271,10 @@ fn failed_sync_poisons_until_reopen() {
 fn full_backend_is_reported_and_poisons() {
     let d = tempfile::tempdir().unwrap();
     let base = MemoryBackend::new();
-    Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default()).unwrap().close().unwrap();
+    Store::init(Arc::new(base.clone()), &d.path().join("a.redb"), InitOptions::default())
+        .unwrap()
+        .close()
+        .unwrap();
     let mut fb = FaultBackend::new(&base);
     fb.space_limit = Some(100_000);
     let s = Store::open(Arc::new(fb), &d.path().join("b.redb")).unwrap();
@@ -295,10 +342,18 @@ impl Backend for SlowNetwork {
 fn concurrent_misses_on_a_second_host_all_find_the_other_hosts_chunks() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let a = Store::init(Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)), &d.path().join("a.redb"), InitOptions { pack_size: 1 << 20, default_codec: Codec::None }).unwrap();
-    let b = Store::open(Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)), &d.path().join("b.redb")).unwrap();
+    let a = Store::init(
+        Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)),
+        &d.path().join("a.redb"),
+        InitOptions { pack_size: 1 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
+    let b =
+        Store::open(Arc::new(SlowNetwork::slow_reads(mem.clone(), 30)), &d.path().join("b.redb"))
+            .unwrap();
     let ses = a.session();
-    let ids: Vec<ChunkId> = (0..8u64).map(|i| ses.put(&data(7000 + i, 300 << 10), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<ChunkId> =
+        (0..8u64).map(|i| ses.put(&data(7000 + i, 300 << 10), ChunkKind::Data).unwrap()).collect();
     ses.commit_ref("r", Ref { roots: ids.clone(), ..Default::default() }).unwrap();
     assert!(mem.list("packs/").unwrap().len() >= 2, "the chunks span several packs");
     let got: Vec<_> = std::thread::scope(|s| {
@@ -306,7 +361,10 @@ fn concurrent_misses_on_a_second_host_all_find_the_other_hosts_chunks() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (i, g) in got.into_iter().enumerate() {
-        assert_eq!(g.unwrap_or_else(|e| panic!("chunk {i} on host B: {e}")), data(7000 + i as u64, 300 << 10));
+        assert_eq!(
+            g.unwrap_or_else(|e| panic!("chunk {i} on host B: {e}")),
+            data(7000 + i as u64, 300 << 10)
+        );
     }
 }
 
@@ -315,7 +373,12 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
     let b = SlowNetwork::new(mem.clone());
-    let s = Store::init(Arc::new(b), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
+    let s = Store::init(
+        Arc::new(b),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 16 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
     let ses = s.session();
     assert_eq!(s.unsent_bytes(), 0);
     // 6 MiB, far below one 16 MiB pack: the first EARLY_SEAL_FIRST_BYTES are sealed at once
@@ -327,7 +390,11 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
         // Everything stored is either still unsent or already acknowledged by the backend.
         let unsent = s.unsent_bytes();
         most_unsent = most_unsent.max(unsent);
-        assert!(unsent + s.upload_speed().0 >= (i + 1) * (64 << 10), "{unsent} unsent after {} chunks", i + 1);
+        assert!(
+            unsent + s.upload_speed().0 >= (i + 1) * (64 << 10),
+            "{unsent} unsent after {} chunks",
+            i + 1
+        );
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     assert!(most_unsent >= 64 << 10, "{most_unsent}");
@@ -335,11 +402,16 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     // one of EARLY_SEAL_BYTES), the first of them sealed at EARLY_SEAL_FIRST_BYTES because
     // nothing was uploading.
     let t = std::time::Instant::now();
-    while mem.list("packs/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10) {
+    while mem.list("packs/").unwrap().len() < 2 && t.elapsed() < std::time::Duration::from_secs(10)
+    {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let early = mem.list("packs/").unwrap();
-    assert!(early.len() >= 2, "{} packs before the commit: the idle uploader did not get a small pack", early.len());
+    assert!(
+        early.len() >= 2,
+        "{} packs before the commit: the idle uploader did not get a small pack",
+        early.len()
+    );
     let smallest = early.iter().map(|o| o.size).min().unwrap();
     assert!(
         (EARLY_SEAL_FIRST_BYTES..EARLY_SEAL_IDLE_BYTES).contains(&smallest),
@@ -357,9 +429,11 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     }
     // Another host, cold (no metadata cache), finds every chunk from the packs' tails; check
     // sees no orphan, and its gc keeps everything the ref holds.
-    let other = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("other.redb")).unwrap();
+    let other =
+        Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("other.redb")).unwrap();
     assert_eq!(other.get(&ids[0]).unwrap(), data(1000, 64 << 10));
-    let rep = other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
+    let rep =
+        other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
     assert!(rep.problems.is_empty() && rep.packs == packs, "{rep:?}");
     drop(other);
     // A local-style backend (not network) keeps one pack for the same data.
@@ -391,14 +465,17 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     // Put chunks one at a time, each only once no upload is pending, so every seal is idle;
     // record the size of each pack as it lands.
     let mut burst = |count: usize| -> Vec<u64> {
-        let before: HashSet<String> = mem.list("packs/").unwrap().into_iter().map(|o| o.key).collect();
+        let before: HashSet<String> =
+            mem.list("packs/").unwrap().into_iter().map(|o| o.key).collect();
         let mut sizes = Vec::new();
         let mut seen = before.clone();
         while sizes.len() < count {
             n += 1;
             ses.put(&data(5000 + n, chunk as usize), ChunkKind::Data).unwrap();
             let t = std::time::Instant::now();
-            while s.inner.sh.uploads.pending() > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+            while s.inner.sh.uploads.pending() > 0
+                && t.elapsed() < std::time::Duration::from_secs(10)
+            {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             for o in mem.list("packs/").unwrap() {
@@ -412,16 +489,28 @@ fn idle_seals_ramp_from_a_small_first_pack_and_restart_after_a_commit() {
     let check = |sizes: &[u64]| {
         // Each pack holds whole 64 KiB chunks plus its trailer: its payload is the first
         // multiple of 64 KiB at or above the threshold.
-        let want = [EARLY_SEAL_FIRST_BYTES, 2 * EARLY_SEAL_FIRST_BYTES, 4 * EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_IDLE_BYTES];
+        let want = [
+            EARLY_SEAL_FIRST_BYTES,
+            2 * EARLY_SEAL_FIRST_BYTES,
+            4 * EARLY_SEAL_FIRST_BYTES,
+            EARLY_SEAL_IDLE_BYTES,
+            EARLY_SEAL_IDLE_BYTES,
+        ];
         for (got, want) in sizes.iter().zip(want) {
-            assert!((want..want + chunk + (64 << 10)).contains(got), "pack of {got} bytes, wanted ~{want}: {sizes:?}");
+            assert!(
+                (want..want + chunk + (64 << 10)).contains(got),
+                "pack of {got} bytes, wanted ~{want}: {sizes:?}"
+            );
         }
     };
     let first = burst(5);
     check(&first);
     s.flush().unwrap();
     let after_flush = burst(2);
-    assert!(after_flush.iter().all(|&n| n >= EARLY_SEAL_IDLE_BYTES), "a flush restarted the ramp: {after_flush:?}");
+    assert!(
+        after_flush.iter().all(|&n| n >= EARLY_SEAL_IDLE_BYTES),
+        "a flush restarted the ramp: {after_flush:?}"
+    );
     ses.commit_ref("r", Ref { roots: vec![], ..Default::default() }).unwrap();
     check(&burst(3));
 }
@@ -433,8 +522,14 @@ type Permits = Arc<(std::sync::Mutex<u64>, std::sync::Condvar)>;
 fn gated_store(dir: &std::path::Path) -> (Store, Permits, Arc<std::sync::Mutex<Vec<u64>>>) {
     let permits: Permits = Arc::new((std::sync::Mutex::new(0u64), std::sync::Condvar::new()));
     let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let b = GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
-    let s = Store::init(Arc::new(b), &dir.join("m.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let b =
+        GatedPacks { mem: MemoryBackend::new(), permits: permits.clone(), sizes: sizes.clone() };
+    let s = Store::init(
+        Arc::new(b),
+        &dir.join("m.redb"),
+        InitOptions { pack_size: 64 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
     (s, permits, sizes)
 }
 
@@ -479,7 +574,9 @@ impl Backend for GatedPacks {
         if key.starts_with("packs/") {
             self.sizes.lock().unwrap_or_else(|e| e.into_inner()).push(data.len() as u64);
             let (m, cv) = &*self.permits;
-            let mut p = cv.wait_while(m.lock().unwrap_or_else(|e| e.into_inner()), |p| *p == 0).unwrap_or_else(|e| e.into_inner());
+            let mut p = cv
+                .wait_while(m.lock().unwrap_or_else(|e| e.into_inner()), |p| *p == 0)
+                .unwrap_or_else(|e| e.into_inner());
             *p -= 1;
         }
         self.mem.put(key, data)
@@ -546,7 +643,8 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
     }
     wait_sizes(7);
     let payload = |v: &[u64]| v.iter().map(|&b| b / chunk * chunk).collect::<Vec<u64>>();
-    let want: Vec<u64> = [1u64, 2, 4, 8, 16, 32, 32].iter().map(|&k| k * EARLY_SEAL_FIRST_BYTES).collect();
+    let want: Vec<u64> =
+        [1u64, 2, 4, 8, 16, 32, 32].iter().map(|&k| k * EARLY_SEAL_FIRST_BYTES).collect();
     let got = payload(&sizes.lock().unwrap());
     assert_eq!(&got[..], &want[..], "pack payloads (whole 64 KiB chunks) in seal order");
     assert_eq!(32 * EARLY_SEAL_FIRST_BYTES, EARLY_SEAL_BYTES);
@@ -557,7 +655,10 @@ fn busy_seals_ramp_up_to_the_full_early_seal_and_restart_after_a_commit() {
     *permits.0.lock().unwrap() = 0;
     until_two_pending(&mut ids);
     wait_sizes(2);
-    assert_eq!(payload(&sizes.lock().unwrap()), vec![EARLY_SEAL_FIRST_BYTES, 2 * EARLY_SEAL_FIRST_BYTES]);
+    assert_eq!(
+        payload(&sizes.lock().unwrap()),
+        vec![EARLY_SEAL_FIRST_BYTES, 2 * EARLY_SEAL_FIRST_BYTES]
+    );
     release(1 << 20);
     ses.commit_ref("r2", Ref { roots: vec![ids[1]], ..Default::default() }).unwrap();
     for (i, id) in ids.iter().enumerate() {
@@ -581,7 +682,11 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     let wait_pending = |want: usize| {
         let t = std::time::Instant::now();
         while pending() != want {
-            assert!(t.elapsed() < std::time::Duration::from_secs(10), "{} uploads pending, want {want}", pending());
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(10),
+                "{} uploads pending, want {want}",
+                pending()
+            );
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     };
@@ -611,7 +716,10 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     // pending (a loaded CI host took long enough for the count below to miss it, session 42).
     let t = std::time::Instant::now();
     while sizes.lock().unwrap().len() < sealed {
-        assert!(t.elapsed() < std::time::Duration::from_secs(10), "the held pack's put never began");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the held pack's put never began"
+        );
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     put_one(&mut ids);
@@ -625,11 +733,17 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     s.seal_for_upload().unwrap();
     assert_eq!(pending(), 1, "not sealed with nothing uploading");
     let t = std::time::Instant::now();
-    while sizes.lock().unwrap().len() == packs_begun && t.elapsed() < std::time::Duration::from_secs(10) {
+    while sizes.lock().unwrap().len() == packs_begun
+        && t.elapsed() < std::time::Duration::from_secs(10)
+    {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     let last = *sizes.lock().unwrap().last().unwrap();
-    assert_eq!(last / chunk as u64, 2, "the early-sealed pack holds the two chunks put after the big one ({last} bytes)");
+    assert_eq!(
+        last / chunk as u64,
+        2,
+        "the early-sealed pack holds the two chunks put after the big one ({last} bytes)"
+    );
     release(1 << 20);
     ses.commit_ref("r", Ref { roots: vec![ids[0]], ..Default::default() }).unwrap();
     for (i, id) in ids.iter().enumerate() {
@@ -648,15 +762,26 @@ fn pack_buffers_are_reused_once_put_and_dropped_after_the_last_session() {
     let mut ids = vec![];
     let t = std::time::Instant::now();
     let mut i = 0u64;
-    while s.inner.sh.spare_packs.lock().is_empty() && t.elapsed() < std::time::Duration::from_secs(20) {
+    while s.inner.sh.spare_packs.lock().is_empty()
+        && t.elapsed() < std::time::Duration::from_secs(20)
+    {
         let d = data(1000 + i, 16 << 10);
         ids.push((ses.put_with(&d, ChunkKind::Data, Codec::None).unwrap(), d));
         i += 1;
     }
-    assert!(!s.inner.sh.spare_packs.lock().is_empty(), "no pack buffer came back after {} chunks", ids.len());
+    assert!(
+        !s.inner.sh.spare_packs.lock().is_empty(),
+        "no pack buffer came back after {} chunks",
+        ids.len()
+    );
     {
         let idx = s.inner.sh.index.read();
-        let put_not_durable = idx.packs.iter().flatten().filter(|p| !p.durable && p.mem.is_none() && p.size > 0).count();
+        let put_not_durable = idx
+            .packs
+            .iter()
+            .flatten()
+            .filter(|p| !p.durable && p.mem.is_none() && p.size > 0)
+            .count();
         assert!(put_not_durable >= 1, "a put pack is not durable before a flush");
     }
     assert!(b.list("index/").unwrap().is_empty(), "no index object before the flush");
@@ -670,7 +795,11 @@ fn pack_buffers_are_reused_once_put_and_dropped_after_the_last_session() {
     assert!(spare >= 1);
     let d = data(999, 16 << 10);
     ids.push((ses.put_with(&d, ChunkKind::Data, Codec::None).unwrap(), d));
-    assert_eq!(s.inner.sh.spare_packs.lock().len(), spare - 1, "the new open pack took a spare buffer");
+    assert_eq!(
+        s.inner.sh.spare_packs.lock().len(),
+        spare - 1,
+        "the new open pack took a spare buffer"
+    );
     for i in 0..80u64 {
         let d = data(5000 + i, 16 << 10);
         ids.push((ses.put_with(&d, ChunkKind::Data, Codec::None).unwrap(), d));
@@ -682,7 +811,11 @@ fn pack_buffers_are_reused_once_put_and_dropped_after_the_last_session() {
     let rep = s.check(CheckOptions::default(), &NoProgress).unwrap();
     assert!(!rep.is_damaged(), "{:?}", rep.problems);
     drop(ses);
-    assert_eq!(s.inner.sh.spare_packs.lock().len(), 0, "no spare buffers kept once no session writes");
+    assert_eq!(
+        s.inner.sh.spare_packs.lock().len(),
+        0,
+        "no spare buffers kept once no session writes"
+    );
 }
 
 /// Packs are sealed (their entry tables compressed) outside the open-pack lock: a chunk in a
@@ -724,11 +857,15 @@ fn chunks_stay_readable_and_flushable_while_their_pack_is_sealed() {
                 std::hint::spin_loop();
             }
             if i < 20 {
-                s.get(&id).unwrap_or_else(|e| panic!("chunk unreadable while its pack was sealed: {e}"));
+                s.get(&id)
+                    .unwrap_or_else(|e| panic!("chunk unreadable while its pack was sealed: {e}"));
             } else {
                 s.flush().unwrap();
                 let (pack, _) = s.locate(&id).unwrap();
-                assert!(b.get(&pack.index_key()).is_ok(), "flush returned before the pack of a chunk put before it was indexed");
+                assert!(
+                    b.get(&pack.index_key()).is_ok(),
+                    "flush returned before the pack of a chunk put before it was indexed"
+                );
             }
         }
     });
@@ -741,20 +878,33 @@ fn chunks_stay_readable_and_flushable_while_their_pack_is_sealed() {
 fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let s = Store::init(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("a.redb"), InitOptions { pack_size: 64 << 20, default_codec: Codec::None }).unwrap();
+    let s = Store::init(
+        Arc::new(SlowNetwork::new(mem.clone())),
+        &d.path().join("a.redb"),
+        InitOptions { pack_size: 64 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
     let ses = s.session();
     // 3000 chunks of 64 bytes in one frame each: a ~3000-entry table, well over 64 KiB raw,
     // and over PACK_TAIL_READ compressed (ids are random).
-    let ids: Vec<ChunkId> = (0..3000u64).map(|i| ses.put_with(&data(i, 64), ChunkKind::Data, Codec::None).unwrap()).collect();
+    let ids: Vec<ChunkId> = (0..3000u64)
+        .map(|i| ses.put_with(&data(i, 64), ChunkKind::Data, Codec::None).unwrap())
+        .collect();
     ses.commit_ref("r", Ref { roots: vec![], ..Default::default() }).unwrap();
     drop(ses);
     s.close().unwrap();
     let packs = mem.list("packs/").unwrap();
     let big = packs.iter().max_by_key(|o| o.size).unwrap();
     let bytes = mem.get(&big.key).unwrap();
-    let trailer_off = u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
-    assert!(big.size - trailer_off > crate::store::pack::PACK_TAIL_READ, "table of {} bytes fits one read", big.size - trailer_off);
-    let other = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("b.redb")).unwrap();
+    let trailer_off =
+        u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
+    assert!(
+        big.size - trailer_off > crate::store::pack::PACK_TAIL_READ,
+        "table of {} bytes fits one read",
+        big.size - trailer_off
+    );
+    let other =
+        Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("b.redb")).unwrap();
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(other.get(id).unwrap(), data(i as u64, 64));
     }
@@ -763,8 +913,12 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let mut bad = bytes.clone();
     bad[trailer_off as usize + 100] ^= 0x40;
     mem.put(&big.key, &bad).unwrap();
-    let third = Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("c.redb")).unwrap();
-    let in_big = ids.iter().filter(|id| matches!(third.get(id), Err(StoreError::ChunkMissing { .. }))).count();
+    let third =
+        Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("c.redb")).unwrap();
+    let in_big = ids
+        .iter()
+        .filter(|id| matches!(third.get(id), Err(StoreError::ChunkMissing { .. })))
+        .count();
     assert!(in_big > 1000, "{in_big} chunks invisible");
     let rep = third.check(CheckOptions::default(), &NoProgress).unwrap();
     assert!(rep.problems.iter().any(|p| p.object == big.key), "{:?}", rep.problems);
@@ -780,20 +934,40 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
 fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let s = Store::init(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("m.redb"), InitOptions { pack_size: 16 << 20, default_codec: Codec::None }).unwrap();
+    let s = Store::init(
+        Arc::new(SlowNetwork::new(mem.clone())),
+        &d.path().join("m.redb"),
+        InitOptions { pack_size: 16 << 20, default_codec: Codec::None },
+    )
+    .unwrap();
     let ses = s.session();
     let mut ids = Vec::new();
     let t = std::time::Instant::now();
     let mut i = 0u64;
     // Write until an uploaded pack's buffer came back (no flush meanwhile).
-    while s.inner.sh.spare_packs.lock().is_empty() && t.elapsed() < std::time::Duration::from_secs(20) {
+    while s.inner.sh.spare_packs.lock().is_empty()
+        && t.elapsed() < std::time::Duration::from_secs(20)
+    {
         let c = data(5000 + i, 64 << 10);
         ids.push((ses.put(&c, ChunkKind::Data).unwrap(), c));
         i += 1;
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    assert!(!s.inner.sh.spare_packs.lock().is_empty(), "no pack buffer came back after {} chunks", ids.len());
-    let durable = s.inner.sh.index.read().packs.iter().flatten().filter(|p| p.durable && p.mem.is_none()).count();
+    assert!(
+        !s.inner.sh.spare_packs.lock().is_empty(),
+        "no pack buffer came back after {} chunks",
+        ids.len()
+    );
+    let durable = s
+        .inner
+        .sh
+        .index
+        .read()
+        .packs
+        .iter()
+        .flatten()
+        .filter(|p| p.durable && p.mem.is_none())
+        .count();
     assert!(durable >= 1, "an acknowledged network pack is durable before any flush");
     // Reuse: the next packs fill recycled buffers and still hold only their own bytes.
     for j in 0..64u64 {
@@ -804,7 +978,10 @@ fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
     for (id, c) in &ids {
         assert_eq!(&s.get(id).unwrap(), c);
     }
-    assert!(!s.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap().is_damaged());
+    assert!(!s
+        .check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress)
+        .unwrap()
+        .is_damaged());
 }
 
 /// `commit_new_ref` writes a new name, and refuses (writing nothing) one that exists.
@@ -854,7 +1031,9 @@ fn locate_many_matches_locate_across_lock_batches() {
                 assert_eq!(e.id, ids[i]);
                 assert_eq!((e.frame_off, e.off_in_frame), (we.frame_off, we.off_in_frame));
             }
-            (h, w) => panic!("id {i}: locate_many {:?}, locate {:?}", h.map(|h| h.0), w.map(|w| w.0)),
+            (h, w) => {
+                panic!("id {i}: locate_many {:?}, locate {:?}", h.map(|h| h.0), w.map(|w| w.0))
+            }
         }
     }
 }

@@ -51,7 +51,13 @@ impl TreeCache {
     }
 
     pub fn with_cap(dir: PathBuf, cap: u64) -> TreeCache {
-        TreeCache { dir, cap, used: AtomicU64::new(u64::MAX), hits: AtomicU64::new(0), misses: AtomicU64::new(0) }
+        TreeCache {
+            dir,
+            cap,
+            used: AtomicU64::new(u64::MAX),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -113,7 +119,11 @@ impl TreeCache {
             return;
         }
         let before = self.used.load(Ordering::Relaxed);
-        let used = if before == u64::MAX { self.count() } else { self.used.fetch_add(raw.len() as u64, Ordering::Relaxed) + raw.len() as u64 };
+        let used = if before == u64::MAX {
+            self.count()
+        } else {
+            self.used.fetch_add(raw.len() as u64, Ordering::Relaxed) + raw.len() as u64
+        };
         if used > self.cap {
             self.evict();
         }
@@ -128,7 +138,8 @@ impl TreeCache {
         rd.flatten()
             .filter_map(|e| {
                 let m = e.metadata().ok()?;
-                m.is_file().then(|| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len(), e.path()))
+                m.is_file()
+                    .then(|| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len(), e.path()))
             })
             .collect()
     }
@@ -193,7 +204,8 @@ mod tests {
         assert_eq!(c.counters(), (1, 2), "(hits, misses) of this instance");
         // No temporary files left behind.
         c.put(&id, &raw);
-        let names: Vec<_> = std::fs::read_dir(c.dir()).unwrap().flatten().map(|e| e.file_name()).collect();
+        let names: Vec<_> =
+            std::fs::read_dir(c.dir()).unwrap().flatten().map(|e| e.file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from(id.to_hex())]);
     }
 
@@ -217,7 +229,8 @@ mod tests {
         assert!(c.get(&items[0].0).is_some());
         let raw = vec![9u8; 1000];
         c.put(&ChunkId::of(&raw), &raw);
-        let kept: Vec<bool> = items.iter().map(|(id, _)| c.dir().join(id.to_hex()).exists()).collect();
+        let kept: Vec<bool> =
+            items.iter().map(|(id, _)| c.dir().join(id.to_hex()).exists()).collect();
         assert_eq!(kept, vec![true, false, false, true]);
         assert!(c.get(&ChunkId::of(&raw)).is_some());
     }

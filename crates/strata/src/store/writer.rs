@@ -20,8 +20,8 @@
 //! waits only for the data. The thread is joined (and the cache persisted) when the store
 //! closes; a crash before that only means the next open reads those index objects.
 
-use super::meta::Meta;
 use super::discover::{self, Source};
+use super::meta::Meta;
 use super::pack::{index_object_of_pack, IndexObject, PackEntry};
 use super::{Index, Loc, PackSlot, Result, Shared, StoreError};
 use crate::backend::Backend;
@@ -250,11 +250,16 @@ impl Uploaders {
             let rx = Arc::new(Mutex::new(rx));
             for _ in 0..UPLOADS {
                 let rx = rx.clone();
-                self.threads.push(std::thread::Builder::new().name("strata-pack-put".into()).spawn(move || loop {
-                    let next = rx.lock().recv();
-                    let Ok((job, done)) = next else { return };
-                    let _ = done.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)));
-                })?);
+                self.threads.push(
+                    std::thread::Builder::new().name("strata-pack-put".into()).spawn(
+                        move || loop {
+                            let next = rx.lock().recv();
+                            let Ok((job, done)) = next else { return };
+                            let _ = done
+                                .send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)));
+                        },
+                    )?,
+                );
             }
             self.tx = Some(tx);
         }
@@ -278,7 +283,11 @@ impl Drop for Uploaders {
 }
 
 /// Wait for the oldest upload; record it, or poison the store.
-fn reap(sh: &Shared, inflight: &mut std::collections::VecDeque<Upload>, written: &mut Vec<Written>) {
+fn reap(
+    sh: &Shared,
+    inflight: &mut std::collections::VecDeque<Upload>,
+    written: &mut Vec<Written>,
+) {
     if let Some(h) = inflight.pop_front() {
         match h.join() {
             Ok(Ok(w)) => {
@@ -320,7 +329,8 @@ fn run_meta(sh: Arc<Shared>, rx: Receiver<MetaRows>) {
         libc::setpriority(libc::PRIO_PROCESS, tid, 19);
     }
     for rows in rx {
-        let refs: Vec<(PackId, u64, &[PackEntry])> = rows.iter().map(|(p, s, e)| (*p, *s, &e[..])).collect();
+        let refs: Vec<(PackId, u64, &[PackEntry])> =
+            rows.iter().map(|(p, s, e)| (*p, *s, &e[..])).collect();
         if let Err(e) = sh.meta.add_packs(&refs, false) {
             tracing::warn!(target: "strata::store", error = %e, "metadata cache update failed; it will be rebuilt");
         }
@@ -340,7 +350,9 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 }
                 // Uploads already done are reaped first (in order), so their buffers are back
                 // for the next open packs; then wait for room.
-                while inflight.front_mut().is_some_and(|h| h.is_finished()) || inflight.len() >= UPLOADS {
+                while inflight.front_mut().is_some_and(|h| h.is_finished())
+                    || inflight.len() >= UPLOADS
+                {
                     reap(&sh, &mut inflight, &mut written);
                 }
                 let sh2 = sh.clone();
@@ -395,7 +407,8 @@ fn commit(sh: &Shared, written: &mut Vec<Written>, meta: &mpsc::Sender<MetaRows>
     sh.sync()?;
     // Index objects are independent: put them concurrently (a flush after a large save has
     // one per pack, and each is a round trip on a remote backend).
-    let todo: Vec<(PackId, &[u8])> = written.iter().filter_map(|w| Some((w.id, w.index.as_deref()?))).collect();
+    let todo: Vec<(PackId, &[u8])> =
+        written.iter().filter_map(|w| Some((w.id, w.index.as_deref()?))).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed: Mutex<Option<crate::backend::BackendError>> = Mutex::new(None);
     std::thread::scope(|s| {
@@ -443,7 +456,8 @@ pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
     let visible = discover::list_packs(backend)?;
     let listed: HashSet<PackId> = visible.keys().copied().collect();
     let cached: HashMap<PackId, u64> = meta.packs()?.into_iter().collect();
-    let todo: Vec<(PackId, Source)> = visible.iter().filter(|(p, _)| !cached.contains_key(p)).map(|(p, s)| (*p, *s)).collect();
+    let todo: Vec<(PackId, Source)> =
+        visible.iter().filter(|(p, _)| !cached.contains_key(p)).map(|(p, s)| (*p, *s)).collect();
     let mut fresh = Vec::new();
     for ((pid, source), r) in todo.iter().zip(discover::read_many(backend, &todo)) {
         let key = match source {
@@ -452,11 +466,14 @@ pub(crate) fn load_index(backend: &dyn Backend, meta: &Meta) -> Result<Index> {
         };
         match r {
             Ok(o) => fresh.push(o),
-            Err(e) => tracing::warn!(target: "strata::store", key, error = %e, "unreadable pack index ignored (run `strata check`)"),
+            Err(e) => {
+                tracing::warn!(target: "strata::store", key, error = %e, "unreadable pack index ignored (run `strata check`)")
+            }
         }
     }
     if !fresh.is_empty() {
-        let rows: Vec<(PackId, u64, &[PackEntry])> = fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
+        let rows: Vec<(PackId, u64, &[PackEntry])> =
+            fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
         meta.add_packs(&rows, true)?;
     }
     let mut idx = Index::default();
@@ -499,13 +516,16 @@ pub(crate) fn refresh_index(sh: &Shared) -> Result<usize> {
             // Our own writer may be renaming it right now; it is ours then, and known.
             Err(StoreError::Backend(e)) if e.is_not_found() => {}
             Err(StoreError::Backend(e)) => return Err(e.into()),
-            Err(e) => tracing::warn!(target: "strata::store", pack = %pid, error = %e, "unreadable pack index ignored (run `strata check`)"),
+            Err(e) => {
+                tracing::warn!(target: "strata::store", pack = %pid, error = %e, "unreadable pack index ignored (run `strata check`)")
+            }
         }
     }
     if fresh.is_empty() {
         return Ok(0);
     }
-    let rows: Vec<(PackId, u64, &[PackEntry])> = fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
+    let rows: Vec<(PackId, u64, &[PackEntry])> =
+        fresh.iter().map(|o| (o.pack, o.pack_size, &o.entries[..])).collect();
     sh.meta.add_packs(&rows, false)?;
     let mut idx = sh.index.write();
     let mut n = 0;

@@ -93,7 +93,10 @@ pub fn kill_mid_write(
     }
     killer.join().unwrap();
     let (failed_round, e) = failure.expect("writes must fail once the server is dead");
-    eprintln!("server killed: {} commits acknowledged, round {failed_round} failed with: {e}", acknowledged.len());
+    eprintln!(
+        "server killed: {} commits acknowledged, round {failed_round} failed with: {e}",
+        acknowledged.len()
+    );
     let text = e.to_string();
     assert!(text.to_lowercase().contains("unavailable"), "the error says what happened: {text}");
     assert!(acknowledged.len() >= 5, "commits before the kill were acknowledged");

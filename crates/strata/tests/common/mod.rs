@@ -33,20 +33,15 @@ pub fn guest() -> &'static Path {
         let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/dirty.S");
         let obj = dir.join("dirty.o");
         let elf = dir.join("dirty.elf");
-        let ok = Command::new("as")
-            .args(["--32", "-o"])
-            .arg(&obj)
-            .arg(&src)
-            .status()
-            .unwrap()
-            .success()
-            && Command::new("ld")
-                .args(["-m", "elf_i386", "-Ttext=0x100000", "-e", "_start", "-o"])
-                .arg(&elf)
-                .arg(&obj)
-                .status()
-                .unwrap()
-                .success();
+        let ok =
+            Command::new("as").args(["--32", "-o"]).arg(&obj).arg(&src).status().unwrap().success()
+                && Command::new("ld")
+                    .args(["-m", "elf_i386", "-Ttext=0x100000", "-e", "_start", "-o"])
+                    .arg(&elf)
+                    .arg(&obj)
+                    .status()
+                    .unwrap()
+                    .success();
         assert!(ok, "building the test guest failed (needs binutils)");
         elf
     })
@@ -54,19 +49,11 @@ pub fn guest() -> &'static Path {
 
 /// Arguments shared by source and destination.
 pub fn vm_args(machine: &str, mem_mib: u32, with_guest: bool) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "-accel",
-        "tcg",
-        "-nodefaults",
-        "-display",
-        "none",
-        "-machine",
-        machine,
-        "-m",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut a: Vec<String> =
+        ["-accel", "tcg", "-nodefaults", "-display", "none", "-machine", machine, "-m"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
     a.push(mem_mib.to_string());
     if with_guest {
         a.push("-kernel".into());
@@ -109,12 +96,7 @@ impl Qemu {
                 Err(e) => panic!("QMP connect to {name}: {e}"),
             }
         };
-        Qemu {
-            child,
-            qmp,
-            log: dir.join(format!("{name}.err")),
-            name: name.into(),
-        }
+        Qemu { child, qmp, log: dir.join(format!("{name}.err")), name: name.into() }
     }
 
     pub fn stderr(&self) -> String {
@@ -123,10 +105,7 @@ impl Qemu {
 
     /// Read a guest-physical u32 with HMP `xp`.
     pub fn read_u32(&mut self, addr: u64) -> u32 {
-        let out = self
-            .qmp
-            .human_monitor_command(&format!("xp /1xw {addr:#x}"))
-            .unwrap();
+        let out = self.qmp.human_monitor_command(&format!("xp /1xw {addr:#x}")).unwrap();
         let hex = out.split(':').nth(1).unwrap().trim();
         u32::from_str_radix(hex.trim_start_matches("0x"), 16).unwrap()
     }
@@ -135,10 +114,7 @@ impl Qemu {
     pub fn wait_guest_filled(&mut self) {
         let t0 = Instant::now();
         while self.read_u32(0x1000) != 0xD0E0_D0E0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "guest did not finish filling RAM"
-            );
+            assert!(t0.elapsed() < Duration::from_secs(120), "guest did not finish filling RAM");
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -155,9 +131,7 @@ impl Qemu {
 
     /// `migrate exec:cat > file` and wait for completion.
     pub fn save_to(&mut self, file: &Path) -> MigrationInfo {
-        self.qmp
-            .migrate(&format!("exec:cat > {}", file.display()))
-            .unwrap();
+        self.qmp.migrate(&format!("exec:cat > {}", file.display())).unwrap();
         self.qmp
             .wait_migration(Duration::from_secs(300), Duration::from_millis(20))
             .unwrap_or_else(|e| panic!("{}: {e}\n{}", self.name, self.stderr()))
@@ -165,18 +139,11 @@ impl Qemu {
 
     /// Wait for an incoming migration to complete.
     pub fn wait_incoming(&mut self) -> MigrationInfo {
-        match self
-            .qmp
-            .wait_migration(Duration::from_secs(300), Duration::from_millis(20))
-        {
+        match self.qmp.wait_migration(Duration::from_secs(300), Duration::from_millis(20)) {
             Ok(i) => i,
             Err(e) => {
                 std::thread::sleep(Duration::from_millis(200));
-                panic!(
-                    "{} failed to load: {e}\nQEMU stderr: {}",
-                    self.name,
-                    self.stderr()
-                )
+                panic!("{} failed to load: {e}\nQEMU stderr: {}", self.name, self.stderr())
             }
         }
     }
@@ -230,22 +197,14 @@ impl StreamSink for MemImage {
                 self.data = b.iter().map(|b| vec![0u8; b.used_len as usize]).collect();
                 self.seen = b.iter().map(|b| vec![0u8; b.pages() as usize]).collect();
             }
-            Event::Page {
-                block,
-                offset,
-                data,
-            } => {
+            Event::Page { block, offset, data } => {
                 let o = offset as usize;
                 self.data[block.get()][o..o + PAGE_SIZE].copy_from_slice(data);
                 let s = &mut self.seen[block.get()][o / PAGE_SIZE];
                 *s = s.saturating_add(1);
                 self.pages += 1;
             }
-            Event::Zero {
-                block,
-                offset,
-                fill,
-            } => {
+            Event::Zero { block, offset, fill } => {
                 let o = offset as usize;
                 self.data[block.get()][o..o + PAGE_SIZE].fill(fill);
                 let s = &mut self.seen[block.get()][o / PAGE_SIZE];
@@ -272,11 +231,7 @@ impl MemImage {
     pub fn nonzero_pages(&self) -> u64 {
         self.data
             .iter()
-            .map(|d| {
-                d.chunks(PAGE_SIZE)
-                    .filter(|p| p.iter().any(|&b| b != 0))
-                    .count() as u64
-            })
+            .map(|d| d.chunks(PAGE_SIZE).filter(|p| p.iter().any(|&b| b != 0)).count() as u64)
             .sum()
     }
 }
@@ -292,12 +247,9 @@ pub fn parse_file(path: &Path, chunk: usize) -> (StreamInfo, MemImage) {
         if n == 0 {
             break;
         }
-        p.feed(&buf[..n], &mut img)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        p.feed(&buf[..n], &mut img).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     }
-    let info = p
-        .finish(&mut img)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let info = p.finish(&mut img).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert_eq!(info.tail, img.tail);
     (info, img)
 }
@@ -316,8 +268,7 @@ pub fn regenerate<W: Write>(
             if page.iter().all(|&b| b == 0) {
                 w.zero(BlockIdx(bi as u32), off, 0).unwrap();
             } else {
-                w.page(BlockIdx(bi as u32), off, page.try_into().unwrap())
-                    .unwrap();
+                w.page(BlockIdx(bi as u32), off, page.try_into().unwrap()).unwrap();
             }
         }
     }
@@ -346,10 +297,8 @@ pub fn diff_images(
     let mut bad = 0;
     let mut first = None;
     for (bi, blk) in a.blocks.iter().enumerate() {
-        for (pi, (pa, pb)) in a.data[bi]
-            .chunks(PAGE_SIZE)
-            .zip(b.data[bi].chunks(PAGE_SIZE))
-            .enumerate()
+        for (pi, (pa, pb)) in
+            a.data[bi].chunks(PAGE_SIZE).zip(b.data[bi].chunks(PAGE_SIZE)).enumerate()
         {
             let off = (pi * PAGE_SIZE) as u64;
             if pa != pb && (0..PAGE_SIZE).any(|i| pa[i] != pb[i] && !ignore(&blk.name, off, i)) {

@@ -58,7 +58,12 @@ impl Model {
 
 /// Run `ops` seeded random operations against both servers. `start_ours` serves the file
 /// `ours.raw` (already holding the initial image) as export "d".
-pub fn run_sequence(seed: u64, structured: bool, ops: usize, start_ours: impl FnOnce(&Path, &Path) -> Ours) {
+pub fn run_sequence(
+    seed: u64,
+    structured: bool,
+    ops: usize,
+    start_ours: impl FnOnce(&Path, &Path) -> Ours,
+) {
     let dir = tempfile::tempdir().unwrap();
     let ours_path = dir.path().join("ours.raw");
     let theirs_path = dir.path().join("theirs.raw");
@@ -76,7 +81,12 @@ pub fn run_sequence(seed: u64, structured: bool, ops: usize, start_ours: impl Fn
     let ours_side = start_ours(dir.path(), &ours_path);
     let server = &ours_side.server;
     let qsock = dir.path().join("q.sock");
-    let _q = QemuNbd::start(&theirs_path, &qsock, "d", &["--discard=unmap", "--cache=none", "--aio=threads"]);
+    let _q = QemuNbd::start(
+        &theirs_path,
+        &qsock,
+        "d",
+        &["--discard=unmap", "--cache=none", "--aio=threads"],
+    );
 
     let mut ours = Client::connect(&server.sock, "d", structured, structured).unwrap();
     let mut theirs = Client::connect(&qsock, "d", structured, structured).unwrap();
@@ -98,7 +108,9 @@ pub fn run_sequence(seed: u64, structured: bool, ops: usize, start_ours: impl Fn
         } else {
             rng.gen_range(0..=SIZE - len as u64)
         };
-        let ctx = format!("seed {seed} step {step} op {op} offset {offset} len {len} structured {structured}");
+        let ctx = format!(
+            "seed {seed} step {step} op {op} offset {offset} len {len} structured {structured}"
+        );
         match op {
             0..=34 => {
                 counts[0] += 1;
@@ -108,7 +120,8 @@ pub fn run_sequence(seed: u64, structured: bool, ops: usize, start_ours: impl Fn
                 let b = theirs.write(offset, &data, fua);
                 same_error(a, b, out_of_range, &ctx);
                 if a.is_ok() {
-                    model.data[offset as usize..offset as usize + len as usize].copy_from_slice(&data);
+                    model.data[offset as usize..offset as usize + len as usize]
+                        .copy_from_slice(&data);
                     model.known[offset as usize..offset as usize + len as usize].fill(true);
                 }
             }
@@ -197,4 +210,3 @@ pub fn run_sequence(seed: u64, structured: bool, ops: usize, start_ours: impl Fn
     ours.disconnect();
     theirs.disconnect();
 }
-

@@ -20,7 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use strata::nbd::export::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use strata::nbd::export::{
+    BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError,
+};
 use strata::nbd::proto::*;
 use strata::nbd::{Server, ServerConfig, ServerHandle};
 
@@ -43,7 +45,13 @@ pub struct FileExport {
 
 impl FileExport {
     pub fn create(path: &Path, size: u64) -> FileExport {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .unwrap();
         file.set_len(size).unwrap();
         FileExport { file, size, read_only: false }
     }
@@ -56,7 +64,9 @@ impl FileExport {
 
     fn fallocate(&self, mode: i32, offset: u64, len: u64) -> io::Result<()> {
         // SAFETY: plain syscall on a descriptor we own.
-        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t) };
+        let r = unsafe {
+            libc::fallocate(self.file.as_raw_fd(), mode, offset as libc::off_t, len as libc::off_t)
+        };
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
@@ -117,13 +127,20 @@ impl Export for FileExport {
     fn can_fast_zero(&self) -> bool {
         true
     }
-    fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool) -> Result<(), ExportError> {
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_trim: bool,
+        fua: bool,
+    ) -> Result<(), ExportError> {
         let mode = if may_trim {
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
         } else {
             libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
         };
-        self.fallocate(mode, offset, len).map_err(|e| ExportError::io("write-zeroes", offset, e))?;
+        self.fallocate(mode, offset, len)
+            .map_err(|e| ExportError::io("write-zeroes", offset, e))?;
         if fua {
             self.flush()?;
         }
@@ -259,13 +276,21 @@ impl Exports {
 
 impl ExportSet for Exports {
     fn list(&self) -> Vec<ExportInfo> {
-        let mut v: Vec<ExportInfo> =
-            self.map.read().iter().map(|(k, e)| ExportInfo { name: k.clone(), description: e.description() }).collect();
+        let mut v: Vec<ExportInfo> = self
+            .map
+            .read()
+            .iter()
+            .map(|(k, e)| ExportInfo { name: k.clone(), description: e.description() })
+            .collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
     fn open(&self, name: &str) -> Result<Arc<dyn Export>, OpenError> {
-        self.map.read().get(name).cloned().ok_or_else(|| OpenError::NotFound { name: name.to_string() })
+        self.map
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| OpenError::NotFound { name: name.to_string() })
     }
 }
 
@@ -489,7 +514,10 @@ impl Client {
         let replies = c.option(OPT_GO, &d)?;
         let (last, msg) = replies.last().unwrap();
         if *last != REP_ACK {
-            return Err(io::Error::other(format!("GO refused: {last:#x} {}", String::from_utf8_lossy(msg))));
+            return Err(io::Error::other(format!(
+                "GO refused: {last:#x} {}",
+                String::from_utf8_lossy(msg)
+            )));
         }
         for (rep, data) in &replies {
             if *rep == REP_INFO {
@@ -498,7 +526,9 @@ impl Client {
                         c.size = u64::from_be_bytes(data[2..10].try_into().unwrap());
                         c.tflags = u16::from_be_bytes([data[10], data[11]]);
                     }
-                    INFO_BLOCK_SIZE => c.block = (be32(&data[2..]), be32(&data[6..]), be32(&data[10..])),
+                    INFO_BLOCK_SIZE => {
+                        c.block = (be32(&data[2..]), be32(&data[6..]), be32(&data[10..]))
+                    }
                     _ => {}
                 }
             }
@@ -526,7 +556,14 @@ impl Client {
         }
     }
 
-    pub fn send(&mut self, command: Command, flags: u16, offset: u64, len: u32, payload: &[u8]) -> io::Result<u64> {
+    pub fn send(
+        &mut self,
+        command: Command,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) -> io::Result<u64> {
         let handle = self.next;
         self.next += 1;
         let r = Request { flags, command, handle, offset, len };
@@ -543,10 +580,15 @@ impl Client {
     pub fn recv(&mut self) -> io::Result<(u64, Reply)> {
         let mut head = read_exact(&mut self.s, 16)?;
         if be32(&head) == SIMPLE_REPLY_MAGIC {
-            let Some(ReplyHeader::Simple(r)) = parse_reply_header(&head).unwrap() else { unreachable!() };
+            let Some(ReplyHeader::Simple(r)) = parse_reply_header(&head).unwrap() else {
+                unreachable!()
+            };
             let read = self.pending_reads.remove(&r.handle);
             if r.error != 0 {
-                assert!(read.is_none() || !self.structured, "simple reply to a read after structured replies");
+                assert!(
+                    read.is_none() || !self.structured,
+                    "simple reply to a read after structured replies"
+                );
                 return Ok((r.handle, Reply::Error(r.error, String::new())));
             }
             return Ok(match read {
@@ -560,14 +602,18 @@ impl Client {
         assert!(self.structured, "structured chunk without negotiation");
         let read = self.pending_reads.remove(&{
             head.extend(read_exact(&mut self.s, 4)?);
-            let Some(ReplyHeader::Chunk(c)) = parse_reply_header(&head).unwrap() else { unreachable!() };
+            let Some(ReplyHeader::Chunk(c)) = parse_reply_header(&head).unwrap() else {
+                unreachable!()
+            };
             c.handle
         });
         let mut data = read.map(|(_, len)| vec![0u8; len as usize]);
         let mut covered = 0u64;
         let mut result = None;
         loop {
-            let Some(ReplyHeader::Chunk(c)) = parse_reply_header(&head).unwrap() else { panic!("bad chunk") };
+            let Some(ReplyHeader::Chunk(c)) = parse_reply_header(&head).unwrap() else {
+                panic!("bad chunk")
+            };
             let payload = read_exact(&mut self.s, c.len as usize)?;
             match c.kind {
                 REPLY_TYPE_NONE => assert_eq!(c.len, 0),
@@ -575,7 +621,10 @@ impl Client {
                     let (base, len) = read.expect("data chunk for a non-read");
                     let off = u64::from_be_bytes(payload[..8].try_into().unwrap());
                     let n = payload.len() as u64 - 8;
-                    assert!(n > 0 && off >= base && off + n <= base + len as u64, "data chunk outside the request");
+                    assert!(
+                        n > 0 && off >= base && off + n <= base + len as u64,
+                        "data chunk outside the request"
+                    );
                     data.as_mut().unwrap()[(off - base) as usize..(off - base + n) as usize]
                         .copy_from_slice(&payload[8..]);
                     covered += n;
@@ -588,7 +637,8 @@ impl Client {
                     covered += n;
                 }
                 REPLY_TYPE_BLOCK_STATUS => {
-                    let (id, d) = parse_block_status_payload(&payload).expect("bad block status payload");
+                    let (id, d) =
+                        parse_block_status_payload(&payload).expect("bad block status payload");
                     assert_eq!(Some(id), self.meta_id);
                     assert!(!d.is_empty() && d.iter().all(|x| x.len > 0));
                     result = Some(Reply::Status(d));
@@ -597,7 +647,10 @@ impl Client {
                     let errno = be32(&payload);
                     let mlen = u16::from_be_bytes([payload[4], payload[5]]) as usize;
                     assert!(errno != 0 && 6 + mlen <= payload.len());
-                    result = Some(Reply::Error(errno, String::from_utf8_lossy(&payload[6..6 + mlen]).into_owned()));
+                    result = Some(Reply::Error(
+                        errno,
+                        String::from_utf8_lossy(&payload[6..6 + mlen]).into_owned(),
+                    ));
                 }
                 k => panic!("unknown chunk type {k}"),
             }
@@ -605,7 +658,11 @@ impl Client {
                 let r = match (result, data) {
                     (Some(r), _) => r,
                     (None, Some(d)) => {
-                        assert_eq!(covered, d.len() as u64, "read reply does not cover the request");
+                        assert_eq!(
+                            covered,
+                            d.len() as u64,
+                            "read reply does not cover the request"
+                        );
                         Reply::Data(d)
                     }
                     (None, None) => Reply::Ok,
@@ -613,12 +670,24 @@ impl Client {
                 return Ok((c.handle, r));
             }
             head = read_exact(&mut self.s, 20)?;
-            let Some(ReplyHeader::Chunk(n)) = parse_reply_header(&head).unwrap() else { panic!("expected a chunk") };
-            assert_eq!(n.handle, c.handle, "chunks of different replies interleaved in this client's sequential use");
+            let Some(ReplyHeader::Chunk(n)) = parse_reply_header(&head).unwrap() else {
+                panic!("expected a chunk")
+            };
+            assert_eq!(
+                n.handle, c.handle,
+                "chunks of different replies interleaved in this client's sequential use"
+            );
         }
     }
 
-    pub fn call(&mut self, command: Command, flags: u16, offset: u64, len: u32, payload: &[u8]) -> io::Result<Reply> {
+    pub fn call(
+        &mut self,
+        command: Command,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) -> io::Result<Reply> {
         let h = self.send(command, flags, offset, len, payload)?;
         let (rh, r) = self.recv()?;
         assert_eq!(rh, h);
@@ -641,7 +710,13 @@ impl Client {
         }
     }
 
-    pub fn simple(&mut self, command: Command, flags: u16, offset: u64, len: u32) -> Result<(), u32> {
+    pub fn simple(
+        &mut self,
+        command: Command,
+        flags: u16,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), u32> {
         match self.call(command, flags, offset, len, &[]).unwrap() {
             Reply::Ok => Ok(()),
             Reply::Error(e, _) => Err(e),
@@ -649,7 +724,12 @@ impl Client {
         }
     }
 
-    pub fn block_status(&mut self, offset: u64, len: u32, flags: u16) -> Result<Vec<Descriptor>, u32> {
+    pub fn block_status(
+        &mut self,
+        offset: u64,
+        len: u32,
+        flags: u16,
+    ) -> Result<Vec<Descriptor>, u32> {
         match self.call(Command::BlockStatus, flags, offset, len, &[]).unwrap() {
             Reply::Status(d) => Ok(d),
             Reply::Error(e, _) => Err(e),

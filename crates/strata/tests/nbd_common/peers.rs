@@ -61,7 +61,9 @@ impl Backing for std::path::PathBuf {
 /// A raw image with data at known places and holes elsewhere.
 pub fn make_source(path: &Path, size: u64) -> Vec<u8> {
     let mut content = vec![0u8; size as usize];
-    for (i, &(off, len)) in [(0u64, 65536usize), (3 << 20, 1 << 20), (size - 8192, 8192)].iter().enumerate() {
+    for (i, &(off, len)) in
+        [(0u64, 65536usize), (3 << 20, 1 << 20), (size - 8192, 8192)].iter().enumerate()
+    {
         content[off as usize..off as usize + len].copy_from_slice(&pattern(i as u64 + 10, len));
     }
     let f = std::fs::File::create(path).unwrap();
@@ -83,7 +85,10 @@ pub fn qemu_img_info_convert_compare<B: Backing>(server: impl Fn(u64) -> (TestSe
 
     let src = s.path("src.raw");
     let content = make_source(&src, size);
-    run(Command::new("qemu-img").args(["convert", "-n", "-f", "raw", "-O", "raw"]).arg(&src).arg(&uri));
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(&uri));
     assert_eq!(disk.contents(), content, "qemu-img convert wrote wrong bytes");
     run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&src).arg(&uri));
 
@@ -139,7 +144,12 @@ pub fn qemu_io_patterns<B: Backing>(server: impl Fn(u64) -> (TestServer, B)) {
     }
     let out = run(&mut cmd);
     let text = stdout(&out) + &String::from_utf8_lossy(&out.stderr);
-    assert!(!text.contains("failed") && !text.contains("error") && !text.contains("Pattern verification"), "{text}");
+    assert!(
+        !text.contains("failed")
+            && !text.contains("error")
+            && !text.contains("Pattern verification"),
+        "{text}"
+    );
     assert_eq!(text.matches("read ").count(), 8, "{text}");
     // Check the file behind the export directly.
     let f = disk.contents();
@@ -176,11 +186,24 @@ pub fn nbdcopy_both_ways_and_multi_conn<B: Backing>(server: impl Fn(u64) -> (Tes
             "16",
         ]));
         expected += conns.parse::<u64>().unwrap();
-        assert_eq!(s.handle().total_connections() - before, conns.parse::<u64>().unwrap(), "nbdcopy connections");
+        assert_eq!(
+            s.handle().total_connections() - before,
+            conns.parse::<u64>().unwrap(),
+            "nbdcopy connections"
+        );
         assert_eq!(disk.contents(), content, "nbdcopy to server with {conns} connections");
         let out = s.path(&format!("out{conns}.raw"));
-        run(Command::new("nbdcopy").arg(&uri).arg(&out).args(["--connections", conns, "--threads", conns]));
-        assert_eq!(std::fs::read(&out).unwrap(), content, "nbdcopy from server with {conns} connections");
+        run(Command::new("nbdcopy").arg(&uri).arg(&out).args([
+            "--connections",
+            conns,
+            "--threads",
+            conns,
+        ]));
+        assert_eq!(
+            std::fs::read(&out).unwrap(),
+            content,
+            "nbdcopy from server with {conns} connections"
+        );
     }
     assert!(s.handle().total_connections() >= 2 * expected);
     // Server to server (read-only export into the writable one), through two connections.
@@ -191,8 +214,9 @@ pub fn nbdcopy_both_ways_and_multi_conn<B: Backing>(server: impl Fn(u64) -> (Tes
 pub fn nbdinfo_list_and_map<B: Backing>(server: impl Fn(u64) -> (TestServer, B)) {
     require_tool("nbdinfo", "libnbd-bin");
     let (s, _) = server(16 << 20);
-    let list =
-        stdout(&run(Command::new("nbdinfo").arg("--list").arg(format!("nbd+unix:///?socket={}", s.sock.display()))));
+    let list = stdout(&run(Command::new("nbdinfo")
+        .arg("--list")
+        .arg(format!("nbd+unix:///?socket={}", s.sock.display()))));
     assert!(list.contains("export=\"disk\"") && list.contains("export=\"ro\""), "{list}");
     assert!(list.contains("is_read_only: true"), "{list}");
     assert!(list.contains("base:allocation"), "{list}");
@@ -224,7 +248,10 @@ pub fn nbdinfo_list_and_map<B: Backing>(server: impl Fn(u64) -> (TestServer, B))
         "{map}"
     );
     let total = stdout(&run(Command::new("nbdinfo").args(["--map", "--totals", &uri])));
-    assert!(total.lines().any(|l| l.split_whitespace().next() == Some(&(65536 + 4096).to_string())), "{total}");
+    assert!(
+        total.lines().any(|l| l.split_whitespace().next() == Some(&(65536 + 4096).to_string())),
+        "{total}"
+    );
 }
 
 pub fn fio_nbd_engine_with_verify<B: Backing>(server: impl Fn(u64) -> (TestServer, B)) {
@@ -264,8 +291,12 @@ pub fn nbdfuse_loop_mkfs_fsck<B: Backing>(server: impl Fn(u64) -> (TestServer, B
     std::fs::create_dir(&mnt).unwrap();
     let mut fuse = Command::new("nbdfuse").arg(&mnt).arg(s.uri("disk")).spawn().unwrap();
     let dev_file = mnt.join("nbd");
-    wait_until(10, "nbdfuse to mount", || std::fs::metadata(&dev_file).map(|m| m.len() == 128 << 20).unwrap_or(false));
-    let lo = stdout(&run(Command::new("losetup").args(["-f", "--show"]).arg(&dev_file))).trim().to_string();
+    wait_until(10, "nbdfuse to mount", || {
+        std::fs::metadata(&dev_file).map(|m| m.len() == 128 << 20).unwrap_or(false)
+    });
+    let lo = stdout(&run(Command::new("losetup").args(["-f", "--show"]).arg(&dev_file)))
+        .trim()
+        .to_string();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         run(Command::new("mkfs.ext4").args(["-q", "-F", &lo]));
         run(Command::new("fsck.ext4").args(["-fn", &lo]));

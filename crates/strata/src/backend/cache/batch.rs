@@ -8,13 +8,18 @@
 //! merged, concurrent GETs, and each range is then staged for filling as its own entry, so
 //! entries stay whole frames whatever the batching.
 
-use super::{bump, BResult, Backend, BackendError, CacheBackend, Flight, Leader, Outcome, RangeKey, Slice};
+use super::{
+    bump, BResult, Backend, BackendError, CacheBackend, Flight, Leader, Outcome, RangeKey, Slice,
+};
 use std::sync::Arc;
 
 impl CacheBackend {
     pub(super) fn read_batch(&self, key: &str, ranges: &[(u64, u64)]) -> BResult<Vec<Vec<u8>>> {
         let sh = &*self.sh;
-        if !(sh.opts.cacheable)(key) || ranges.iter().any(|&(_, l)| !self.entry_fits(l)) || ranges.len() <= 1 {
+        if !(sh.opts.cacheable)(key)
+            || ranges.iter().any(|&(_, l)| !self.entry_fits(l))
+            || ranges.len() <= 1
+        {
             return ranges.iter().map(|&(o, l)| self.get_range(key, o, l)).collect();
         }
         let k: Arc<str> = Arc::from(key);
@@ -97,9 +102,12 @@ impl CacheBackend {
                 bump(&self.sh.stats.coalesced, 1);
                 Some(Ok((**v).clone()))
             }
-            Outcome::Failed(kind, msg) => {
-                Some(Err(BackendError::with_source(*kind, "get_range", key, std::io::Error::other(msg.clone()))))
-            }
+            Outcome::Failed(kind, msg) => Some(Err(BackendError::with_source(
+                *kind,
+                "get_range",
+                key,
+                std::io::Error::other(msg.clone()),
+            ))),
             Outcome::Retry => None,
         }
     }

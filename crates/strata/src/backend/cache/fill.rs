@@ -3,7 +3,7 @@
 //! publishes the entry and logs it. Readers never wait for it; it is the "lazy" in lazy fill.
 
 use super::format::{self, Record, DATA_HEADER_LEN};
-use super::index::{alloc_evicting, flush_log, rewrite_log, RangeKey, Slice, State, Entry};
+use super::index::{alloc_evicting, flush_log, rewrite_log, Entry, RangeKey, Slice, State};
 use super::{bump, Shared, TARGET};
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc;
@@ -17,7 +17,8 @@ pub(super) fn fill_loop(sh: &Shared, rx: mpsc::Receiver<(RangeKey, Slice)>) {
                 {
                     let mut st = sh.state.lock();
                     let compact = st.log.len > 4 * (st.log.live * 64) + (4 << 20);
-                    let r = if compact { rewrite_log(&mut st, &sh.geo) } else { flush_log(&mut st) };
+                    let r =
+                        if compact { rewrite_log(&mut st, &sh.geo) } else { flush_log(&mut st) };
                     if let Err(e) = r {
                         tracing::warn!(target: TARGET, error = %e, "cache index write failed");
                     }
@@ -82,12 +83,22 @@ fn fill_one(sh: &Shared, rk: RangeKey, s: Slice) {
     st.tick += 1;
     let (key, obj_off, _) = rk.clone();
     format::encode_record(
-        &Record::Insert { block: block.0, order: block.1, len: len as u32, hash, obj_off, key: key.to_string() },
+        &Record::Insert {
+            block: block.0,
+            order: block.1,
+            len: len as u32,
+            hash,
+            obj_off,
+            key: key.to_string(),
+        },
         &mut st.log.buf,
     );
     st.log.live += 1;
     // Verified: these are the bytes this process just hashed and wrote.
-    st.by_block.insert(block.0, Entry { key, obj_off, len, order: block.1, hash, tick, seq: tick, verified: true });
+    st.by_block.insert(
+        block.0,
+        Entry { key, obj_off, len, order: block.1, hash, tick, seq: tick, verified: true },
+    );
     st.by_range.insert(rk.clone(), block.0);
     st.lru.insert(tick, block.0);
     bump(&sh.stats.fills, 1);

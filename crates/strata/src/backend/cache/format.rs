@@ -197,7 +197,9 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
         return None;
     }
     let body = &rec[5..total - 4];
-    let u64at = |i: usize| -> Option<u64> { Some(u64::from_le_bytes(body.get(i..i + 8)?.try_into().ok()?)) };
+    let u64at = |i: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(body.get(i..i + 8)?.try_into().ok()?))
+    };
     let r = match rec[4] {
         REC_INSERT => {
             let block = u64at(0)?;
@@ -270,7 +272,10 @@ mod tests {
         v2[8] = 2;
         let crc = crc32c::crc32c(&v2[..60]);
         v2[60..64].copy_from_slice(&crc.to_le_bytes());
-        assert_eq!(parse_index_header(&v2).unwrap_err(), FormatError::Version { what: "index", found: 2 });
+        assert_eq!(
+            parse_index_header(&v2).unwrap_err(),
+            FormatError::Version { what: "index", found: 2 }
+        );
     }
 
     #[test]
@@ -299,7 +304,16 @@ mod tests {
 
         let mut rm = Vec::new();
         encode_record(&Record::Remove { block: 4096 }, &mut rm);
-        assert_eq!(rm, [&8u32.to_le_bytes()[..], &[REC_REMOVE], &4096u64.to_le_bytes(), &crc32c::crc32c(&rm[..13]).to_le_bytes()].concat());
+        assert_eq!(
+            rm,
+            [
+                &8u32.to_le_bytes()[..],
+                &[REC_REMOVE],
+                &4096u64.to_le_bytes(),
+                &crc32c::crc32c(&rm[..13]).to_le_bytes()
+            ]
+            .concat()
+        );
 
         let mut all = b.clone();
         all.extend_from_slice(&rm);
@@ -326,7 +340,9 @@ mod tests {
         assert_eq!((recs.len(), used), (5, 5 * one), "a bad CRC ends the log");
         // Garbage never panics.
         for seed in 0..200u32 {
-            let g: Vec<u8> = (0..300u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed) >> 13) as u8).collect();
+            let g: Vec<u8> = (0..300u32)
+                .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed) >> 13) as u8)
+                .collect();
             let _ = parse_records(&g);
             let _ = parse_index_header(&g);
         }

@@ -64,7 +64,6 @@ pub(super) struct State {
     pub(super) log: Log,
 }
 
-
 /// Replay index records into disjoint entries (later records win over overlapping earlier
 /// ones). Returns the entries by block and the number of records dropped as invalid.
 pub(super) fn replay(buddy: &Buddy, records: &[Record]) -> (BTreeMap<u64, Entry>, u64) {
@@ -205,7 +204,7 @@ mod tests {
             ins(4096, 4096, "packs/b"),
             ins(8192, 8192, "packs/c"),
             Record::Remove { block: 4096 },
-            ins(0, 16384, "packs/d"),     // overlaps a and c: both superseded
+            ins(0, 16384, "packs/d"), // overlaps a and c: both superseded
             ins(16384, 100, "packs/e"),
             ins(20480, 8192, "packs/bad"), // misaligned for order 1
             ins(1 << 20, 10, "packs/far"), // outside the region

@@ -95,7 +95,9 @@ impl Chooser {
     /// Whether more than [`ADAPT_QUEUED_SECS`] of uploads are queued at the link's speed now.
     fn link_behind(&self) -> bool {
         match &self.backlog {
-            Some(b) if self.policy == CodecPolicy::Auto => b() as f64 >= ADAPT_QUEUED_SECS * self.backend_bps(),
+            Some(b) if self.policy == CodecPolicy::Auto => {
+                b() as f64 >= ADAPT_QUEUED_SECS * self.backend_bps()
+            }
             _ => false,
         }
     }
@@ -148,10 +150,9 @@ impl Chooser {
     pub(super) fn current_codec(&self) -> Codec {
         match self.policy {
             CodecPolicy::Fixed(c) => c,
-            CodecPolicy::Auto => CANDIDATES
-                .get(self.current.load(Ordering::Relaxed))
-                .copied()
-                .unwrap_or(Codec::None),
+            CodecPolicy::Auto => {
+                CANDIDATES.get(self.current.load(Ordering::Relaxed)).copied().unwrap_or(Codec::None)
+            }
         }
     }
 
@@ -263,7 +264,8 @@ impl Chooser {
 
     /// What was used and why, for the manifest and `--json`.
     pub fn report(&self) -> CodecReport {
-        let frames: BTreeMap<String, u64> = self.used.lock().iter().map(|(c, n)| (c.to_string(), *n)).collect();
+        let frames: BTreeMap<String, u64> =
+            self.used.lock().iter().map(|(c, n)| (c.to_string(), *n)).collect();
         let w = self.window.lock();
         let chosen = frames
             .iter()
@@ -305,7 +307,11 @@ impl Chooser {
             chosen,
             why,
             policy: self.policy.to_string(),
-            model: if self.policy == CodecPolicy::Auto { self.model.to_string() } else { String::new() },
+            model: if self.policy == CodecPolicy::Auto {
+                self.model.to_string()
+            } else {
+                String::new()
+            },
             backend_mb_s: if self.policy == CodecPolicy::Auto {
                 self.backend_bps() / 1e6
             } else {

@@ -61,10 +61,13 @@ mod tests;
 pub use chooser::Chooser;
 pub(crate) use measure::thread_cpu_ns;
 pub use measure::{measure_keep, measure_once, usable_cores};
-pub use model::{decide, decide_keeping, decide_with, Decision, Model, CPU_HEADROOM, RESTORE_READS, SWITCH_MARGIN};
+pub use model::{
+    decide, decide_keeping, decide_with, Decision, Model, CPU_HEADROOM, RESTORE_READS,
+    SWITCH_MARGIN,
+};
 pub use speed::{
-    metered_speed, probe_backend, remember_speed, remembered_speed, Meter, DEFAULT_NETWORK_BPS, METER_MIN_BYTES, PROBE_BYTES,
-    REMEMBER_SECS, SPEED_FILE,
+    metered_speed, probe_backend, remember_speed, remembered_speed, Meter, DEFAULT_NETWORK_BPS,
+    METER_MIN_BYTES, PROBE_BYTES, REMEMBER_SECS, SPEED_FILE,
 };
 
 /// Codecs tried by `auto`, besides storing raw.

@@ -74,13 +74,24 @@ pub const SWITCH_MARGIN: f64 = 0.15;
 
 /// Choose a codec under `model`: among the codecs that pay, the smallest expected time per
 /// byte; none paying means raw.
-pub fn decide_with(model: Model, backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) -> Decision {
+pub fn decide_with(
+    model: Model,
+    backend_bps: f64,
+    parallel: f64,
+    measures: &[(Codec, Measure)],
+) -> Decision {
     decide_keeping(model, backend_bps, parallel, measures, None)
 }
 
 /// [`decide_with`], but `current` (the codec in use) is kept while it pays and its expected
 /// time per byte is within [`SWITCH_MARGIN`] of the best.
-pub fn decide_keeping(model: Model, backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)], current: Option<Codec>) -> Decision {
+pub fn decide_keeping(
+    model: Model,
+    backend_bps: f64,
+    parallel: f64,
+    measures: &[(Codec, Measure)],
+    current: Option<Codec>,
+) -> Decision {
     let mb = |bps: f64| bps / 1e6;
     let mut estimates = Vec::new();
     let mut best: Option<(f64, Codec, f64, f64)> = None;
@@ -196,11 +207,22 @@ pub fn decide_keeping(model: Model, backend_bps: f64, parallel: f64, measures: &
 /// stored raw on the strength of the random ones sampled before them (a 512 MiB guest of
 /// random pages stored ~19 MB of its kernel and page cache raw that way, 3% more bytes than
 /// `zstd -1`'s stream; `docs/memory.md`). The codec in use is preferred, then the best ratio.
-fn free_codec(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)], current: Option<Codec>) -> Option<(Codec, f64, f64)> {
+fn free_codec(
+    backend_bps: f64,
+    parallel: f64,
+    measures: &[(Codec, Measure)],
+    current: Option<Codec>,
+) -> Option<(Codec, f64, f64)> {
     let free: Vec<(Codec, f64, f64)> = measures
         .iter()
         .filter(|(_, m)| m.raw > 0 && m.nanos > 0)
-        .map(|(c, m)| (*c, m.raw as f64 / (m.nanos as f64 / 1e9) * parallel.max(1.0), (m.stored as f64 / m.raw as f64).min(1.0)))
+        .map(|(c, m)| {
+            (
+                *c,
+                m.raw as f64 / (m.nanos as f64 / 1e9) * parallel.max(1.0),
+                (m.stored as f64 / m.raw as f64).min(1.0),
+            )
+        })
         .filter(|(_, comp, _)| CPU_HEADROOM / comp <= 1.0 / backend_bps)
         .collect();
     free.iter()

@@ -39,17 +39,16 @@ pub fn remembered_speed(dir: &std::path::Path, backend: &str) -> Option<(f64, u6
     let raw = std::fs::read(dir.join(SPEED_FILE)).ok()?;
     let r: Remembered = serde_json::from_slice(&raw).ok()?;
     let age = unix_now().checked_sub(r.measured_unix)?;
-    (r.backend == backend && age <= REMEMBER_SECS && r.bytes_per_s.is_finite() && r.bytes_per_s > 0.0)
+    (r.backend == backend
+        && age <= REMEMBER_SECS
+        && r.bytes_per_s.is_finite()
+        && r.bytes_per_s > 0.0)
         .then_some((r.bytes_per_s, age))
 }
 
 /// Remember a measured speed for the next save (best effort: a failure only costs the prior).
 pub fn remember_speed(dir: &std::path::Path, backend: &str, bytes_per_s: f64) {
-    let r = Remembered {
-        backend: backend.into(),
-        bytes_per_s,
-        measured_unix: unix_now(),
-    };
+    let r = Remembered { backend: backend.into(), bytes_per_s, measured_unix: unix_now() };
     let tmp = dir.join(format!("{SPEED_FILE}.tmp"));
     let ok = serde_json::to_vec(&r)
         .ok()

@@ -5,21 +5,14 @@ use super::*;
 
 fn m(mb_s: f64, rate: f64) -> Measure {
     // 1 MB compressed in 1/mb_s seconds to rate.
-    Measure {
-        raw: 1_000_000,
-        stored: (1_000_000.0 * rate) as u64,
-        nanos: (1e9 / mb_s) as u64,
-    }
+    Measure { raw: 1_000_000, stored: (1_000_000.0 * rate) as u64, nanos: (1e9 / mb_s) as u64 }
 }
 
 #[test]
 fn paper_table_2_numbers() {
     // Table 1 of the paper: LZO 47.43% at 105.76 MB/s, deflate 33.49% at 13.22 MB/s.
-    let d = decide(
-        12.5e6,
-        1.0,
-        &[(Codec::Lz4, m(105.76, 0.4743)), (Codec::Zstd(3), m(13.22, 0.3349))],
-    );
+    let d =
+        decide(12.5e6, 1.0, &[(Codec::Lz4, m(105.76, 0.4743)), (Codec::Zstd(3), m(13.22, 0.3349))]);
     let lzo = &d.estimates[0];
     assert!((lzo.expected_mb_s - 55.60).abs() < 0.1, "{lzo:?}");
     assert!((d.estimates[1].expected_mb_s - 8.79).abs() < 0.05);
@@ -31,10 +24,7 @@ fn paper_table_2_numbers() {
     assert_eq!(d.codec, Codec::None);
     assert!(d.why.contains("storing raw"), "{}", d.why);
     // Two workers double Speed_Comp: 2 x 105.76 x 0.5257 = 111 MB/s, still < 125.
-    assert_eq!(
-        decide(125e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec,
-        Codec::None
-    );
+    assert_eq!(decide(125e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::None);
     assert_eq!(decide(100e6, 2.0, &[(Codec::Lz4, m(105.76, 0.4743))]).codec, Codec::Lz4);
 }
 
@@ -62,7 +52,11 @@ fn the_codec_in_use_is_kept_unless_another_is_clearly_better() {
     // sampled speed to 200 MB/s makes lz4 the best by 5% (saved and restored: lz4
     // max(1.2 / 700, 0.47 / 110) + 0.47 / 110 = 8.55 s/GB, zstd:1 1.2 / 200 + 0.33 / 110 =
     // 9.00 s/GB); the codec in use stays.
-    let ms = [(Codec::Lz4, m(700.0, 0.47)), (Codec::Zstd(1), m(200.0, 0.33)), (Codec::Zstd(3), m(150.0, 0.30))];
+    let ms = [
+        (Codec::Lz4, m(700.0, 0.47)),
+        (Codec::Zstd(1), m(200.0, 0.33)),
+        (Codec::Zstd(3), m(150.0, 0.30)),
+    ];
     let fresh = decide_with(Model::Overlapped, 110e6, 1.0, &ms);
     assert_eq!(fresh.codec, Codec::Lz4, "{}", fresh.why);
     let kept = decide_keeping(Model::Overlapped, 110e6, 1.0, &ms, Some(Codec::Zstd(1)));
@@ -73,10 +67,16 @@ fn the_codec_in_use_is_kept_unless_another_is_clearly_better() {
     assert_eq!(decide_with(Model::Overlapped, 110e6, 1.0, &dip).codec, Codec::Zstd(1));
     // A codec clearly better (zstd:1 at 160 MB/s: 10.5 s/GB, 23% slower) wins.
     let slow = [(Codec::Lz4, m(700.0, 0.47)), (Codec::Zstd(1), m(160.0, 0.33))];
-    assert_eq!(decide_keeping(Model::Overlapped, 110e6, 1.0, &slow, Some(Codec::Zstd(1))).codec, Codec::Lz4);
+    assert_eq!(
+        decide_keeping(Model::Overlapped, 110e6, 1.0, &slow, Some(Codec::Zstd(1))).codec,
+        Codec::Lz4
+    );
     // A codec in use that no longer pays is dropped whatever the margin.
     let rnd = [(Codec::Lz4, m(3000.0, 1.0)), (Codec::Zstd(1), m(900.0, 1.0))];
-    assert_eq!(decide_keeping(Model::Serial, 10e6, 2.0, &rnd, Some(Codec::Zstd(1))).codec, Codec::None);
+    assert_eq!(
+        decide_keeping(Model::Serial, 10e6, 2.0, &rnd, Some(Codec::Zstd(1))).codec,
+        Codec::None
+    );
     // Same in the serial model: lz4 (4.22 s/GB) kept against zstd:1 (4.13 s/GB).
     let ms = [(Codec::Lz4, m(1200.0, 0.38)), (Codec::Zstd(1), m(600.0, 0.33))];
     assert_eq!(decide(100e6, 2.0, &ms).codec, Codec::Zstd(1));
@@ -98,7 +98,11 @@ fn overlapped_model_compresses_whenever_the_pool_outruns_the_link() {
     assert_eq!(d.codec, Codec::Lz4, "{}", d.why);
     assert!((d.estimates[0].expected_mb_s - 208.3).abs() < 0.5, "{:?}", d.estimates[0]);
     // When the link is the bottleneck, the better ratio wins even if it is slower.
-    let ms = [(Codec::Lz4, m(450.0, 0.55)), (Codec::Zstd(1), m(430.0, 0.43)), (Codec::Zstd(3), m(250.0, 0.41))];
+    let ms = [
+        (Codec::Lz4, m(450.0, 0.55)),
+        (Codec::Zstd(1), m(430.0, 0.43)),
+        (Codec::Zstd(3), m(250.0, 0.41)),
+    ];
     assert_eq!(decide_with(Model::Overlapped, 117e6, 1.0, &ms).codec, Codec::Zstd(1));
     // One core of zstd:3 is CPU-bound (250 / 1.2 = 208 MB/s < the 117 / 0.41 = 285 MB/s of
     // input the link could take); two are not (2 x 250 / 1.2 = 417 > 285), so it wins.
@@ -108,7 +112,10 @@ fn overlapped_model_compresses_whenever_the_pool_outruns_the_link() {
     assert_eq!(d.codec, Codec::None);
     assert!(d.why.contains("storing raw"), "{}", d.why);
     // Incompressible data never pays, and a codec slower than the link is not tried.
-    assert_eq!(decide_with(Model::Overlapped, 1500e6, 2.0, &[(Codec::Lz4, m(300.0, 1.0))]).codec, Codec::None);
+    assert_eq!(
+        decide_with(Model::Overlapped, 1500e6, 2.0, &[(Codec::Lz4, m(300.0, 1.0))]).codec,
+        Codec::None
+    );
 }
 
 #[test]
@@ -117,7 +124,11 @@ fn overlapped_model_keeps_compressing_through_incompressible_samples() {
     // codec pays, but trying one costs nothing (frames it cannot shrink by 1/32 are stored
     // raw), so the save keeps compressing instead of storing the next, compressible, frames
     // raw.
-    let random = [(Codec::Lz4, m(8000.0, 1.0)), (Codec::Zstd(1), m(4000.0, 1.0)), (Codec::Zstd(2), m(7000.0, 1.0))];
+    let random = [
+        (Codec::Lz4, m(8000.0, 1.0)),
+        (Codec::Zstd(1), m(4000.0, 1.0)),
+        (Codec::Zstd(2), m(7000.0, 1.0)),
+    ];
     let d = decide_with(Model::Overlapped, 110e6, 2.0, &random);
     assert!(d.estimates.iter().all(|e| !e.pays), "{d:?}");
     // None in use: the best ratio, then the fastest.
@@ -195,16 +206,15 @@ fn a_queued_link_raises_zstd1_to_zstd2_per_frame() {
     let lz = Chooser::new(CodecPolicy::Auto, 100e6, 2).with_backlog(Box::new(|| u64::MAX));
     assert_eq!(lz.codec_for(&[]), Codec::Lz4);
     // A fixed codec is never changed.
-    let f = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 100e6, 2).with_backlog(Box::new(|| u64::MAX));
+    let f = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 100e6, 2)
+        .with_backlog(Box::new(|| u64::MAX));
     assert_eq!(f.codec_for(&[]), Codec::Zstd(1));
 }
 
 #[test]
 fn chooser_measures_real_data_and_switches() {
     let c = Chooser::new(CodecPolicy::Auto, 50e6, 2);
-    let text: Vec<u8> = (0..65536u32)
-        .map(|i| b"strata memory page "[(i % 19) as usize])
-        .collect();
+    let text: Vec<u8> = (0..65536u32).map(|i| b"strata memory page "[(i % 19) as usize]).collect();
     for _ in 0..WARMUP_SAMPLES {
         assert!(c.wants_sample());
         c.codec_for(&text);
@@ -259,7 +269,8 @@ fn a_kept_start_codec_spreads_the_warm_up_samples() {
 /// codec in use stays the start codec meanwhile.
 #[test]
 fn without_warmup_samples_only_every_sample_every_frames() {
-    let c = Chooser::new(CodecPolicy::Auto, 125e6, 2).with_start(SAVE_NETWORK_START).without_warmup();
+    let c =
+        Chooser::new(CodecPolicy::Auto, 125e6, 2).with_start(SAVE_NETWORK_START).without_warmup();
     let picked: Vec<u64> = (0..3 * SAMPLE_EVERY).filter(|_| c.wants_sample()).collect();
     assert_eq!(picked, vec![SAMPLE_EVERY - 1, 2 * SAMPLE_EVERY - 1, 3 * SAMPLE_EVERY - 1]);
     assert_eq!(c.codec_for(b""), SAVE_NETWORK_START);
@@ -280,10 +291,7 @@ fn fixed_policy_never_samples() {
     assert_eq!(r.frames.get("zstd:3"), Some(&1));
     assert!(r.why.contains("forced"));
     assert_eq!("auto".parse::<CodecPolicy>().unwrap(), CodecPolicy::Auto);
-    assert_eq!(
-        "zstd:2".parse::<CodecPolicy>().unwrap(),
-        CodecPolicy::Fixed(Codec::Zstd(2))
-    );
+    assert_eq!("zstd:2".parse::<CodecPolicy>().unwrap(), CodecPolicy::Fixed(Codec::Zstd(2)));
     assert!("gzip".parse::<CodecPolicy>().is_err());
 }
 

@@ -60,10 +60,7 @@ impl Dispatch<'_, '_> {
         let data = self.new_buffer();
         let full = std::mem::replace(
             &mut self.cur,
-            Batch {
-                data,
-                pages: Vec::with_capacity(batch_capacity(self.batch_pages)),
-            },
+            Batch { data, pages: Vec::with_capacity(batch_capacity(self.batch_pages)) },
         );
         let t_send = std::time::Instant::now();
         let sent = !self.sh.failed.load(Ordering::Relaxed) && self.tx.send(full).is_ok();
@@ -94,14 +91,17 @@ impl Dispatch<'_, '_> {
 
     /// A page record arrived: hold it back if the page was sent before (precopy will likely
     /// send it again), else queue it for the pool.
-    fn page_record(&mut self, block: u32, page: u32, data: &[u8; PAGE_SIZE]) -> Result<(), SinkError> {
+    fn page_record(
+        &mut self,
+        block: u32,
+        page: u32,
+        data: &[u8; PAGE_SIZE],
+    ) -> Result<(), SinkError> {
         self.rec += 1;
         self.tick();
         let rec = self.rec;
-        let Some(word) = self
-            .seen
-            .get_mut(block as usize)
-            .and_then(|v| v.get_mut(page as usize / 64))
+        let Some(word) =
+            self.seen.get_mut(block as usize).and_then(|v| v.get_mut(page as usize / 64))
         else {
             return self.push(block, page, rec, data);
         };
@@ -126,7 +126,11 @@ impl Dispatch<'_, '_> {
     fn push(&mut self, block: u32, page: u32, rec: u64, data: &[u8]) -> Result<(), SinkError> {
         self.cur.data.extend_from_slice(data);
         self.cur.pages.push((block, page, rec));
-        let target = if self.sent < RAMP_BATCHES { (self.batch_pages / 4).max(16) } else { self.batch_pages };
+        let target = if self.sent < RAMP_BATCHES {
+            (self.batch_pages / 4).max(16)
+        } else {
+            self.batch_pages
+        };
         // A batch ends at the end of an aligned group of RUN_PAGES pages (or one group
         // later), so a group that could be a run chunk (`pool.rs`) is not cut in two.
         let n = self.cur.pages.len();
@@ -153,12 +157,12 @@ impl StreamSink for Dispatch<'_, '_> {
         match ev {
             Event::RamBlocks(blocks) => {
                 if let Some(d) = &self.sh.delta {
-                    d.set_blocks(&blocks.iter().map(|b| (b.name.clone(), b.used_len)).collect::<Vec<_>>());
+                    d.set_blocks(
+                        &blocks.iter().map(|b| (b.name.clone(), b.used_len)).collect::<Vec<_>>(),
+                    );
                 }
-                self.seen = blocks
-                    .iter()
-                    .map(|b| vec![0u64; (b.pages() as usize).div_ceil(64)])
-                    .collect();
+                self.seen =
+                    blocks.iter().map(|b| vec![0u64; (b.pages() as usize).div_ceil(64)]).collect();
                 let mut map = self.sh.map.lock();
                 map.ids = blocks.iter().map(|b| vec![ChunkId::ZERO; b.pages() as usize]).collect();
                 map.recs = blocks.iter().map(|b| vec![0u64; b.pages() as usize]).collect();
@@ -173,7 +177,11 @@ impl StreamSink for Dispatch<'_, '_> {
                 if fill == 0 {
                     self.rec += 1;
                     let bit = 1u64 << (page % 64);
-                    let seen_before = match self.seen.get_mut(block.get()).and_then(|v| v.get_mut(page as usize / 64)) {
+                    let seen_before = match self
+                        .seen
+                        .get_mut(block.get())
+                        .and_then(|v| v.get_mut(page as usize / 64))
+                    {
                         Some(w) => std::mem::replace(w, *w | bit) & bit != 0,
                         None => true,
                     };
@@ -183,7 +191,10 @@ impl StreamSink for Dispatch<'_, '_> {
                     // before can be held back: a first-time zero page (most of an idle guest's
                     // RAM, ~100k records at 512 MiB) skips the hash lookup (~2 ms of the parse
                     // thread's ~25 ms per such save, `perf`, session 38).
-                    if seen_before && !self.hot.is_empty() && self.hot.remove(&(block.0, page)).is_some() {
+                    if seen_before
+                        && !self.hot.is_empty()
+                        && self.hot.remove(&(block.0, page)).is_some()
+                    {
                         self.superseded += 1;
                     }
                     if self.zeros.len() >= 4096 {

@@ -35,7 +35,9 @@ use parking_lot::Mutex;
 
 use super::codec_choice::{thread_cpu_ns, Chooser};
 use super::delta::{Base, DeltaOutcome, DeltaSink, DeltaWorker};
-use super::stream::{Event, Limits, Parser, SinkError, StreamError, StreamInfo, StreamSink, PAGE_SIZE};
+use super::stream::{
+    Event, Limits, Parser, SinkError, StreamError, StreamInfo, StreamSink, PAGE_SIZE,
+};
 use crate::id::ChunkId;
 use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
@@ -271,7 +273,12 @@ impl PageMap {
     fn slot_tables(&self) -> Vec<Vec<(u32, u8)>> {
         let mut out = vec![Vec::new(); self.ids.len()];
         for (b, v) in self.slots.iter().enumerate() {
-            out[b] = v.iter().enumerate().filter(|(_, &s)| s != NO_SLOT).map(|(p, &s)| (p as u32, s)).collect();
+            out[b] = v
+                .iter()
+                .enumerate()
+                .filter(|(_, &s)| s != NO_SLOT)
+                .map(|(p, &s)| (p as u32, s))
+                .collect();
         }
         out
     }
@@ -319,7 +326,12 @@ impl Shared<'_> {
         if stored >= due
             && self
                 .next_flush
-                .compare_exchange(due, stored + self.flush_every, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(
+                    due,
+                    stored + self.flush_every,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
                 .is_ok()
         {
             if let Some(tx) = self.flush_tx.lock().as_ref() {
@@ -364,7 +376,9 @@ pub fn ingest<R: Read>(
         put_ns: AtomicU64::new(0),
         queue_ns: AtomicU64::new(0),
         frame_pages,
-        next_flush: AtomicU64::new(session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every),
+        next_flush: AtomicU64::new(
+            session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every,
+        ),
         flush_every: opts.flush_every,
         flush_tx: Mutex::new(None),
         // On a network backend base reads cross the link: they get a budget (`delta.rs`).
@@ -459,10 +473,7 @@ pub fn ingest<R: Read>(
                     Ok(n) => n,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(source) => {
-                        return Err(IngestError::Read {
-                            bytes: parser.bytes_fed(),
-                            source,
-                        })
+                        return Err(IngestError::Read { bytes: parser.bytes_fed(), source })
                     }
                 };
                 parser.feed(&buf[..n], &mut d).map_err(IngestError::Stream)?;
@@ -531,7 +542,8 @@ pub fn ingest<R: Read>(
             parse_queue_ms: sh.queue_ns.load(Ordering::Relaxed) as f64 / 1e6,
             pool_idle_ms: sh.idle_ns.load(Ordering::Relaxed) as f64 / 1e6,
             pool_put_ms: sh.put_ns.load(Ordering::Relaxed) as f64 / 1e6,
-            pack_writer_ms: session.store().writer_wait_ns().saturating_sub(writer_wait0) as f64 / 1e6,
+            pack_writer_ms: session.store().writer_wait_ns().saturating_sub(writer_wait0) as f64
+                / 1e6,
             flushes_ms: flush_ns.load(Ordering::Relaxed) as f64 / 1e6,
         },
         delta: sh.delta.as_ref().map(DeltaSink::outcome),

@@ -48,7 +48,13 @@ fn base_run(d: &DeltaSink<'_>, store: &Store, block: u32, p0: u32) -> Option<Chu
 /// consecutive page numbers from a multiple of [`RUN_PAGES`], none zero, all distinct, none in
 /// the store yet and all uniform. Cheap tests first: the store lookups and the entropy only
 /// for groups of the right shape.
-fn find_runs(store: &Store, batch: &Batch, ids: &[ChunkId], any_content: bool, out: &mut Vec<usize>) {
+fn find_runs(
+    store: &Store,
+    batch: &Batch,
+    ids: &[ChunkId],
+    any_content: bool,
+    out: &mut Vec<usize>,
+) {
     out.clear();
     let n = batch.pages.len();
     let mut i = 0;
@@ -73,7 +79,10 @@ fn find_runs(store: &Store, batch: &Batch, ids: &[ChunkId], any_content: bool, o
         sorted.extend_from_slice(&ids[group.clone()]);
         sorted.sort_unstable();
         let ok = sorted.windows(2).all(|w| w[0] != w[1])
-            && (any_content || batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE].chunks_exact(PAGE_SIZE).all(uniform_page))
+            && (any_content
+                || batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE]
+                    .chunks_exact(PAGE_SIZE)
+                    .all(uniform_page))
             && ids[group].iter().all(|id| !store.contains(id));
         if ok {
             out.push(i);
@@ -163,7 +172,9 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         packed_runs.clear();
         if sh.compressible_runs {
             runs.retain(|&(i, rid)| {
-                let uniform = batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE].chunks_exact(PAGE_SIZE).all(uniform_page);
+                let uniform = batch.data[i * PAGE_SIZE..(i + RUN_PAGES) * PAGE_SIZE]
+                    .chunks_exact(PAGE_SIZE)
+                    .all(uniform_page);
                 if !uniform {
                     packed_runs.push((i, rid));
                 }
@@ -177,14 +188,17 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         }
         // Frames of up to `frame_pages` non-zero pages, in stream order.
         let mut items: Vec<(ChunkId, &[u8])> = Vec::with_capacity(sh.frame_pages);
-        let pages: Vec<&[u8]> = batch.data.chunks_exact(PAGE_SIZE).take(batch.pages.len()).collect();
+        let pages: Vec<&[u8]> =
+            batch.data.chunks_exact(PAGE_SIZE).take(batch.pages.len()).collect();
         let mut ok = true;
         // The batch indices `items` span: when that is exactly their number they are
         // consecutive pages of the batch, end to end in `batch.data`, and the codec reads them
         // in place.
         let mut span: Option<(usize, usize)> = None;
         // Stores a frame of `items`: the number of them new to the store, None on failure.
-        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>, span: &mut Option<(usize, usize)>| -> Option<usize> {
+        let mut flush = |items: &mut Vec<(ChunkId, &[u8])>,
+                         span: &mut Option<(usize, usize)>|
+         -> Option<usize> {
             if items.is_empty() {
                 return Some(0);
             }
@@ -229,7 +243,9 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
         let mut as_delta: Vec<(usize, ChunkId)> = Vec::new();
         // Copies of pages inside runs of this save: (batch index, run, slot).
         let mut aliases: Vec<(usize, ChunkId, u8)> = Vec::new();
-        for (i, ((id, page), &(block, page_no, _))) in ids.iter().zip(&pages).zip(&batch.pages).enumerate() {
+        for (i, ((id, page), &(block, page_no, _))) in
+            ids.iter().zip(&pages).zip(&batch.pages).enumerate()
+        {
             if id.is_zero() || in_run[i] {
                 continue;
             }
@@ -245,7 +261,8 @@ pub(super) fn worker(sh: &Shared<'_>, rx: &Mutex<Receiver<Batch>>, free: &SyncSe
             // its map entry is then the delta record's id.
             if let Some(d) = &sh.delta {
                 if !sh.session.store().contains(id) {
-                    if let Some(rid) = dw.offer(d, sh.session, *id, block, page_no, page, read_base) {
+                    if let Some(rid) = dw.offer(d, sh.session, *id, block, page_no, page, read_base)
+                    {
                         // Unchanged since the base, where it was in a run: the run again.
                         if is_run_chunk(sh.session.store(), &rid) {
                             sh.runs.lock().insert(rid);

@@ -64,7 +64,11 @@ impl RunTable {
     }
 
     pub(super) fn stats(&self) -> RunTableStats {
-        RunTableStats { pages: self.pages.len() as u64, runs: self.runs.len() as u64, heap_bytes: self.heap_bytes() }
+        RunTableStats {
+            pages: self.pages.len() as u64,
+            runs: self.runs.len() as u64,
+            heap_bytes: self.heap_bytes(),
+        }
     }
 
     /// Heap bytes held, from the capacities: hashbrown keeps a power of two of buckets, at
@@ -109,7 +113,10 @@ mod tests {
         let s = t.stats();
         assert_eq!((s.pages, s.runs), (64, 2));
         // 64 entries need 128 buckets of 37 bytes, plus the group, plus 2+ run ids.
-        assert!(s.heap_bytes >= 128 * 37 + 16 + 64 && s.heap_bytes < 256 * 37 + 16 + 64 * 32, "{s:?}");
+        assert!(
+            s.heap_bytes >= 128 * 37 + 16 + 64 && s.heap_bytes < 256 * 37 + 16 + 64 * 32,
+            "{s:?}"
+        );
     }
 
     #[test]

@@ -12,20 +12,10 @@ fn layout() -> StreamLayout {
         version: 3,
         machine_type: Some("pc-i440fx-7.2".into()),
         config_subsections: vec![],
-        ram_section: RamSectionHeader {
-            section_id: 2,
-            instance_id: 0,
-            version_id: 4,
-        },
+        ram_section: RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
         blocks: vec![
-            RamBlock {
-                name: "pc.ram".into(),
-                used_len: 64 * 4096,
-            },
-            RamBlock {
-                name: "pc.bios".into(),
-                used_len: 4 * 4096,
-            },
+            RamBlock { name: "pc.ram".into(), used_len: 64 * 4096 },
+            RamBlock { name: "pc.bios".into(), used_len: 4 * 4096 },
         ],
     }
 }
@@ -42,7 +32,9 @@ fn tail() -> Vec<u8> {
 fn page(seed: u32) -> [u8; 4096] {
     let mut p = [0u8; 4096];
     for (i, w) in p.chunks_exact_mut(4).enumerate() {
-        w.copy_from_slice(&(seed.wrapping_mul(2654435761).wrapping_add(i as u32 % 7)).to_le_bytes());
+        w.copy_from_slice(
+            &(seed.wrapping_mul(2654435761).wrapping_add(i as u32 % 7)).to_le_bytes(),
+        );
     }
     p
 }
@@ -76,11 +68,7 @@ fn latest_record_wins_zero_pages_are_not_stored_and_dedup_counts() {
 
     let ses = store.session();
     let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2);
-    let opts = IngestOptions {
-        workers: 3,
-        batch_pages: 16,
-        ..Default::default()
-    };
+    let opts = IngestOptions { workers: 3, batch_pages: 16, ..Default::default() };
     // Feed in odd-sized reads.
     struct Slow<'a>(&'a [u8]);
     impl Read for Slow<'_> {
@@ -105,7 +93,8 @@ fn latest_record_wins_zero_pages_are_not_stored_and_dedup_counts() {
     // page(100) was superseded while held back, page(102) by a zero record: never stored.
     assert!(!store.contains(&ChunkId::of(&page(100))));
     assert_eq!(got.counters.superseded, 2);
-    let mut distinct: Vec<ChunkId> = got.maps.iter().flatten().filter(|i| !i.is_zero()).copied().collect();
+    let mut distinct: Vec<ChunkId> =
+        got.maps.iter().flatten().filter(|i| !i.is_zero()).copied().collect();
     distinct.push(ChunkId::of(&page(5)));
     distinct.sort();
     distinct.dedup();
@@ -114,10 +103,7 @@ fn latest_record_wins_zero_pages_are_not_stored_and_dedup_counts() {
     for id in &distinct {
         assert!(store.contains(id));
     }
-    assert!(
-        !store.contains(&ChunkId::of(&[0u8; 4096])),
-        "zero pages are never stored"
-    );
+    assert!(!store.contains(&ChunkId::of(&[0u8; 4096])), "zero pages are never stored");
 
     // The same stream again: everything deduplicates.
     let again = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
@@ -141,7 +127,8 @@ fn truncated_stream_is_an_error() {
     let ses = store.session();
     let chooser = Chooser::new(CodecPolicy::Auto, 100e6, 2);
     for cut in [10, 5000, bytes.len() / 2, bytes.len() - 3] {
-        let e = ingest(&bytes[..cut], &ses, &chooser, &IngestOptions::default(), &NoProgress).unwrap_err();
+        let e = ingest(&bytes[..cut], &ses, &chooser, &IngestOptions::default(), &NoProgress)
+            .unwrap_err();
         assert!(
             matches!(
                 e,
@@ -181,7 +168,12 @@ fn uniform_pages_are_told_from_compressible_ones() {
     assert!(lo > 7.7 && hi < 7.9, "random pages measure {lo:.3}..{hi:.3} bits");
     assert!(lo - RUN_UNIFORM_BITS > 0.1);
     // Text, code-like words, half-zero pages and a page whose first quarter is zero are not.
-    let text: Vec<u8> = b"The quick brown fox jumps over the lazy dog; ".iter().cycle().take(4096).copied().collect();
+    let text: Vec<u8> = b"The quick brown fox jumps over the lazy dog; "
+        .iter()
+        .cycle()
+        .take(4096)
+        .copied()
+        .collect();
     assert!(!pool::uniform_page(&text));
     assert!(!pool::uniform_page(&page(3)));
     let mut half = random_page(1);
@@ -223,11 +215,7 @@ fn aligned_groups_of_new_uniform_pages_become_one_run_chunk() {
     let ses = store.session();
     let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Lz4), 1.0, 2);
     // Batches of 24 pages (16 while ramping): a batch still ends at a group's end.
-    let opts = IngestOptions {
-        workers: 2,
-        batch_pages: 24,
-        ..Default::default()
-    };
+    let opts = IngestOptions { workers: 2, batch_pages: 24, ..Default::default() };
     let got = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
     let map = &got.maps[0];
     let run0 = ChunkId::of(&pages[..32].concat());
@@ -254,7 +242,14 @@ fn aligned_groups_of_new_uniform_pages_become_one_run_chunk() {
     let dir2 = tempfile::tempdir().unwrap();
     let store2 = Store::init_local(dir2.path(), InitOptions::default()).unwrap();
     let ses2 = store2.session();
-    let off = ingest(&bytes[..], &ses2, &chooser, &IngestOptions { runs: false, ..opts.clone() }, &NoProgress).unwrap();
+    let off = ingest(
+        &bytes[..],
+        &ses2,
+        &chooser,
+        &IngestOptions { runs: false, ..opts.clone() },
+        &NoProgress,
+    )
+    .unwrap();
     assert!(off.runs.is_empty());
     assert!(off.maps[0].iter().zip(&pages).all(|(id, p)| *id == ChunkId::of(p)));
 }
@@ -281,7 +276,9 @@ fn compressible_groups_become_runs_when_asked() {
     // [0, 32) and [32, 64) compressible, [64, 96) random, [96, 128) compressible but page 100
     // repeats page 97.
     let mut pages: Vec<[u8; 4096]> = (0..128u64)
-        .map(|i| if (64..96).contains(&i) { random_page(5000 + i) } else { page((7000 + i) as u32) })
+        .map(
+            |i| if (64..96).contains(&i) { random_page(5000 + i) } else { page((7000 + i) as u32) },
+        )
         .collect();
     pages[100] = pages[97];
     let bytes = one_block_stream(&pages);
@@ -301,7 +298,10 @@ fn compressible_groups_become_runs_when_asked() {
     let map = &got.maps[0];
     for g in 0..3usize {
         let run = ChunkId::of(&pages[g * RUN_PAGES..(g + 1) * RUN_PAGES].concat());
-        assert!(map[g * RUN_PAGES..(g + 1) * RUN_PAGES].iter().all(|id| *id == run), "group {g} is one run");
+        assert!(
+            map[g * RUN_PAGES..(g + 1) * RUN_PAGES].iter().all(|id| *id == run),
+            "group {g} is one run"
+        );
         assert_eq!(store.chunk_info(&run), Some((RUN_BYTES as u32, ChunkKind::Data)));
         assert_eq!(store.get(&run).unwrap(), pages[g * RUN_PAGES..(g + 1) * RUN_PAGES].concat());
     }
@@ -323,7 +323,14 @@ fn compressible_groups_become_runs_when_asked() {
     let dir2 = tempfile::tempdir().unwrap();
     let store2 = Store::init_local(dir2.path(), InitOptions::default()).unwrap();
     let ses2 = store2.session();
-    let off = ingest(&bytes[..], &ses2, &chooser, &IngestOptions { compressible_runs: false, ..opts.clone() }, &NoProgress).unwrap();
+    let off = ingest(
+        &bytes[..],
+        &ses2,
+        &chooser,
+        &IngestOptions { compressible_runs: false, ..opts.clone() },
+        &NoProgress,
+    )
+    .unwrap();
     assert_eq!(off.runs.len(), 1, "only the random group");
     assert_eq!(off.maps[0][5], ChunkId::of(&pages[5]));
 }
@@ -346,7 +353,13 @@ fn copies_of_run_pages_name_the_runs_slot() {
     let store = Store::init_local(dir.path(), InitOptions::default()).unwrap();
     let ses = store.session();
     let chooser = Chooser::new(CodecPolicy::Fixed(Codec::Zstd(1)), 1.0, 2);
-    let opts = IngestOptions { workers: 2, batch_pages: 128, frame_pages: 64, compressible_runs: true, ..Default::default() };
+    let opts = IngestOptions {
+        workers: 2,
+        batch_pages: 128,
+        frame_pages: 64,
+        compressible_runs: true,
+        ..Default::default()
+    };
     let got = ingest(&bytes[..], &ses, &chooser, &opts, &NoProgress).unwrap();
     let map = &got.maps[0];
     let run0 = ChunkId::of(&pages[..RUN_PAGES].concat());

@@ -75,7 +75,13 @@ impl Head {
     /// The second stage (module doc): start reads of runs covering those of `frames` that lie
     /// outside every run already started, at most `max_bytes` in [`HEAD_READS`] runs. Returns
     /// how many started.
-    pub(super) fn extend(&mut self, store: &Store, frames: Vec<Frame>, read_bytes: u64, max_bytes: u64) -> usize {
+    pub(super) fn extend(
+        &mut self,
+        store: &Store,
+        frames: Vec<Frame>,
+        read_bytes: u64,
+        max_bytes: u64,
+    ) -> usize {
         // Frames no run holds, grouped by the gap between started runs they lie in, so that no
         // new run spans a started one.
         let mut gaps: std::collections::BTreeMap<(PackId, usize), Vec<Frame>> = Default::default();
@@ -105,12 +111,18 @@ impl Head {
 
     /// An empty job per run, for the plan to fill with [`add_to_run`].
     pub(super) fn jobs(&self) -> Vec<Job> {
-        self.runs.iter().map(|&(pack, start, end)| Job { pack, start, end, frames: Vec::new() }).collect()
+        self.runs
+            .iter()
+            .map(|&(pack, start, end)| Job { pack, start, end, frames: Vec::new() })
+            .collect()
     }
 
     /// The filled jobs and their reads, first in the plan. A run the plan gave no frame to
     /// (impossible unless the maps changed under it) is dropped, its read with it.
-    pub(super) fn into_parts(self, jobs: Vec<Job>) -> (Vec<Job>, Vec<parking_lot::Mutex<Option<Early>>>) {
+    pub(super) fn into_parts(
+        self,
+        jobs: Vec<Job>,
+    ) -> (Vec<Job>, Vec<parking_lot::Mutex<Option<Early>>>) {
         jobs.into_iter()
             .zip(self.handles)
             .filter(|(j, _)| !j.frames.is_empty())
@@ -153,8 +165,11 @@ fn tree(store: &Store, id: &ChunkId) -> Option<(Tree, bool)> {
 /// [`HEAD_PAGES`] are found; if the first root came from the backend, the first leaves that
 /// could hold them are fetched together.
 fn first_pages(store: &Store, ckpt: &Checkpoint) -> (Vec<ChunkId>, bool) {
-    let Some((first, local)) = ckpt.map_roots.first().and_then(|r| tree(store, r)) else { return (Vec::new(), false) };
-    let tops = std::iter::once(Some(first)).chain(ckpt.map_roots[1..].iter().map(|r| tree(store, r).map(|(t, _)| t)));
+    let Some((first, local)) = ckpt.map_roots.first().and_then(|r| tree(store, r)) else {
+        return (Vec::new(), false);
+    };
+    let tops = std::iter::once(Some(first))
+        .chain(ckpt.map_roots[1..].iter().map(|r| tree(store, r).map(|(t, _)| t)));
     let mut ids = Vec::new();
     if !local {
         let want = HEAD_PAGES.div_ceil(LEAF_IDS).min(HEAD_LEAVES);
@@ -165,7 +180,9 @@ fn first_pages(store: &Store, ckpt: &Checkpoint) -> (Vec<ChunkId>, bool) {
                 break;
             }
         }
-        for t in par_map(&leaves, want, |leaf| tree(store, leaf).map(|(t, _)| t).ok_or(())).unwrap_or_default() {
+        for t in par_map(&leaves, want, |leaf| tree(store, leaf).map(|(t, _)| t).ok_or(()))
+            .unwrap_or_default()
+        {
             ids.extend(t.children.iter().filter(|id| !id.is_zero()));
         }
         return (ids, true);
@@ -186,14 +203,24 @@ fn first_pages(store: &Store, ckpt: &Checkpoint) -> (Vec<ChunkId>, bool) {
 
 /// Runs of whole frames (sorted by pack and offset) covering `frames`, cut as
 /// [`add_to_jobs`] cuts reads.
-pub(super) fn runs_of(mut frames: Vec<(PackId, u64, u32)>, read_bytes: u64) -> Vec<(PackId, u64, u64)> {
+pub(super) fn runs_of(
+    mut frames: Vec<(PackId, u64, u32)>,
+    read_bytes: u64,
+) -> Vec<(PackId, u64, u64)> {
     frames.sort_unstable();
     frames.dedup();
     let mut runs: Vec<(PackId, u64, u64)> = Vec::new();
     for (pack, off, len) in frames {
         let end = off + len as u64;
         match runs.last_mut() {
-            Some(r) if r.0 == pack && off >= r.2 && off - r.2 <= READ_GAP && end - r.1 <= read_bytes => r.2 = end,
+            Some(r)
+                if r.0 == pack
+                    && off >= r.2
+                    && off - r.2 <= READ_GAP
+                    && end - r.1 <= read_bytes =>
+            {
+                r.2 = end
+            }
             _ => runs.push((pack, off, end)),
         }
     }
@@ -202,7 +229,10 @@ pub(super) fn runs_of(mut frames: Vec<(PackId, u64, u32)>, read_bytes: u64) -> V
 
 /// The runs to start: largest first while under `max_bytes` and [`HEAD_READS`], returned
 /// sorted by pack and offset.
-pub(super) fn pick_runs(mut runs: Vec<(PackId, u64, u64)>, max_bytes: u64) -> Vec<(PackId, u64, u64)> {
+pub(super) fn pick_runs(
+    mut runs: Vec<(PackId, u64, u64)>,
+    max_bytes: u64,
+) -> Vec<(PackId, u64, u64)> {
     runs.sort_by_key(|r| std::cmp::Reverse(r.2 - r.1));
     let mut bytes = 0;
     let mut picked: Vec<(PackId, u64, u64)> = runs
@@ -237,7 +267,10 @@ pub(super) fn head_start(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> H
     let located_ms = t0.elapsed().as_secs_f64() * 1e3;
     let max = HEAD_BYTES.min(ckpt.manifest.stats.stored_bytes / 4);
     let runs = pick_runs(runs_of(frames, read_bytes), max);
-    let handles = runs.iter().filter_map(|&(pack, start, end)| start_read(store, pack, start, end)).collect::<Vec<_>>();
+    let handles = runs
+        .iter()
+        .filter_map(|&(pack, start, end)| start_read(store, pack, start, end))
+        .collect::<Vec<_>>();
     tracing::debug!(target: TARGET, remote_maps, leaves_ms, located_ms, started_ms = t0.elapsed().as_secs_f64() * 1e3, pages = ids.len(), "restore head start");
     if handles.len() != runs.len() {
         // No thread for some run: no head start (the handles' reads just end).

@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 /// Concurrent reads while planning: page-map leaves and pack checks are small objects, so on
 /// a remote backend their cost is round trips, not bytes (a 2 GiB guest's maps are 256 leaves).
 pub const MAP_READERS: usize = 16;
@@ -17,7 +16,8 @@ pub(crate) fn par_map<T: Sync, R: Send, E: Send>(
 ) -> Result<Vec<R>, (usize, E)> {
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let out: parking_lot::Mutex<Vec<Option<R>>> = parking_lot::Mutex::new((0..items.len()).map(|_| None).collect());
+    let out: parking_lot::Mutex<Vec<Option<R>>> =
+        parking_lot::Mutex::new((0..items.len()).map(|_| None).collect());
     let failed: parking_lot::Mutex<Option<(usize, E)>> = parking_lot::Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.clamp(1, items.len().max(1)) {
@@ -56,7 +56,11 @@ pub(super) const CHUNKS_SPAN: u64 = 2 << 20;
 /// the server a request's work, and the plan waits for the slowest). Every chunk is verified
 /// as [`Store::get`] does; a chunk not in the index, or a pack that is gone (GC moved it), is
 /// read through `Store::get`. Errors carry the index of the failing chunk.
-pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Result<Vec<Vec<u8>>, (usize, StoreError)> {
+pub(crate) fn get_chunks(
+    store: &Store,
+    ids: &[ChunkId],
+    threads: usize,
+) -> Result<Vec<Vec<u8>>, (usize, StoreError)> {
     use crate::store::pack::PackEntry;
     let mut located: Vec<(PackId, u64, usize, PackEntry)> = Vec::with_capacity(ids.len());
     let mut loose: Vec<usize> = Vec::new();
@@ -71,7 +75,10 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
     let mut spans: Vec<(PackId, Vec<(usize, PackEntry)>)> = Vec::new();
     for (pack, off, i, e) in located {
         let fits = spans.last().is_some_and(|(p, run)| {
-            *p == pack && run.first().is_some_and(|f| off + e.frame_len as u64 - f.1.frame_off <= CHUNKS_SPAN)
+            *p == pack
+                && run
+                    .first()
+                    .is_some_and(|f| off + e.frame_len as u64 - f.1.frame_off <= CHUNKS_SPAN)
         });
         if !fits {
             spans.push((pack, Vec::new()));
@@ -86,7 +93,8 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
             return get(loose[k - spans.len()]).map(|r| vec![r]);
         };
         let start = run[0].1.frame_off;
-        let end = run.iter().map(|(_, e)| e.frame_off + e.frame_len as u64).max().expect("non-empty run");
+        let end =
+            run.iter().map(|(_, e)| e.frame_off + e.frame_len as u64).max().expect("non-empty run");
         match store.backend().get_range(&pack.pack_key(), start, end - start) {
             Ok(bytes) => run
                 .iter()
@@ -103,7 +111,9 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
                             },
                         )
                     })?;
-                    crate::store::decode_chunk(frame, e, *pack).map(|d| (*i, d)).map_err(|err| (*i, err))
+                    crate::store::decode_chunk(frame, e, *pack)
+                        .map(|d| (*i, d))
+                        .map_err(|err| (*i, err))
                 })
                 .collect(),
             // GC moved the pack since the index was read: Store::get follows the move.
@@ -123,12 +133,14 @@ pub(crate) fn get_chunks(store: &Store, ids: &[ChunkId], threads: usize) -> Resu
 /// roots, then the leaves of all maps, a few ranged GETs at a time ([`get_chunks`]). Errors
 /// carry the ramblock's index. Also returns each ramblock's slot overrides, `(page, slot)` in
 /// page order, from the leaves' slot tables (version 4, `manifest::SlotTable`).
-pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Result<PageMaps, (usize, StoreError)> {
+pub(crate) fn read_maps(
+    store: &Store,
+    roots: &[ChunkId],
+    threads: usize,
+) -> Result<PageMaps, (usize, StoreError)> {
     let decode = |id: &ChunkId, raw: &[u8]| -> Result<Tree, StoreError> {
-        Tree::decode(raw).map_err(|source| StoreError::Format {
-            key: format!("chunk {id}"),
-            source,
-        })
+        Tree::decode(raw)
+            .map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
     };
     // Trees this host has a copy of (it saved or restored the checkpoint before) are not
     // fetched; fetched ones are kept for next time.
@@ -136,7 +148,8 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
     // Trees fetched from the backend, to be copied to the tree cache once the maps are whole.
     let mut fetched_trees: Vec<(ChunkId, Vec<u8>)> = Vec::new();
     let mut decode_all = |ids: &[ChunkId]| -> Result<Vec<Tree>, (usize, StoreError)> {
-        let mut raw: Vec<Option<Vec<u8>>> = ids.iter().map(|id| cache.and_then(|c| c.get(id))).collect();
+        let mut raw: Vec<Option<Vec<u8>>> =
+            ids.iter().map(|id| cache.and_then(|c| c.get(id))).collect();
         let missing: Vec<usize> = (0..ids.len()).filter(|&i| raw[i].is_none()).collect();
         if !missing.is_empty() {
             let want: Vec<ChunkId> = missing.iter().map(|&i| ids[i]).collect();
@@ -149,10 +162,13 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
             .iter()
             .zip(&raw)
             .enumerate()
-            .map(|(i, (id, r))| decode(id, r.as_deref().expect("every tree read")).map_err(|e| (i, e)))
+            .map(|(i, (id, r))| {
+                decode(id, r.as_deref().expect("every tree read")).map_err(|e| (i, e))
+            })
             .collect::<Result<Vec<Tree>, _>>()?;
         if cache.is_some() {
-            fetched_trees.extend(missing.iter().map(|&i| (ids[i], raw[i].take().expect("every tree read"))));
+            fetched_trees
+                .extend(missing.iter().map(|&i| (ids[i], raw[i].take().expect("every tree read"))));
         }
         Ok(trees)
     };
@@ -195,17 +211,27 @@ pub(crate) fn read_maps(store: &Store, roots: &[ChunkId], threads: usize) -> Res
             } else {
                 let lt = fetched.next().expect("one fetched tree per non-zero leaf");
                 if !lt.payload.is_empty() {
-                    let table = SlotTable::parse(&lt.payload, lt.children.len()).map_err(|detail| {
-                        (
-                            bi,
-                            StoreError::Format {
-                                key: format!("chunk {leaf}"),
-                                source: crate::store::format::FormatError::Malformed { what: "page map slot table", detail },
-                            },
-                        )
-                    })?;
+                    let table =
+                        SlotTable::parse(&lt.payload, lt.children.len()).map_err(|detail| {
+                            (
+                                bi,
+                                StoreError::Format {
+                                    key: format!("chunk {leaf}"),
+                                    source: crate::store::format::FormatError::Malformed {
+                                        what: "page map slot table",
+                                        detail,
+                                    },
+                                },
+                            )
+                        })?;
                     let at = out.len() as u32;
-                    over.extend(table.0.iter().filter(|&&(i, _)| (i as usize) < want).map(|&(i, slot)| (at + i as u32, slot)));
+                    over.extend(
+                        table
+                            .0
+                            .iter()
+                            .filter(|&&(i, _)| (i as usize) < want)
+                            .map(|&(i, slot)| (at + i as u32, slot)),
+                    );
                 }
                 out.extend(lt.children.into_iter().take(want));
             }

@@ -45,7 +45,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::error::MemError;
-use super::manifest::{parse_tail_tree, ref_name, valid_name, Checkpoint, SlotTable, RUN_BYTES, RUN_PAGES};
+use super::manifest::{
+    parse_tail_tree, ref_name, valid_name, Checkpoint, SlotTable, RUN_BYTES, RUN_PAGES,
+};
 use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
 use crate::codec::Codec;
 use crate::disk::map::LEAF_IDS;
@@ -68,13 +70,13 @@ mod spread;
 #[cfg(test)]
 mod tests;
 
+use head::*;
 pub(crate) use maps::par_map;
 pub(crate) use maps::read_maps;
 pub use maps::MAP_READERS;
 pub use pipeline::{prepare, stream, write_stream, Prepared};
-pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
-use head::*;
 use plan::*;
+pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
 use spread::{Spread, MAX_SLOTS};
 
 /// How to restore.
@@ -178,10 +180,7 @@ fn fetch_ref(store: &Store, name: &str) -> Result<Ref, MemError> {
 }
 
 fn checkpoint_of(name: &str, r: &Ref) -> Result<Checkpoint, MemError> {
-    Checkpoint::from_ref(r).map_err(|source| MemError::Manifest {
-        name: name.into(),
-        source,
-    })
+    Checkpoint::from_ref(r).map_err(|source| MemError::Manifest { name: name.into(), source })
 }
 
 /// Compare the target QEMU with the checkpoint: machine type and ramblocks.
@@ -190,23 +189,11 @@ pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemErr
     let path = qmp.path().to_path_buf();
     let status = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
     if status.status != "inmigrate" {
-        return Err(MemError::NotIncoming {
-            path,
-            status: status.status,
-        });
+        return Err(MemError::NotIncoming { path, status: status.status });
     }
-    let mismatch = |why: String| MemError::Mismatch {
-        name: m.name.clone(),
-        why,
-    };
-    let machine = qmp
-        .machine_type()
-        .map_err(MemError::qmp("qom-get machine type", &path))?;
-    let want = m
-        .stream
-        .machine_type
-        .clone()
-        .unwrap_or_else(|| m.qemu.machine_type.clone());
+    let mismatch = |why: String| MemError::Mismatch { name: m.name.clone(), why };
+    let machine = qmp.machine_type().map_err(MemError::qmp("qom-get machine type", &path))?;
+    let want = m.stream.machine_type.clone().unwrap_or_else(|| m.qemu.machine_type.clone());
     if machine != want {
         return Err(mismatch(format!(
             "machine type is '{machine}', the checkpoint needs '{want}' (-machine)"
@@ -216,7 +203,11 @@ pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemErr
     let mut problems = Vec::new();
     for b in &m.blocks {
         match blocks.iter().find(|t| t.name == b.name) {
-            None => problems.push(format!("ramblock '{}' ({} KiB) is missing", b.name, b.used_len >> 10)),
+            None => problems.push(format!(
+                "ramblock '{}' ({} KiB) is missing",
+                b.name,
+                b.used_len >> 10
+            )),
             Some(t) if t.used != b.used_len => problems.push(format!(
                 "ramblock '{}' is {} KiB, the checkpoint has {} KiB{}",
                 b.name,
@@ -242,10 +233,7 @@ pub fn check_target(ckpt: &Checkpoint, qmp: &mut QmpClient) -> Result<(), MemErr
 }
 
 fn page_of(ckpt: &Checkpoint, r: (u32, u32)) -> (String, u64) {
-    (
-        ckpt.manifest.blocks[r.0 as usize].name.clone(),
-        r.1 as u64 * PAGE_SIZE as u64,
-    )
+    (ckpt.manifest.blocks[r.0 as usize].name.clone(), r.1 as u64 * PAGE_SIZE as u64)
 }
 
 fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
@@ -255,22 +243,15 @@ fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
         what: what.into(),
         source,
     };
-    let raw = store
-        .get(&ckpt.tail_root)
-        .map_err(|e| dmg("device-state tail tree", e))?;
+    let raw = store.get(&ckpt.tail_root).map_err(|e| dmg("device-state tail tree", e))?;
     let tree = Tree::decode(&raw).map_err(|source| {
         dmg(
             "device-state tail tree",
-            StoreError::Format {
-                key: format!("chunk {}", ckpt.tail_root),
-                source,
-            },
+            StoreError::Format { key: format!("chunk {}", ckpt.tail_root), source },
         )
     })?;
-    let (pieces, len) = parse_tail_tree(&tree).map_err(|source| MemError::Manifest {
-        name: name.clone(),
-        source,
-    })?;
+    let (pieces, len) = parse_tail_tree(&tree)
+        .map_err(|source| MemError::Manifest { name: name.clone(), source })?;
     let mut tail = Vec::with_capacity(len as usize);
     for p in &pieces {
         tail.extend_from_slice(&store.get(p).map_err(|e| dmg("device-state tail", e))?);
@@ -291,7 +272,6 @@ fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
     }
     Ok(tail)
 }
-
 
 /// Restore checkpoint `name` into the QEMU behind `qmp` (started with `-incoming defer`).
 pub fn restore(
@@ -376,7 +356,11 @@ pub fn restore(
             let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
             fetched_ckpt = checkpoint_of(name, &r)?;
             keep_copy(&r);
-            let use_ = if store.ref_copies().is_some() { RefCopyUse::Missing } else { RefCopyUse::NotKept };
+            let use_ = if store.ref_copies().is_some() {
+                RefCopyUse::Missing
+            } else {
+                RefCopyUse::NotKept
+            };
             (&fetched_ckpt, use_, loaded_ms, check_and_prepare(&fetched_ckpt, qmp))
         }
     };
@@ -385,11 +369,8 @@ pub fn restore(
     let prepared = prepared.map_err(|_| MemError::Panic { what: "restore planner" })??;
     let path = qmp.path().to_path_buf();
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let sock = dir.join(format!(
-        "strata-in-{}-{:08x}.sock",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
+    let sock =
+        dir.join(format!("strata-in-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
     qmp.migrate_incoming(&format!("unix:{}", sock.display()))
         .map_err(MemError::qmp("migrate-incoming", &path))?;
     let _cleanup = Remove(sock.clone());
@@ -445,13 +426,7 @@ pub fn restore(
                     desc: "QEMU exited while loading; its stderr has the reason".into(),
                 })
             }
-            Err(source) => {
-                return Err(MemError::Qmp {
-                    op: "query-migrate",
-                    path,
-                    source,
-                })
-            }
+            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
         }
     }
     report.load_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -461,10 +436,7 @@ pub fn restore(
             qmp.cont().map_err(MemError::qmp("cont", &path))?;
         }
     }
-    report.vm_status = qmp
-        .query_status()
-        .map(|s| s.status)
-        .unwrap_or_else(|_| "unknown".into());
+    report.vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
     report.total_ms = t0.elapsed().as_secs_f64() * 1e3;
     tracing::info!(target: TARGET, name, total_ms = report.total_ms, "checkpoint restored");
     Ok(report)

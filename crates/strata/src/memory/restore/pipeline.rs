@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 /// Decoded frames' buffers, handed back by the writer once their pages are in the stream and
 /// taken again by the decoders: a restore touches its working set once instead of fresh memory
 /// for every frame. Fresh memory is a page fault per 4 KiB, and on a host whose free memory
@@ -18,9 +17,7 @@ pub(super) const KEPT_BUFFERS: usize = 512;
 
 impl Buffers {
     pub(super) fn new() -> Buffers {
-        Buffers {
-            free: parking_lot::Mutex::new(Vec::new()),
-        }
+        Buffers { free: parking_lot::Mutex::new(Vec::new()) }
     }
 
     pub(super) fn take(&self) -> Vec<u8> {
@@ -75,15 +72,7 @@ impl<'a> Splitter<'a> {
     pub(super) fn new(j: usize, job: &'a Job, bufs: &'a Buffers) -> Self {
         let mut buf = bufs.take();
         buf.clear();
-        Splitter {
-            j,
-            job,
-            bufs,
-            buf,
-            base: job.start,
-            f0: 0,
-            f1: 0,
-        }
+        Splitter { j, job, bufs, buf, base: job.start, f0: 0, f1: 0 }
     }
 
     /// Take arrived bytes; `emit` gets every batch they complete.
@@ -97,7 +86,8 @@ impl<'a> Splitter<'a> {
             self.buf.extend_from_slice(&piece[..n]);
             piece = &piece[n..];
             let have = self.base + self.buf.len() as u64;
-            while self.f1 < frames.len() && frames[self.f1].off + frames[self.f1].len as u64 <= have {
+            while self.f1 < frames.len() && frames[self.f1].off + frames[self.f1].len as u64 <= have
+            {
                 self.f1 += 1;
             }
             if self.f1 > self.f0 && have >= self.next_cut() {
@@ -108,13 +98,7 @@ impl<'a> Splitter<'a> {
                 rest.extend_from_slice(&self.buf[cut..]);
                 let mut bytes = std::mem::replace(&mut self.buf, rest);
                 bytes.truncate(cut);
-                emit(Batch {
-                    j: self.j,
-                    f0: self.f0,
-                    f1: self.f1,
-                    base: self.base,
-                    bytes,
-                });
+                emit(Batch { j: self.j, f0: self.f0, f1: self.f1, base: self.base, bytes });
                 self.base = end;
                 self.f0 = self.f1;
             }
@@ -157,9 +141,12 @@ pub(super) fn fetch_job(
     let mut emit = |b: Batch| open = open && send(b);
     let read = match early {
         Some(r) => r.map(|b| split.push(&b, &mut emit)),
-        None => store
-            .backend()
-            .get_range_to(&job.pack.pack_key(), job.start, job.end - job.start, &mut |piece| split.push(piece, &mut emit)),
+        None => store.backend().get_range_to(
+            &job.pack.pack_key(),
+            job.start,
+            job.end - job.start,
+            &mut |piece| split.push(piece, &mut emit),
+        ),
     };
     tracing::trace!(
         target: TARGET,
@@ -175,7 +162,11 @@ pub(super) fn fetch_job(
         Ok(()) if split.done() => None,
         Ok(()) => Some(Err((
             uid(split.f0),
-            StoreError::Backend(crate::backend::BackendError::new(crate::backend::ErrorKind::Invalid, "get_range", job.pack.pack_key())),
+            StoreError::Backend(crate::backend::BackendError::new(
+                crate::backend::ErrorKind::Invalid,
+                "get_range",
+                job.pack.pack_key(),
+            )),
         ))),
         Err(e) if e.is_not_found() => Some(fallback(store, plan, &job.frames[split.f0..])),
         Err(e) => Some(Err((uid(split.f0), StoreError::Backend(e)))),
@@ -183,17 +174,27 @@ pub(super) fn fetch_job(
 }
 
 /// Check, decompress and verify the frames of one batch.
-pub(super) fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result<Vec<Decoded>, (u32, StoreError)> {
+pub(super) fn decode_batch(
+    plan: &Plan,
+    batch: &Batch,
+    bufs: &Buffers,
+) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let job = &plan.jobs[batch.j];
     let frames = &job.frames[batch.f0..batch.f1];
     let mut out = Vec::with_capacity(frames.len());
     for f in frames {
         let a = (f.off - batch.base) as usize;
         let u0 = f.chunks[0].1;
-        let stored = batch
-            .bytes
-            .get(a..a + f.len as usize)
-            .ok_or_else(|| (u0, StoreError::Backend(crate::backend::BackendError::new(crate::backend::ErrorKind::Invalid, "get_range", job.pack.pack_key()))))?;
+        let stored = batch.bytes.get(a..a + f.len as usize).ok_or_else(|| {
+            (
+                u0,
+                StoreError::Backend(crate::backend::BackendError::new(
+                    crate::backend::ErrorKind::Invalid,
+                    "get_range",
+                    job.pack.pack_key(),
+                )),
+            )
+        })?;
         let corrupt = |u: u32, reason: String| {
             (
                 u,
@@ -222,7 +223,8 @@ pub(super) fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result
             if slot != NOT_A_RUN {
                 let start = (o as usize).checked_sub(slot as usize * PAGE_SIZE);
                 let run = start.and_then(|a| Some((a, raw.get(a..a + RUN_BYTES)?)));
-                let (a, run) = run.ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
+                let (a, run) =
+                    run.ok_or_else(|| corrupt(u, "chunk lies outside its frame".into()))?;
                 if !runs_checked.contains(&a) {
                     if ChunkId::of(run) != plan.uids[u as usize] {
                         return Err(corrupt(u, "content does not match its hash".into()));
@@ -245,11 +247,7 @@ pub(super) fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result
                 return Err(corrupt(u, "content does not match its hash".into()));
             }
         }
-        out.push(Decoded {
-            raw,
-            chunks: f.chunks.clone(),
-            read: 0,
-        });
+        out.push(Decoded { raw, chunks: f.chunks.clone(), read: 0 });
     }
     if let Some(d) = out.first_mut() {
         d.read = batch.bytes.len() as u64;
@@ -259,22 +257,27 @@ pub(super) fn decode_batch(plan: &Plan, batch: &Batch, bufs: &Buffers) -> Result
 
 /// Rebuild delta pages: each base page is read and verified, the runs applied, and the result
 /// verified against the page's id.
-pub(super) fn decode_deltas(store: &Store, plan: &Plan, uids: &[u32]) -> Result<Vec<Decoded>, (u32, StoreError)> {
+pub(super) fn decode_deltas(
+    store: &Store,
+    plan: &Plan,
+    uids: &[u32],
+) -> Result<Vec<Decoded>, (u32, StoreError)> {
     uids.iter()
         .map(|&u| {
-            let (_, page) = crate::memory::delta::rebuild(store, &plan.uids[u as usize]).map_err(|e| (u, e))?;
-            Ok(Decoded {
-                raw: page.to_vec(),
-                chunks: vec![(0, u)],
-                read: 0,
-            })
+            let (_, page) =
+                crate::memory::delta::rebuild(store, &plan.uids[u as usize]).map_err(|e| (u, e))?;
+            Ok(Decoded { raw: page.to_vec(), chunks: vec![(0, u)], read: 0 })
         })
         .collect()
 }
 
 /// The pack went away (GC repacked it after the plan was made): read chunk by chunk through
 /// the index, which follows the move.
-pub(super) fn fallback(store: &Store, plan: &Plan, frames: &[FramePlan]) -> Result<Vec<Decoded>, (u32, StoreError)> {
+pub(super) fn fallback(
+    store: &Store,
+    plan: &Plan,
+    frames: &[FramePlan],
+) -> Result<Vec<Decoded>, (u32, StoreError)> {
     let mut out = Vec::new();
     for f in frames {
         for &(_, u) in &f.chunks {
@@ -283,13 +286,17 @@ pub(super) fn fallback(store: &Store, plan: &Plan, frames: &[FramePlan]) -> Resu
             let slot = plan.slots[u as usize];
             let at = if slot == NOT_A_RUN { 0 } else { slot as u32 * PAGE_SIZE as u32 };
             if data.len() < at as usize + PAGE_SIZE {
-                return Err((u, StoreError::Corrupt { id: plan.uids[u as usize], pack: PackId::default(), offset: 0, reason: format!("chunk is {} bytes, not a page or a run", data.len()) }));
+                return Err((
+                    u,
+                    StoreError::Corrupt {
+                        id: plan.uids[u as usize],
+                        pack: PackId::default(),
+                        offset: 0,
+                        reason: format!("chunk is {} bytes, not a page or a run", data.len()),
+                    },
+                ));
             }
-            out.push(Decoded {
-                read: data.len() as u64,
-                raw: data,
-                chunks: vec![(at, u)],
-            });
+            out.push(Decoded { read: data.len() as u64, raw: data, chunks: vec![(at, u)] });
         }
     }
     Ok(out)
@@ -306,21 +313,19 @@ pub struct Prepared<'a> {
 
 /// Everything that can fail before the first byte goes to QEMU: maps, tail, missing chunks
 /// or packs.
-pub fn prepare<'a>(store: &'a Store, ckpt: &'a Checkpoint, opts: &RestoreOptions) -> Result<Prepared<'a>, MemError> {
+pub fn prepare<'a>(
+    store: &'a Store,
+    ckpt: &'a Checkpoint,
+    opts: &RestoreOptions,
+) -> Result<Prepared<'a>, MemError> {
     let t0 = Instant::now();
     let name = &ckpt.manifest.name;
-    let layout = ckpt.manifest.layout().map_err(|source| MemError::Manifest {
-        name: name.clone(),
-        source,
-    })?;
+    let layout = ckpt
+        .manifest
+        .layout()
+        .map_err(|source| MemError::Manifest { name: name.clone(), source })?;
     let plan = make_plan(store, ckpt, opts.read_bytes)?;
-    Ok(Prepared {
-        store,
-        ckpt,
-        layout,
-        plan,
-        plan_ms: t0.elapsed().as_secs_f64() * 1e3,
-    })
+    Ok(Prepared { store, ckpt, layout, plan, plan_ms: t0.elapsed().as_secs_f64() * 1e3 })
 }
 
 /// Generate the checkpoint's migration stream into `out`, every page verified first.
@@ -342,19 +347,10 @@ pub fn stream<W: Write>(
     opts: &RestoreOptions,
     progress: &dyn Progress,
 ) -> Result<(W, RestoreReport), MemError> {
-    let Prepared {
-        store,
-        ckpt,
-        layout,
-        plan,
-        plan_ms,
-    } = p;
+    let Prepared { store, ckpt, layout, plan, plan_ms } = p;
     let name = ckpt.manifest.name.clone();
     let t1 = Instant::now();
-    let gen = |source| MemError::Generate {
-        name: name.clone(),
-        source,
-    };
+    let gen = |source| MemError::Generate { name: name.clone(), source };
     let mut w = StreamWriter::new(Timed::new(out), &layout).map_err(gen)?;
     progress.phase("restoring", Some(layout.total_ram()), Unit::Bytes);
     for &(b, p) in &plan.zeros {
@@ -385,16 +381,20 @@ pub fn stream<W: Write>(
     let decode_blocked = AtomicU64::new(0);
     let result: Result<(), MemError> = std::thread::scope(|s| {
         for i in 0..fetchers {
-            let (tx, ftx, plan, next, stop, batch_bufs, blocked) = (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs, &fetch_blocked);
+            let (tx, ftx, plan, next, stop, batch_bufs, blocked) =
+                (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs, &fetch_blocked);
             std::thread::Builder::new()
                 .name(format!("strata-fetch-{i}"))
                 .spawn_scoped(s, move || loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
-                    if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed) {
+                    if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed)
+                    {
                         return;
                     }
                     let done = match plan.jobs.get(j) {
-                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| timed_send(&ftx, b, blocked)) {
+                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| {
+                            timed_send(&ftx, b, blocked)
+                        }) {
                             None => continue,
                             Some(r) => r,
                         },
@@ -409,7 +409,8 @@ pub fn stream<W: Write>(
         }
         drop(ftx);
         for i in 0..workers {
-            let (tx, frx, plan, stop, bufs, batch_bufs, blocked) = (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs, &decode_blocked);
+            let (tx, frx, plan, stop, bufs, batch_bufs, blocked) =
+                (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs, &decode_blocked);
             std::thread::Builder::new()
                 .name(format!("strata-restore-{i}"))
                 .spawn_scoped(s, move || loop {
@@ -439,7 +440,9 @@ pub fn stream<W: Write>(
             starved += t.elapsed();
             match r {
                 Ok(frames) => {
-                    let mut put = |(b, p): (u32, u32), page: &[u8; PAGE_SIZE]| w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page);
+                    let mut put = |(b, p): (u32, u32), page: &[u8; PAGE_SIZE]| {
+                        w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page)
+                    };
                     let mut n = 0u64;
                     for d in frames {
                         bytes_read += d.read;
@@ -447,7 +450,12 @@ pub fn stream<W: Write>(
                             let page: &[u8; PAGE_SIZE] = d.raw[o as usize..o as usize + PAGE_SIZE]
                                 .try_into()
                                 .expect("page-sized slice");
-                            match spread.page(plan.ref_ranges[u as usize], page, &plan.refs, &mut put) {
+                            match spread.page(
+                                plan.ref_ranges[u as usize],
+                                page,
+                                &plan.refs,
+                                &mut put,
+                            ) {
                                 Ok(k) => n += k,
                                 Err(e) => {
                                     stop.store(true, Ordering::Relaxed);
@@ -486,7 +494,9 @@ pub fn stream<W: Write>(
     result?;
     let held = spread.held();
     let n = spread
-        .finish(&plan.refs, &mut |(b, p), page| w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page))
+        .finish(&plan.refs, &mut |(b, p), page| {
+            w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page)
+        })
         .map_err(gen)?;
     progress.advance(n * PAGE_SIZE as u64);
     let pages_ms = t1.elapsed().as_secs_f64() * 1e3;

@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 /// One compressed frame to read, with the pages (unique ids) it holds.
 #[derive(Debug, Clone)]
 pub(super) struct FramePlan {
@@ -19,7 +18,14 @@ pub(super) struct FramePlan {
 impl FramePlan {
     /// The frame at `off` described by `f`, holding page `u` at `in_frame`.
     pub(super) fn new(off: u64, f: &FrameMeta, in_frame: u32, u: u32) -> FramePlan {
-        FramePlan { off, len: f.len, raw_len: f.raw_len, codec: f.codec, crc: f.crc, chunks: vec![(in_frame, u)] }
+        FramePlan {
+            off,
+            len: f.len,
+            raw_len: f.raw_len,
+            codec: f.codec,
+            crc: f.crc,
+            chunks: vec![(in_frame, u)],
+        }
     }
 }
 
@@ -39,7 +45,15 @@ pub(super) struct FrameMeta {
 /// Add unique page `u` (at `in_frame` in the frame at `off` of `pack`) to the plan's reads,
 /// which arrive in pack and offset order: same frame as the last, or the last read extended
 /// over a gap of up to 256 KiB while it stays within `read_bytes`, or a new read.
-pub(super) fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame: u32, u: u32, f: &FrameMeta, read_bytes: u64) {
+pub(super) fn add_to_jobs(
+    jobs: &mut Vec<Job>,
+    pack: PackId,
+    off: u64,
+    in_frame: u32,
+    u: u32,
+    f: &FrameMeta,
+    read_bytes: u64,
+) {
     if let Some(j) = jobs.last_mut() {
         if j.pack == pack {
             let last = j.frames.last_mut().expect("a job has a frame");
@@ -52,16 +66,16 @@ pub(super) fn add_to_jobs(jobs: &mut Vec<Job>, pack: PackId, off: u64, in_frame:
     let frame = FramePlan::new(off, f, in_frame, u);
     let end = off + f.len as u64;
     match jobs.last_mut() {
-        Some(j) if j.pack == pack && off >= j.end && off - j.end <= READ_GAP && end - j.start <= read_bytes => {
+        Some(j)
+            if j.pack == pack
+                && off >= j.end
+                && off - j.end <= READ_GAP
+                && end - j.start <= read_bytes =>
+        {
             j.end = end;
             j.frames.push(frame);
         }
-        _ => jobs.push(Job {
-            pack,
-            start: off,
-            end,
-            frames: vec![frame],
-        }),
+        _ => jobs.push(Job { pack, start: off, end, frames: vec![frame] }),
     }
 }
 
@@ -188,7 +202,8 @@ pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Op
     jobs.iter()
         .take(n)
         .map(|j| {
-            let (store, key, start, len) = (store.clone(), j.pack.pack_key(), j.start, j.end - j.start);
+            let (store, key, start, len) =
+                (store.clone(), j.pack.pack_key(), j.start, j.end - j.start);
             let h = std::thread::Builder::new()
                 .name("strata-prefetch".into())
                 .spawn(move || store.backend().get_range(&key, start, len))
@@ -198,9 +213,11 @@ pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Op
         .collect()
 }
 
-
-
-pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Result<Plan, MemError> {
+pub(super) fn make_plan(
+    store: &Store,
+    ckpt: &Checkpoint,
+    read_bytes: u64,
+) -> Result<Plan, MemError> {
     let t0 = Instant::now();
     let m = &ckpt.manifest;
     let name = &m.name;
@@ -265,8 +282,14 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
     // Maps that came over the link: the head's second stage starts now (`head.rs`).
     let mut head2_reads = 0;
     if head.remote_maps && head.pages > 0 {
-        let next: Vec<ChunkId> =
-            maps.iter().flatten().filter(|id| !id.is_zero()).skip(head.pages).take(HEAD_PAGES).copied().collect();
+        let next: Vec<ChunkId> = maps
+            .iter()
+            .flatten()
+            .filter(|id| !id.is_zero())
+            .skip(head.pages)
+            .take(HEAD_PAGES)
+            .copied()
+            .collect();
         let mut frames = Vec::with_capacity(next.len());
         store.locate_many(&next, |_, hit| {
             if let Some((pack, e)) = hit {
@@ -275,7 +298,8 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                 }
             }
         });
-        head2_reads = head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
+        head2_reads =
+            head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
     }
     let head2_ms = t0.elapsed().as_secs_f64() * 1e3;
     for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
@@ -351,7 +375,11 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
                         },
                     ));
                 }
-                let slot = if run { slot.unwrap_or((page as usize % RUN_PAGES) as u8) as usize * PAGE_SIZE } else { 0 };
+                let slot = if run {
+                    slot.unwrap_or((page as usize % RUN_PAGES) as u8) as usize * PAGE_SIZE
+                } else {
+                    0
+                };
                 hits.push((pack, e.frame_off, e.off_in_frame + slot as u32, i as u32));
                 FrameMeta {
                     len: e.frame_len,
@@ -403,7 +431,11 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             place = Some((pack, off, in_frame));
             let u = uids.len() as u32;
             uids.push(ids[i]);
-            slots.push(if frames_of[i].run { slot_maps.slot(pages[i].0 as usize, pages[i].1) } else { NOT_A_RUN });
+            slots.push(if frames_of[i].run {
+                slot_maps.slot(pages[i].0 as usize, pages[i].1)
+            } else {
+                NOT_A_RUN
+            });
             ref_ranges.push((refs.len() as u32, refs.len() as u32));
             let f = &frames_of[i];
             if f.delta {
@@ -440,13 +472,10 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
             packs.push((j.pack, j.frames[0].chunks[0].1));
         }
     }
-    let present = par_map(&packs, MAP_READERS, |(pack, _)| store.backend().head(&pack.pack_key())).map_err(|(_, e)| {
-        MemError::Store {
-            op: "pack lookup",
-            name: name.clone(),
-            source: e.into(),
-        }
-    })?;
+    let present =
+        par_map(&packs, MAP_READERS, |(pack, _)| store.backend().head(&pack.pack_key())).map_err(
+            |(_, e)| MemError::Store { op: "pack lookup", name: name.clone(), source: e.into() },
+        )?;
     for ((_, u), present) in packs.iter().zip(present) {
         if present.is_none() {
             let id = uids[*u as usize];
@@ -486,16 +515,5 @@ pub(super) fn make_plan(store: &Store, ckpt: &Checkpoint, read_bytes: u64) -> Re
         read_bytes,
         "restore planned"
     );
-    Ok(Plan {
-        uids,
-        slots,
-        ref_ranges,
-        refs,
-        zeros,
-        jobs,
-        early,
-        delta_jobs,
-        tail,
-        t0,
-    })
+    Ok(Plan { uids, slots, ref_ranges, refs, zeros, jobs, early, delta_jobs, tail, t0 })
 }

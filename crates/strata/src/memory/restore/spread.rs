@@ -114,7 +114,8 @@ impl Spread {
         refs: &[(u32, u32)],
         write: &mut dyn FnMut((u32, u32), &Page) -> Result<(), E>,
     ) -> Result<u64, E> {
-        let due = (self.later as u128 * self.uniques_done as u128 / self.uniques.max(1) as u128) as u64;
+        let due =
+            (self.later as u128 * self.uniques_done as u128 / self.uniques.max(1) as u128) as u64;
         let mut n = 0;
         while self.later_done < due {
             if !self.write_next(refs, write)? {
@@ -261,7 +262,10 @@ mod tests {
         assert_eq!(most_held, 2);
         assert_eq!(s_unspread(&counts, 2), 4);
         // Page 2 found both slots taken: all 5 of its addresses went out with it.
-        let third: Vec<_> = out[after_each[1] as usize..after_each[2] as usize].iter().filter(|x| x.2 == 2).collect();
+        let third: Vec<_> = out[after_each[1] as usize..after_each[2] as usize]
+            .iter()
+            .filter(|x| x.2 == 2)
+            .collect();
         assert_eq!(third.len(), 5);
     }
 

@@ -4,8 +4,8 @@ use super::maps::*;
 use super::pipeline::*;
 use super::*;
 use crate::backend::memory::MemoryBackend;
-use crate::disk::map::{read_map, write_map};
 use crate::backend::Backend;
+use crate::disk::map::{read_map, write_map};
 use crate::store::pack::ChunkKind;
 use crate::store::InitOptions;
 use std::sync::Arc;
@@ -13,9 +13,15 @@ use std::sync::Arc;
 #[test]
 fn concurrent_map_reads_match_read_map() {
     let d = tempfile::tempdir().unwrap();
-    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let store = Store::init(
+        Arc::new(MemoryBackend::new()),
+        &d.path().join("m.redb"),
+        InitOptions::default(),
+    )
+    .unwrap();
     let ses = store.session();
-    let ids: Vec<ChunkId> = (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<ChunkId> =
+        (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
     // Map 0: a full leaf, an all-zero leaf, a partial leaf. Map 1: one short leaf. Map 2: empty.
     let mut m0: Vec<ChunkId> = (0..LEAF_IDS).map(|i| ids[i % 40]).collect();
     m0.extend(std::iter::repeat_n(ChunkId::ZERO, LEAF_IDS));
@@ -45,13 +51,25 @@ fn map_reads_return_slot_tables() {
     use crate::disk::map::write_map_payloads;
     use crate::memory::manifest::SlotTable;
     let d = tempfile::tempdir().unwrap();
-    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let store = Store::init(
+        Arc::new(MemoryBackend::new()),
+        &d.path().join("m.redb"),
+        InitOptions::default(),
+    )
+    .unwrap();
     let ses = store.session();
-    let ids: Vec<ChunkId> = (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
+    let ids: Vec<ChunkId> =
+        (0..40u32).map(|i| ses.put(&i.to_le_bytes(), ChunkKind::Data).unwrap()).collect();
     let map: Vec<ChunkId> = (0..LEAF_IDS + 100).map(|i| ids[i % 40]).collect();
     let tables = [SlotTable(vec![(0, 5), (7, 31)]), SlotTable(vec![(99, 1)])];
     let root = write_map_payloads(&ses, &map, &mut |n| tables[n].encode(), &mut |_, _| {}).unwrap();
-    let bad_root = write_map_payloads(&ses, &map, &mut |n| if n == 1 { vec![200, 0, 1] } else { vec![] }, &mut |_, _| {}).unwrap();
+    let bad_root = write_map_payloads(
+        &ses,
+        &map,
+        &mut |n| if n == 1 { vec![200, 0, 1] } else { vec![] },
+        &mut |_, _| {},
+    )
+    .unwrap();
     store.flush().unwrap();
     let got = read_maps(&store, &[root], 2).unwrap();
     assert_eq!(got.ids[0], map);
@@ -59,18 +77,30 @@ fn map_reads_return_slot_tables() {
     assert_eq!((got.slot(0, 7), got.slot(0, 8), got.slot(0, 33)), (31, 8, 1));
     let (i, e) = read_maps(&store, &[root, bad_root], 2).unwrap_err();
     assert_eq!(i, 1);
-    assert!(crate::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"), "{}", crate::error_chain(&e));
+    assert!(
+        crate::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"),
+        "{}",
+        crate::error_chain(&e)
+    );
 }
 
 #[test]
 fn get_chunks_reads_runs_per_pack_and_verifies_each_chunk() {
     let d = tempfile::tempdir().unwrap();
     let mem = MemoryBackend::new();
-    let store = Store::init(Arc::new(mem.clone()), &d.path().join("m.redb"), InitOptions { default_codec: Codec::None, ..InitOptions::default() }).unwrap();
+    let store = Store::init(
+        Arc::new(mem.clone()),
+        &d.path().join("m.redb"),
+        InitOptions { default_codec: Codec::None, ..InitOptions::default() },
+    )
+    .unwrap();
     let ses = store.session();
-    let data = |i: u32| -> Vec<u8> { (0..64u32 << 10).map(|j| (j.wrapping_mul(2654435761) >> 13 ^ i) as u8).collect() };
+    let data = |i: u32| -> Vec<u8> {
+        (0..64u32 << 10).map(|j| (j.wrapping_mul(2654435761) >> 13 ^ i) as u8).collect()
+    };
     // Two packs, the first holding more than one CHUNKS_SPAN of chunks (several reads).
-    let mut ids: Vec<ChunkId> = (0..48).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()).collect();
+    let mut ids: Vec<ChunkId> =
+        (0..48).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()).collect();
     store.flush().unwrap();
     ids.extend((48..52).map(|i| ses.put(&data(i), ChunkKind::Data).unwrap()));
     store.flush().unwrap();
@@ -150,7 +180,10 @@ fn arriving_bytes_are_cut_into_batches_of_whole_frames() {
             }
             if b.f1 - b.f0 > 1 {
                 let f = &job.frames[b.f1 - 2];
-                assert!(f.off + f.len as u64 - b.base < BATCH_BYTES, "a batch is cut at the first frame reaching the batch size");
+                assert!(
+                    f.off + f.len as u64 - b.base < BATCH_BYTES,
+                    "a batch is cut at the first frame reaching the batch size"
+                );
             }
             next = (b.f1, end);
         }
@@ -178,7 +211,8 @@ fn reads_coalesce_per_pack_and_end_with_the_smallest() {
     add_to_jobs(&mut jobs, a, 3000 + (64 << 10), 0, 3, &meta(500), 1 << 20);
     add_to_jobs(&mut jobs, b, 0, 0, 4, &meta(300), 1 << 20);
     add_to_jobs(&mut jobs, a, 8 << 20, 0, 5, &meta(900_000), 1 << 20);
-    let spans: Vec<(PackId, u64, u64, usize)> = jobs.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+    let spans: Vec<(PackId, u64, u64, usize)> =
+        jobs.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
     assert_eq!(
         spans,
         vec![(a, 0, 3500 + (64 << 10), 3), (b, 0, 300, 1), (a, 8 << 20, (8 << 20) + 900_000, 1)]
@@ -203,7 +237,14 @@ fn reads_coalesce_per_pack_and_end_with_the_smallest() {
 
 #[test]
 fn a_packs_small_last_read_is_folded_into_the_one_before() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta: false, run: false };
+    let meta = |len: u32| FrameMeta {
+        len,
+        raw_len: 65536,
+        codec: Codec::Zstd(1),
+        crc: 0,
+        delta: false,
+        run: false,
+    };
     let (a, b, c) = (PackId([1; 16]), PackId([2; 16]), PackId([3; 16]));
     let mut jobs = Vec::new();
     // Pack a: two full 1 MiB reads and a 100 KB remainder; pack b: a full read and a
@@ -224,7 +265,8 @@ fn a_packs_small_last_read_is_folded_into_the_one_before() {
     add(&mut jobs, c, 0, 5_000);
     assert_eq!(jobs.len(), 6);
     let folded = fold_small_tails(jobs, 1 << 20);
-    let spans: Vec<(PackId, u64, u64, usize)> = folded.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
+    let spans: Vec<(PackId, u64, u64, usize)> =
+        folded.iter().map(|j| (j.pack, j.start, j.end, j.frames.len())).collect();
     assert_eq!(
         spans,
         vec![
@@ -262,23 +304,36 @@ fn par_map_keeps_order_and_reports_the_first_failure() {
 fn head_runs_are_cut_like_reads_and_claim_exactly_their_frames() {
     let (a, b) = (PackId([1; 16]), PackId([2; 16]));
     // Pack a: frames back to back, a repeat, then one past a 300 KiB gap; pack b: one frame.
-    let frames = vec![(a, 1000, 500), (a, 32, 968), (b, 32, 100), (a, 32, 968), (a, 1500 + (300 << 10), 10)];
+    let frames =
+        vec![(a, 1000, 500), (a, 32, 968), (b, 32, 100), (a, 32, 968), (a, 1500 + (300 << 10), 10)];
     let runs = runs_of(frames, 1 << 20);
-    assert_eq!(runs, vec![(a, 32, 1500), (a, 1500 + (300 << 10), 1510 + (300 << 10)), (b, 32, 132)]);
+    assert_eq!(
+        runs,
+        vec![(a, 32, 1500), (a, 1500 + (300 << 10), 1510 + (300 << 10)), (b, 32, 132)]
+    );
     // A run stops at the read size, as a planned read does.
     let tiled: Vec<(PackId, u64, u32)> = (0..10u64).map(|k| (a, 32 + k * 1000, 1000)).collect();
-    assert_eq!(runs_of(tiled, 4000).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(), vec![4000, 4000, 2000]);
+    assert_eq!(
+        runs_of(tiled, 4000).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(),
+        vec![4000, 4000, 2000]
+    );
     // Largest first while under HEAD_BYTES, at most HEAD_READS, then sorted for claims.
-    let many: Vec<(PackId, u64, u64)> = (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * (1 << 20))).collect();
+    let many: Vec<(PackId, u64, u64)> =
+        (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * (1 << 20))).collect();
     let picked = pick_runs(many.clone(), HEAD_BYTES);
     let sizes: Vec<u64> = picked.iter().map(|r| (r.2 - r.1) >> 20).collect();
     assert!(picked.len() <= HEAD_READS && picked.windows(2).all(|w| w[0] < w[1]), "{picked:?}");
     assert_eq!(sizes, vec![20], "the largest run alone reaches HEAD_BYTES");
     let sizes: Vec<u64> = pick_runs(many, 50 << 20).iter().map(|r| (r.2 - r.1) >> 20).collect();
     assert_eq!(sizes, vec![18, 19, 20], "20 + 19 < 50 MiB: a third starts, then no more");
-    let small: Vec<(PackId, u64, u64)> = (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * 1000)).collect();
+    let small: Vec<(PackId, u64, u64)> =
+        (0..20u64).map(|k| (PackId([k as u8; 16]), 32, 32 + (k + 1) * 1000)).collect();
     let want: Vec<u64> = (20 - HEAD_READS as u64 + 1..=20).map(|k| k * 1000).collect();
-    assert_eq!(pick_runs(small, HEAD_BYTES).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(), want, "at most HEAD_READS");
+    assert_eq!(
+        pick_runs(small, HEAD_BYTES).iter().map(|r| r.2 - r.1).collect::<Vec<_>>(),
+        want,
+        "at most HEAD_READS"
+    );
     assert!(pick_runs(vec![(a, 32, 132)], 0).is_empty(), "nothing when nothing may be read");
     // Claims: a frame inside a run (its first byte in [start, end)) belongs to it; none other.
     let head = Head::with_runs(runs.clone());
@@ -295,7 +350,14 @@ fn head_runs_are_cut_like_reads_and_claim_exactly_their_frames() {
 
 #[test]
 fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
-    let meta = |len: u32| FrameMeta { len, raw_len: 131072, codec: Codec::Zstd(1), crc: 0, delta: false, run: false };
+    let meta = |len: u32| FrameMeta {
+        len,
+        raw_len: 131072,
+        codec: Codec::Zstd(1),
+        crc: 0,
+        delta: false,
+        run: false,
+    };
     let packs: Vec<PackId> = (1..=3u8).map(|k| PackId([k; 16])).collect();
     // 3 packs of 40 frames of 50,000 bytes; page u is in frame u / 4 (in pack order).
     let frame_of = |u: u32| -> (PackId, u64) {
@@ -303,11 +365,13 @@ fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
         (packs[(f / 40) as usize], 32 + (f % 40) * 50_000)
     };
     // The head start saw pages 0..200 (frames 0..50 of the first two packs).
-    let head_frames: Vec<(PackId, u64, u32)> = (0..200).map(|u| (frame_of(u).0, frame_of(u).1, 50_000)).collect();
+    let head_frames: Vec<(PackId, u64, u32)> =
+        (0..200).map(|u| (frame_of(u).0, frame_of(u).1, 50_000)).collect();
     let head = Head::with_runs(pick_runs(runs_of(head_frames, 1 << 20), HEAD_BYTES));
     let mut head_jobs = head.jobs();
     let mut jobs = Vec::new();
-    let mut hits: Vec<(PackId, u64, u32, u32)> = (0..480).map(|u| (frame_of(u).0, frame_of(u).1, (u % 4) * 4096, u)).collect();
+    let mut hits: Vec<(PackId, u64, u32, u32)> =
+        (0..480).map(|u| (frame_of(u).0, frame_of(u).1, (u % 4) * 4096, u)).collect();
     hits.sort_unstable();
     for (pack, off, in_frame, u) in hits {
         match head.claim(pack, off) {
@@ -325,12 +389,21 @@ fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
     for (k, j) in all.iter().enumerate() {
         assert!(!j.frames.is_empty());
         for f in &j.frames {
-            assert!(f.off >= j.start && f.off + f.len as u64 <= j.end, "read {k}: frame at {} outside {}..{}", f.off, j.start, j.end);
+            assert!(
+                f.off >= j.start && f.off + f.len as u64 <= j.end,
+                "read {k}: frame at {} outside {}..{}",
+                f.off,
+                j.start,
+                j.end
+            );
             assert!(seen.insert((j.pack, f.off)), "frame at {} of {:?} read twice", f.off, j.pack);
             pages += f.chunks.len();
         }
         if k < n_head {
-            assert_eq!((j.start, j.end), (j.frames[0].off, j.frames.last().map(|f| f.off + f.len as u64).unwrap()));
+            assert_eq!(
+                (j.start, j.end),
+                (j.frames[0].off, j.frames.last().map(|f| f.off + f.len as u64).unwrap())
+            );
         }
     }
     assert_eq!(pages, 480);
@@ -340,7 +413,12 @@ fn with_a_head_start_every_frame_is_read_once_and_the_head_reads_come_first() {
 #[test]
 fn a_second_head_stage_reads_only_outside_the_first_and_keeps_runs_disjoint() {
     let d = tempfile::tempdir().unwrap();
-    let store = Store::init(Arc::new(MemoryBackend::new()), &d.path().join("m.redb"), InitOptions::default()).unwrap();
+    let store = Store::init(
+        Arc::new(MemoryBackend::new()),
+        &d.path().join("m.redb"),
+        InitOptions::default(),
+    )
+    .unwrap();
     let (a, b) = (PackId([1; 16]), PackId([2; 16]));
     let mut head = Head::with_runs(vec![(a, 1000, 2000)]);
     // Two frames the first stage reads, one before and one after it in the same pack (close

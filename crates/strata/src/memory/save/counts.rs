@@ -29,7 +29,13 @@ pub(super) struct PageCounts {
 pub(super) fn count_pages(maps: &[Vec<ChunkId>], runs: &HashSet<ChunkId>) -> PageCounts {
     let prefix = |id: &ChunkId| u64::from_be_bytes(id.as_bytes()[..8].try_into().expect("8 bytes"));
     // Slot of the page at `i`, or RUN_PAGES for a page chunk.
-    let slot = |id: &ChunkId, i: u32| if runs.contains(id) { i % RUN_PAGES as u32 } else { RUN_PAGES as u32 };
+    let slot = |id: &ChunkId, i: u32| {
+        if runs.contains(id) {
+            i % RUN_PAGES as u32
+        } else {
+            RUN_PAGES as u32
+        }
+    };
     let mut keys: Vec<(u64, u32, u32)> = Vec::new();
     let mut per_block = vec![(0u64, 0u64); maps.len()];
     let (mut zero, mut data, mut run_pages) = (0u64, 0u64, 0u64);

@@ -33,7 +33,12 @@ pub(super) struct Listing {
 
 impl Listing {
     /// Start listing the refs on a helper thread.
-    pub(super) fn start(store: &Store, rname: &str, name: &str, replace: bool) -> Result<Listing, MemError> {
+    pub(super) fn start(
+        store: &Store,
+        rname: &str,
+        name: &str,
+        replace: bool,
+    ) -> Result<Listing, MemError> {
         let (store, rname) = (store.clone(), rname.to_string());
         let handle = std::thread::Builder::new()
             .name("strata-save-list".into())
@@ -50,7 +55,11 @@ impl Listing {
     /// Before QEMU is changed: whether any checkpoint exists, once the answer is in, waiting
     /// for it if it can change the save ([`needs_answer`]); `None` when the save goes on
     /// without it. A taken name fails here if the answer is in.
-    pub(super) fn before_migrate(&mut self, store: &Store, base: &BasePolicy) -> Result<Option<bool>, MemError> {
+    pub(super) fn before_migrate(
+        &mut self,
+        store: &Store,
+        base: &BasePolicy,
+    ) -> Result<Option<bool>, MemError> {
         let pending = self.handle.as_ref().is_some_and(|h| !h.is_finished());
         if pending && !needs_answer(store, base) {
             tracing::debug!(target: TARGET, name = %self.name, "save: listing still running; checked during the stream");

@@ -53,7 +53,8 @@ fn accept(listener: &UnixListener, conn: &Conn, timeout: Duration) -> Result<Uni
                 }
                 // Wake as soon as QEMU connects (a sleep-and-retry loop cost a save up to its
                 // sleep before the first byte), and every 20 ms to look at cancel and timeout.
-                let mut pfd = libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let mut pfd =
+                    libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd for the duration of the call.
                 unsafe { libc::poll(&mut pfd, 1, 20) };
             }
@@ -132,11 +133,8 @@ pub(super) fn run(
     let path = qmp.path().to_path_buf();
     let q = |op| MemError::qmp(op, &path);
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let sock = dir.join(format!(
-        "strata-mig-{}-{:08x}.sock",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
+    let sock =
+        dir.join(format!("strata-mig-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
     let listener = UnixListener::bind(&sock).map_err(|source| MemError::Io {
         op: "listen",
         path: sock.clone(),
@@ -147,11 +145,8 @@ pub(super) fn run(
     let st = store.stats();
     let raw_before = st.raw_bytes_new.load(Ordering::Relaxed);
     let stored_before = st.stored_bytes_new.load(Ordering::Relaxed);
-    let conn = Conn {
-        stream: Mutex::new(None),
-        cancel: AtomicBool::new(false),
-        bytes: AtomicU64::new(0),
-    };
+    let conn =
+        Conn { stream: Mutex::new(None), cancel: AtomicBool::new(false), bytes: AtomicU64::new(0) };
     qmp.take_events();
 
     // The settings, `stop` (a save of a running guest) and `migrate` go in one write: one
@@ -222,7 +217,9 @@ pub(super) fn run(
     let info = match (src, rx) {
         (Ok(info), Ok(ing)) => (info, ing),
         // The store failed first and we cut the stream: QEMU's failure is only the echo.
-        (Err(_), Err(RxError::Ingest(e @ IngestError::Store(_), bytes))) => return Err(ingest_error(e, name, bytes)),
+        (Err(_), Err(RxError::Ingest(e @ IngestError::Store(_), bytes))) => {
+            return Err(ingest_error(e, name, bytes))
+        }
         (Err(e), _) => return Err(e),
         (Ok(_), Err(RxError::NoConnection)) => {
             return Err(MemError::NoConnection {
@@ -231,11 +228,7 @@ pub(super) fn run(
             })
         }
         (Ok(_), Err(RxError::Accept(source))) => {
-            return Err(MemError::Io {
-                op: "accept",
-                path: sock.clone(),
-                source,
-            })
+            return Err(MemError::Io { op: "accept", path: sock.clone(), source })
         }
         (Ok(_), Err(RxError::Ingest(e, bytes))) => return Err(ingest_error(e, name, bytes)),
     };
@@ -246,58 +239,34 @@ pub(super) fn run(
     // Collect STOP/RESUME events that arrived with the last replies.
     let _ = qmp.poll_events(Duration::from_millis(0));
     let events = qmp.take_events();
-    let pause_ms = if opts.mode == Mode::Save {
-        None
-    } else {
-        pause_from_events(&events)
-    };
+    let pause_ms = if opts.mode == Mode::Save { None } else { pause_from_events(&events) };
     let downtime_ms = match (opts.mode, t_stop) {
         (Mode::Save, Some(t)) => t.elapsed().as_secs_f64() * 1e3,
         (Mode::Save, None) => 0.0,
-        _ => mig
-            .and_then(|m| m.downtime_ms)
-            .map(|d| d as f64)
-            .or(pause_ms)
-            .unwrap_or(0.0),
+        _ => mig.and_then(|m| m.downtime_ms).map(|d| d as f64).or(pause_ms).unwrap_or(0.0),
     };
     tracing::debug!(target: TARGET, name, downtime_ms, ?pause_ms, since_start_ms = t0.elapsed().as_millis() as u64, "stream received");
     Ok((
         ingested,
-        Timing {
-            session,
-            raw_before,
-            stored_before,
-            downtime_ms,
-            pause_ms,
-            migrate_ms,
-            setup_ms,
-        },
+        Timing { session, raw_before, stored_before, downtime_ms, pause_ms, migrate_ms, setup_ms },
     ))
 }
 
 fn ingest_error(e: IngestError, name: &str, bytes: u64) -> MemError {
     match e {
-        IngestError::Store(source) => MemError::Store {
-            op: "page write",
-            name: name.into(),
-            source,
-        },
-        IngestError::Stream(source @ crate::memory::stream::StreamError::Truncated { .. }) if bytes > 0 => {
-            // A cut stream: most likely QEMU died; the parse error carries the offset.
-            MemError::Stream {
-                name: name.into(),
-                source,
-            }
+        IngestError::Store(source) => {
+            MemError::Store { op: "page write", name: name.into(), source }
         }
-        IngestError::Stream(source) => MemError::Stream {
-            name: name.into(),
-            source,
-        },
-        IngestError::Read { source, .. } => MemError::Io {
-            op: "read of the migration stream",
-            path: PathBuf::from(name),
-            source,
-        },
+        IngestError::Stream(source @ crate::memory::stream::StreamError::Truncated { .. })
+            if bytes > 0 =>
+        {
+            // A cut stream: most likely QEMU died; the parse error carries the offset.
+            MemError::Stream { name: name.into(), source }
+        }
+        IngestError::Stream(source) => MemError::Stream { name: name.into(), source },
+        IngestError::Read { source, .. } => {
+            MemError::Io { op: "read of the migration stream", path: PathBuf::from(name), source }
+        }
         IngestError::Panic => MemError::Panic { what: "pipeline" },
     }
 }
@@ -320,19 +289,13 @@ fn wait_source<T>(
     check: &mut dyn FnMut() -> Result<(), MemError>,
 ) -> Result<Option<crate::qmp::MigrationInfo>, MemError> {
     let path = qmp.path().to_path_buf();
-    let died = |_| MemError::SourceDied {
-        name: name.into(),
-        bytes: conn.bytes.load(Ordering::Relaxed),
-    };
+    let died =
+        |_| MemError::SourceDied { name: name.into(), bytes: conn.bytes.load(Ordering::Relaxed) };
     // Its reply was read ahead with the settings' (`run`).
     if let Err(e) = qmp.migrate(&format!("unix:{}", sock.display())) {
         return Err(match e {
             QmpError::Closed { .. } => died(0),
-            source => MemError::Qmp {
-                op: "migrate",
-                path,
-                source,
-            },
+            source => MemError::Qmp { op: "migrate", path, source },
         });
     }
     loop {
@@ -343,19 +306,16 @@ fn wait_source<T>(
                     return Err(MemError::SourceFailed {
                         name: name.into(),
                         status: info.status.clone(),
-                        desc: info.error_desc.clone().unwrap_or_else(|| "QEMU gave no reason".into()),
+                        desc: info
+                            .error_desc
+                            .clone()
+                            .unwrap_or_else(|| "QEMU gave no reason".into()),
                     })
                 }
                 _ => {}
             },
             Err(QmpError::Closed { .. }) => return Err(died(0)),
-            Err(source) => {
-                return Err(MemError::Qmp {
-                    op: "query-migrate",
-                    path,
-                    source,
-                })
-            }
+            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
         }
         // A check that came back during the stream (the ref listing, `listing.rs`) can stop
         // the save: the migration is cancelled and the caller resumes the guest.

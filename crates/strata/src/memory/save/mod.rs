@@ -36,21 +36,26 @@ use parking_lot::Mutex;
 use serde_json::Value;
 
 use super::codec_choice::{
-    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser, Model, CodecPolicy, CANDIDATES,
-    DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES, SAVE_NETWORK_START,
+    metered_speed, probe_backend, remember_speed, remembered_speed, usable_cores, Chooser,
+    CodecPolicy, Model, CANDIDATES, DEFAULT_NETWORK_BPS, NETWORK_START, PROBE_BYTES,
+    SAVE_NETWORK_START,
 };
 use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
-    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode, QemuInfo, SaveStats, REF_PREFIX,
-    StreamMeta, SlotTable, TailMeta, FORMAT, TAIL_CHUNK, VERSION, VERSION_NO_RUNS, VERSION_RUNS,
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode,
+    QemuInfo, SaveStats, SlotTable, StreamMeta, TailMeta, FORMAT, REF_PREFIX, TAIL_CHUNK, VERSION,
+    VERSION_NO_RUNS, VERSION_RUNS,
 };
 use crate::codec::Codec;
 use crate::disk::map::{write_map_payloads, LEAF_IDS};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
-use crate::qmp::{machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient, QmpError, QmpEvent, Request};
+use crate::qmp::{
+    machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient,
+    QmpError, QmpEvent, Request,
+};
 use crate::store::pack::ChunkKind;
 use crate::store::{Session, Store};
 
@@ -192,7 +197,9 @@ struct PendingLease(Option<std::thread::JoinHandle<LeaseResult>>);
 
 impl PendingLease {
     /// The lease (None: the store needs none); `Err(None)` if the helper panicked.
-    fn wait(&mut self) -> Result<Option<crate::store::lease::LeaseGuard>, Option<crate::store::StoreError>> {
+    fn wait(
+        &mut self,
+    ) -> Result<Option<crate::store::lease::LeaseGuard>, Option<crate::store::StoreError>> {
         match self.0.take().map(|h| h.join()) {
             Some(Ok(r)) => r.map_err(Some),
             Some(Err(_)) | None => Err(None),
@@ -245,10 +252,9 @@ impl Restorer {
     /// Put the settings back, in one round trip, with a `query-status` read ahead for the
     /// caller's next step.
     fn put_back(&self, qmp: &mut QmpClient) {
-        let set = self.max_bandwidth.map(|bw| MigrateParameters {
-            max_bandwidth: Some(bw),
-            ..Default::default()
-        });
+        let set = self
+            .max_bandwidth
+            .map(|bw| MigrateParameters { max_bandwidth: Some(bw), ..Default::default() });
         let mut reqs: Vec<Request> = Vec::new();
         if let Some(r) = set.as_ref().and_then(|p| p.request().ok()) {
             reqs.push(r);
@@ -323,24 +329,25 @@ fn save_inner(
     // The pool's zstd contexts are warmed (their workspaces allocated and page-faulted) on a
     // helper thread while the QMP set-up below goes back and forth, not on the first frames.
     let levels: Vec<i32> = match opts.codec {
-        CodecPolicy::Auto => CANDIDATES.iter().filter_map(|c| if let Codec::Zstd(l) = *c { Some(l) } else { None }).collect(),
+        CodecPolicy::Auto => CANDIDATES
+            .iter()
+            .filter_map(|c| if let Codec::Zstd(l) = *c { Some(l) } else { None })
+            .collect(),
         CodecPolicy::Fixed(Codec::Zstd(l)) => vec![l],
         CodecPolicy::Fixed(_) => vec![],
     };
     if !levels.is_empty() {
         let per_level = opts.ingest.workers.max(1);
-        let _ = std::thread::Builder::new()
-            .name("strata-zstd-warm".into())
-            .spawn(move || {
-                // Below the set-up's own threads and QEMU, which answer the queries on the
-                // critical path; the host has idle CPU while those round trips go on.
-                // SAFETY: a plain syscall on the calling thread; failure leaves the priority.
-                unsafe {
-                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-                }
-                crate::codec::prewarm_zstd(&levels, per_level)
-            });
+        let _ = std::thread::Builder::new().name("strata-zstd-warm".into()).spawn(move || {
+            // Below the set-up's own threads and QEMU, which answer the queries on the
+            // critical path; the host has idle CPU while those round trips go on.
+            // SAFETY: a plain syscall on the calling thread; failure leaves the priority.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+            }
+            crate::codec::prewarm_zstd(&levels, per_level)
+        });
     }
     // One writer per checkpoint name, across hosts (docs/backends.md). The listing (is the
     // name taken, could any checkpoint be a delta base) is a backend round trip run beside the
@@ -373,10 +380,7 @@ fn save_inner(
         sent.map_err(q("query-migrate"))?;
         let mig = qmp.query_migrate().map_err(q("query-migrate"))?;
         if ACTIVE.contains(&mig.status.as_str()) {
-            return Err(MemError::Busy {
-                path: path.clone(),
-                status: mig.status,
-            });
+            return Err(MemError::Busy { path: path.clone(), status: mig.status });
         }
         // One query serves the check and the restore of the settings at the end.
         let caps = qmp.query_migrate_capabilities().map_err(q("capability check"))?;
@@ -419,7 +423,8 @@ fn save_inner(
     let mut with_base = opts.clone();
     with_base.ingest.base = base.map(std::sync::Arc::new);
     if opts.mode == Mode::Save {
-        with_base.ingest.queue_bytes = with_base.ingest.queue_bytes.min(super::ingest::SAVE_QUEUE_BYTES);
+        with_base.ingest.queue_bytes =
+            with_base.ingest.queue_bytes.min(super::ingest::SAVE_QUEUE_BYTES);
         // Only where the caller kept the default: tests and benches may pin a frame size.
         if network && with_base.ingest.frame_pages == super::ingest::FRAME_PAGES {
             with_base.ingest.frame_pages = super::ingest::SAVE_NETWORK_FRAME_PAGES;
@@ -432,11 +437,14 @@ fn save_inner(
     let workers = opts.ingest.workers.max(1);
     let (backend_bps, prior_from) = match (probe, remembered) {
         (Some(probe), _) => {
-            let bps = probe.join().map_err(|_| MemError::Panic { what: "backend probe" })?.map_err(|e| MemError::Store {
-                op: "backend probe",
-                name: name.into(),
-                source: e.into(),
-            })?;
+            let bps = probe
+                .join()
+                .map_err(|_| MemError::Panic { what: "backend probe" })?
+                .map_err(|e| MemError::Store {
+                    op: "backend probe",
+                    name: name.into(),
+                    source: e.into(),
+                })?;
             progress.note(&format!(
                 "backend writes {:.0} MB/s (put + sync of {} MiB)",
                 bps / 1e6,
@@ -462,7 +470,8 @@ fn save_inner(
     // core there made zstd:1 look CPU-bound on a dip of its samples and handed 128 MiB saves
     // to lz4, which was slower both ways in every forced run (docs/memory.md). A live
     // checkpoint's guest keeps running, so it keeps `usable_cores`.
-    let cores = if network && opts.mode == Mode::Save { workers } else { usable_cores(local).min(workers) };
+    let cores =
+        if network && opts.mode == Mode::Save { workers } else { usable_cores(local).min(workers) };
     let chooser = Chooser::new(opts.codec, backend_bps, cores)
         .with_meter(meter, &prior_from)
         .with_model(model);
@@ -493,18 +502,29 @@ fn save_inner(
         });
     }
     let result = (|| {
-        let set = MigrateParameters {
-            max_bandwidth: Some(opts.max_bandwidth),
-            ..Default::default()
-        };
-        let mut settings: Vec<Request> = vec![set.request().map_err(q("migrate-set-parameters"))?];
+        let set =
+            MigrateParameters { max_bandwidth: Some(opts.max_bandwidth), ..Default::default() };
+        let mut settings: Vec<Request> =
+            vec![set.request().map_err(q("migrate-set-parameters"))?];
         if restorer.background_snapshot.is_some() {
             settings.push(set_capabilities_request(&[("background-snapshot", want_bg)]));
         }
         // The settings go out in one write with `stop` and `migrate` (`run`).
         let mut on_migrating = || lease.0 = take_lease(store, &rname);
         let mut check = || listing.poll();
-        run(store, qmp, name, opts, &chooser, status.running, &settings, &mut on_migrating, &mut check, progress, t0)
+        run(
+            store,
+            qmp,
+            name,
+            opts,
+            &chooser,
+            status.running,
+            &settings,
+            &mut on_migrating,
+            &mut check,
+            progress,
+            t0,
+        )
     })();
     restorer.put_back(qmp);
     // A failed save must not leave a running desktop paused: from here until the ref is
@@ -513,18 +533,17 @@ fn save_inner(
     let mut resume = ResumeOnError { qmp, armed: status.running };
     let (ingested, timing) = result?;
     listing.finish()?;
-    let vm_status = resume
-        .qmp
-        .query_status()
-        .map(|s| s.status)
-        .unwrap_or_else(|_| "unknown".into());
+    let vm_status =
+        resume.qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
 
     // 5. Maps, tail, manifest, ref.
     let t_commit = Instant::now();
     progress.phase("committing", None, Unit::Items);
     let ses = &timing.session;
     let layout = &ingested.info.layout;
-    if let Some((bi, &(missing, first))) = ingested.missing.iter().enumerate().find(|(_, m)| m.0 > 0) {
+    if let Some((bi, &(missing, first))) =
+        ingested.missing.iter().enumerate().find(|(_, m)| m.0 > 0)
+    {
         return Err(MemError::Incomplete {
             name: name.into(),
             block: layout.blocks[bi].name.clone(),
@@ -539,72 +558,81 @@ fn save_inner(
     let mut kept: Vec<(ChunkId, Vec<u8>)> = Vec::new();
     let keeping = store.tree_cache().is_some();
     let tail = &ingested.info.tail;
-    let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages, run_pages) = std::thread::scope(|s| {
-        let maps = &ingested.maps;
-        let slot_tables = &ingested.slots;
-        let kept = &mut kept;
-        let writer = s.spawn(move || -> Result<(Vec<ChunkId>, f64), MemError> {
-            let t = Instant::now();
-            let roots = maps
+    let (map_roots, tail_root, blocks, unique_total, zero_pages, data_pages, run_pages) =
+        std::thread::scope(|s| {
+            let maps = &ingested.maps;
+            let slot_tables = &ingested.slots;
+            let kept = &mut kept;
+            let writer = s.spawn(move || -> Result<(Vec<ChunkId>, f64), MemError> {
+                let t = Instant::now();
+                let roots = maps
+                    .iter()
+                    .enumerate()
+                    .map(|(bi, ids)| {
+                        // This host keeps a copy, so restoring here needs no map from the link:
+                        // collected here, written to the tree cache beside the commit below.
+                        let mut keep = |id: ChunkId, raw: Vec<u8>| {
+                            if keeping {
+                                kept.push((id, raw))
+                            }
+                        };
+                        // Each leaf's slot table (version 4): its pages' entries, by index.
+                        let over = slot_tables.get(bi).map(Vec::as_slice).unwrap_or_default();
+                        let mut payload = |leaf: usize| -> Vec<u8> {
+                            let (lo, hi) =
+                                ((leaf * LEAF_IDS) as u32, ((leaf + 1) * LEAF_IDS) as u32);
+                            let a = over.partition_point(|&(p, _)| p < lo);
+                            let b = over.partition_point(|&(p, _)| p < hi);
+                            SlotTable(
+                                over[a..b]
+                                    .iter()
+                                    .map(|&(p, slot)| ((p - lo) as u16, slot))
+                                    .collect(),
+                            )
+                            .encode()
+                        };
+                        write_map_payloads(ses, ids, &mut payload, &mut keep)
+                            .map_err(MemError::store("page map write", name))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((roots, t.elapsed().as_secs_f64() * 1e3))
+            });
+            let tail_writer = s.spawn(move || -> Result<(ChunkId, f64), MemError> {
+                let t = Instant::now();
+                let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
+                for piece in tail.chunks(TAIL_CHUNK) {
+                    pieces.push(
+                        ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3))
+                            .map_err(MemError::store("tail write", name))?,
+                    );
+                }
+                let root = ses
+                    .put_tree(&tail_tree(pieces, tail.len() as u64))
+                    .map_err(MemError::store("tail write", name))?;
+                Ok((root, t.elapsed().as_secs_f64() * 1e3))
+            });
+            let t_count = Instant::now();
+            let counts = count_pages(maps, &ingested.runs);
+            let blocks: Vec<BlockMeta> = layout
+                .blocks
                 .iter()
-                .enumerate()
-                .map(|(bi, ids)| {
-                    // This host keeps a copy, so restoring here needs no map from the link:
-                    // collected here, written to the tree cache beside the commit below.
-                    let mut keep = |id: ChunkId, raw: Vec<u8>| {
-                        if keeping {
-                            kept.push((id, raw))
-                        }
-                    };
-                    // Each leaf's slot table (version 4): its pages' entries, by index.
-                    let over = slot_tables.get(bi).map(Vec::as_slice).unwrap_or_default();
-                    let mut payload = |leaf: usize| -> Vec<u8> {
-                        let (lo, hi) = ((leaf * LEAF_IDS) as u32, ((leaf + 1) * LEAF_IDS) as u32);
-                        let a = over.partition_point(|&(p, _)| p < lo);
-                        let b = over.partition_point(|&(p, _)| p < hi);
-                        SlotTable(over[a..b].iter().map(|&(p, slot)| ((p - lo) as u16, slot)).collect()).encode()
-                    };
-                    write_map_payloads(ses, ids, &mut payload, &mut keep).map_err(MemError::store("page map write", name))
+                .zip(&counts.per_block)
+                .map(|(b, &(zero_pages, unique_pages))| BlockMeta {
+                    name: b.name.clone(),
+                    used_len: b.used_len,
+                    zero_pages,
+                    unique_pages,
                 })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((roots, t.elapsed().as_secs_f64() * 1e3))
-        });
-        let tail_writer = s.spawn(move || -> Result<(ChunkId, f64), MemError> {
-            let t = Instant::now();
-            let mut pieces = Vec::with_capacity(tail.len().div_ceil(TAIL_CHUNK));
-            for piece in tail.chunks(TAIL_CHUNK) {
-                pieces.push(
-                    ses.put_with(piece, ChunkKind::Data, Codec::Zstd(3))
-                        .map_err(MemError::store("tail write", name))?,
-                );
+                .collect();
+            let (zero_pages, data_pages, all) = (counts.zero, counts.data, counts.unique);
+            let count_ms = t_count.elapsed().as_secs_f64() * 1e3;
+            let roots = writer.join().map_err(|_| MemError::Panic { what: "page map writer" });
+            let tail_root = tail_writer.join().map_err(|_| MemError::Panic { what: "tail writer" });
+            if let (Ok(Ok((_, maps_ms))), Ok(Ok((_, tail_ms)))) = (&roots, &tail_root) {
+                tracing::debug!(target: TARGET, maps_ms, tail_ms, count_ms, "save: page maps and tail written");
             }
-            let root = ses
-                .put_tree(&tail_tree(pieces, tail.len() as u64))
-                .map_err(MemError::store("tail write", name))?;
-            Ok((root, t.elapsed().as_secs_f64() * 1e3))
+            (roots, tail_root, blocks, all, zero_pages, data_pages, counts.run_pages)
         });
-        let t_count = Instant::now();
-        let counts = count_pages(maps, &ingested.runs);
-        let blocks: Vec<BlockMeta> = layout
-            .blocks
-            .iter()
-            .zip(&counts.per_block)
-            .map(|(b, &(zero_pages, unique_pages))| BlockMeta {
-                name: b.name.clone(),
-                used_len: b.used_len,
-                zero_pages,
-                unique_pages,
-            })
-            .collect();
-        let (zero_pages, data_pages, all) = (counts.zero, counts.data, counts.unique);
-        let count_ms = t_count.elapsed().as_secs_f64() * 1e3;
-        let roots = writer.join().map_err(|_| MemError::Panic { what: "page map writer" });
-        let tail_root = tail_writer.join().map_err(|_| MemError::Panic { what: "tail writer" });
-        if let (Ok(Ok((_, maps_ms))), Ok(Ok((_, tail_ms)))) = (&roots, &tail_root) {
-            tracing::debug!(target: TARGET, maps_ms, tail_ms, count_ms, "save: page maps and tail written");
-        }
-        (roots, tail_root, blocks, all, zero_pages, data_pages, counts.run_pages)
-    });
     let map_roots = map_roots??.0;
     let tail_root = tail_root??.0;
     let delta_meta = ingested.delta.as_ref().map(|d| DeltaMeta {
@@ -664,21 +692,13 @@ fn save_inner(
             vmdesc_devices: ingested.info.vmdesc_devices as u64,
         },
         blocks,
-        tail: TailMeta {
-            len: tail.len() as u64,
-            blake3: blake3::hash(tail).to_hex().to_string(),
-        },
+        tail: TailMeta { len: tail.len() as u64, blake3: blake3::hash(tail).to_hex().to_string() },
         codec: chooser.report(),
         stats,
         delta: delta_meta,
     };
     manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let ckpt = Checkpoint {
-        manifest,
-        tail_root,
-        map_roots,
-        generation: 0,
-    };
+    let ckpt = Checkpoint { manifest, tail_root, map_roots, generation: 0 };
     let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;
     // The tree cache's copies (one file per tree: ~8 ms for a 128 MiB guest's 31, session 28)
     // are written while the commit waits on the link, and joined before the save returns, so

@@ -26,11 +26,7 @@ pub enum StreamError {
     UnknownSubsection { offset: u64, name: String },
 
     #[error("Stream at byte {offset} was saved with capability '{capability}': {fix}")]
-    RefusedCapability {
-        offset: u64,
-        capability: String,
-        fix: &'static str,
-    },
+    RefusedCapability { offset: u64, capability: String, fix: &'static str },
 
     #[error("COMMAND section at byte {offset} (postcopy, return path, ping or packaged stream): disable the postcopy-ram and return-path capabilities")]
     Command { offset: u64 },
@@ -39,37 +35,19 @@ pub enum StreamError {
     ForeignIterable { offset: u64, idstr: String },
 
     #[error("Unexpected section type {kind:#04x} at byte {offset}: {why}")]
-    UnexpectedSection {
-        offset: u64,
-        kind: u8,
-        why: &'static str,
-    },
+    UnexpectedSection { offset: u64, kind: u8, why: &'static str },
 
     #[error("RAM section at byte {offset} has version {found}, expected 4")]
     RamVersion { offset: u64, found: u32 },
 
     #[error("Section id {found} at byte {offset} is not the RAM section id {expected}")]
-    SectionIdMismatch {
-        offset: u64,
-        found: u32,
-        expected: u32,
-    },
+    SectionIdMismatch { offset: u64, found: u32, expected: u32 },
 
     #[error("Bad section footer at byte {offset}: found {found_type:#04x} id {found_id}, expected 0x7e id {expected_id} (machine types 2.3 and older, and Xen, send no footers; use a current machine type)")]
-    BadFooter {
-        offset: u64,
-        found_type: u8,
-        found_id: u32,
-        expected_id: u32,
-    },
+    BadFooter { offset: u64, found_type: u8, found_id: u32, expected_id: u32 },
 
     #[error("RAM record at byte {offset} has flag {flag} ({flags:#x}): {fix}")]
-    RefusedFlag {
-        offset: u64,
-        flags: u64,
-        flag: &'static str,
-        fix: &'static str,
-    },
+    RefusedFlag { offset: u64, flags: u64, flag: &'static str, fix: &'static str },
 
     #[error("Unknown RAM flag combination {flags:#x} at byte {offset}")]
     UnknownFlags { offset: u64, flags: u64 },
@@ -84,12 +62,7 @@ pub enum StreamError {
     UnknownBlock { offset: u64, name: String },
 
     #[error("Offset {page_offset:#x} in ramblock '{name}' at byte {offset} is beyond its used length {used_len:#x}")]
-    OffsetBeyondBlock {
-        offset: u64,
-        name: String,
-        page_offset: u64,
-        used_len: u64,
-    },
+    OffsetBeyondBlock { offset: u64, name: String, page_offset: u64, used_len: u64 },
 
     #[error("Device-state tail passed {max} bytes at byte {offset}: raise Limits::max_tail_bytes if this stream is genuine")]
     TailTooLarge { offset: u64, max: usize },
@@ -160,22 +133,11 @@ pub enum GenerateError {
     BlockIndex { block: u32, count: usize },
 
     #[error("Offset {page_offset:#x} in ramblock '{name}' is unaligned or beyond its used length {used_len:#x}")]
-    BadOffset {
-        name: String,
-        page_offset: u64,
-        used_len: u64,
-    },
+    BadOffset { name: String, page_offset: u64, used_len: u64 },
 
     #[error("{call} called after {state}: write pages, then the tail, then finish")]
-    Order {
-        call: &'static str,
-        state: &'static str,
-    },
+    Order { call: &'static str, state: &'static str },
 
     #[error("Ramblock '{name}' is missing {missing} pages (first at offset {first:#x}): write every page, or call allow_partial()")]
-    MissingPages {
-        name: String,
-        missing: u64,
-        first: u64,
-    },
+    MissingPages { name: String, missing: u64, first: u64 },
 }

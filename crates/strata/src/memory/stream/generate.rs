@@ -74,11 +74,7 @@ fn put<W: Write>(
     what: &'static str,
     data: &[u8],
 ) -> Result<(), GenerateError> {
-    out.write_all(data).map_err(|source| GenerateError::Io {
-        offset: *bytes,
-        what,
-        source,
-    })?;
+    out.write_all(data).map_err(|source| GenerateError::Io { offset: *bytes, what, source })?;
     *bytes += data.len() as u64;
     Ok(())
 }
@@ -86,10 +82,7 @@ fn put<W: Write>(
 fn check_layout(layout: &StreamLayout) -> Result<(), GenerateError> {
     let bad = |why: String| Err(GenerateError::Layout { why });
     if layout.version != wire::FILE_VERSION {
-        return bad(format!(
-            "file version {} (only 3 is written)",
-            layout.version
-        ));
+        return bad(format!("file version {} (only 3 is written)", layout.version));
     }
     if layout.ram_section.version_id != wire::RAM_SECTION_VERSION {
         return bad(format!(
@@ -132,11 +125,7 @@ impl<W: Write> StreamWriter<W> {
         }
         let id = layout.ram_section.section_id;
         wire::put_ram_start(&mut head, &layout.ram_section);
-        head.extend_from_slice(&wire::record_word(
-            layout.total_ram(),
-            RecordKind::MemSize,
-            false,
-        ));
+        head.extend_from_slice(&wire::record_word(layout.total_ram(), RecordKind::MemSize, false));
         for b in &layout.blocks {
             // Names were checked to be at most 255 bytes.
             let _ = wire::put_idstr(&mut head, &b.name);
@@ -203,10 +192,7 @@ impl<W: Write> StreamWriter<W> {
         payload: &[u8],
     ) -> Result<(), GenerateError> {
         if self.state != WState::Ram {
-            return Err(GenerateError::Order {
-                call: "page",
-                state: "the tail",
-            });
+            return Err(GenerateError::Order { call: "page", state: "the tail" });
         }
         let Some(b) = self.layout.blocks.get(block.get()) else {
             return Err(GenerateError::BlockIndex {
@@ -230,18 +216,8 @@ impl<W: Write> StreamWriter<W> {
             hdr[9..9 + b.name.len()].copy_from_slice(b.name.as_bytes());
             n += 1 + b.name.len();
         }
-        put(
-            &mut self.out,
-            &mut self.stats.bytes,
-            "a page record",
-            &hdr[..n],
-        )?;
-        put(
-            &mut self.out,
-            &mut self.stats.bytes,
-            "a page record",
-            payload,
-        )?;
+        put(&mut self.out, &mut self.stats.bytes, "a page record", &hdr[..n])?;
+        put(&mut self.out, &mut self.stats.bytes, "a page record", payload)?;
         let page = offset / PAGE_SIZE as u64;
         self.coverage[block.get()][(page / 64) as usize] |= 1 << (page % 64);
         self.last_block = Some(block.0);
@@ -273,12 +249,7 @@ impl<W: Write> StreamWriter<W> {
         let mut end = Vec::with_capacity(13);
         end.extend_from_slice(&wire::record_word(0, RecordKind::Eos, false));
         wire::put_footer(&mut end, self.layout.ram_section.section_id);
-        put(
-            &mut self.out,
-            &mut self.stats.bytes,
-            "the RAM END section",
-            &end,
-        )?;
+        put(&mut self.out, &mut self.stats.bytes, "the RAM END section", &end)?;
         self.state = WState::Tail;
         Ok(())
     }
@@ -297,12 +268,7 @@ impl<W: Write> StreamWriter<W> {
             }
             self.end_ram()?;
         }
-        put(
-            &mut self.out,
-            &mut self.stats.bytes,
-            "the device-state tail",
-            bytes,
-        )?;
+        put(&mut self.out, &mut self.stats.bytes, "the device-state tail", bytes)?;
         self.stats.tail_bytes += bytes.len() as u64;
         Ok(())
     }
@@ -310,10 +276,7 @@ impl<W: Write> StreamWriter<W> {
     /// Flush and return the writer. The tail must have been written.
     pub fn finish(self) -> Result<(W, GenerateStats), GenerateError> {
         if self.state == WState::Ram {
-            return Err(GenerateError::Order {
-                call: "finish",
-                state: "no tail",
-            });
+            return Err(GenerateError::Order { call: "finish", state: "no tail" });
         }
         let stats = self.stats;
         let out = self.out.into_inner().map_err(|e| GenerateError::Io {

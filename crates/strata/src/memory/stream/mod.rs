@@ -115,9 +115,6 @@ impl StreamLayout {
 
     /// Index of the block with this name.
     pub fn block_index(&self, name: &str) -> Option<BlockIdx> {
-        self.blocks
-            .iter()
-            .position(|b| b.name == name)
-            .map(|i| BlockIdx(i as u32))
+        self.blocks.iter().position(|b| b.name == name).map(|i| BlockIdx(i as u32))
     }
 }

@@ -153,9 +153,7 @@ impl Parser {
         sink: &mut S,
     ) -> Result<(), StreamError> {
         if self.state == State::Failed {
-            return Err(StreamError::Poisoned {
-                offset: self.offset,
-            });
+            return Err(StreamError::Poisoned { offset: self.offset });
         }
         let r = self.feed_inner(input, sink);
         if r.is_err() {
@@ -228,11 +226,7 @@ impl Parser {
     ) -> Result<StreamInfo, StreamError> {
         match self.state {
             State::Tail => {}
-            State::Failed => {
-                return Err(StreamError::Poisoned {
-                    offset: self.offset,
-                })
-            }
+            State::Failed => return Err(StreamError::Poisoned { offset: self.offset }),
             s => {
                 return Err(StreamError::Truncated {
                     offset: self.bytes_fed(),
@@ -255,10 +249,7 @@ impl Parser {
         };
         self.stats.bytes = end;
         sink.event(Event::End { layout: &layout })
-            .map_err(|source| StreamError::Sink {
-                offset: end,
-                source,
-            })?;
+            .map_err(|source| StreamError::Sink { offset: end, source })?;
         tracing::debug!(target: TARGET, bytes = end, pages = self.stats.page_records,
             zeros = self.stats.zero_records, tail = self.tail.len(), "stream parsed");
         Ok(StreamInfo {
@@ -272,10 +263,7 @@ impl Parser {
     }
 
     fn emit<S: StreamSink + ?Sized>(&self, sink: &mut S, ev: Event<'_>) -> Result<(), StreamError> {
-        sink.event(ev).map_err(|source| StreamError::Sink {
-            offset: self.offset,
-            source,
-        })
+        sink.event(ev).map_err(|source| StreamError::Sink { offset: self.offset, source })
     }
 
     fn step<S: StreamSink + ?Sized>(
@@ -290,9 +278,7 @@ impl Parser {
             State::MemSizeEntry => self.step_mem_entry(b, sink),
             State::Footer => self.step_footer(b, sink),
             State::Tail => self.step_tail(b, sink),
-            State::Failed => Err(StreamError::Poisoned {
-                offset: self.offset,
-            }),
+            State::Failed => Err(StreamError::Poisoned { offset: self.offset }),
         }
     }
 
@@ -306,17 +292,11 @@ impl Parser {
         }
         let magic = wire::be32(b, 0);
         if magic != wire::FILE_MAGIC {
-            return Err(StreamError::BadMagic {
-                offset: self.offset,
-                found: magic,
-            });
+            return Err(StreamError::BadMagic { offset: self.offset, found: magic });
         }
         let version = wire::be32(b, 4);
         if version != wire::FILE_VERSION {
-            return Err(StreamError::BadVersion {
-                offset: self.offset + 4,
-                found: version,
-            });
+            return Err(StreamError::BadVersion { offset: self.offset + 4, found: version });
         }
         self.version = version;
         self.state = State::AfterHeader;
@@ -330,13 +310,7 @@ impl Parser {
         sink: &mut S,
     ) -> Result<Step, StreamError> {
         let off = self.offset;
-        let unexpected = |why| {
-            Err(StreamError::UnexpectedSection {
-                offset: off,
-                kind: b[0],
-                why,
-            })
-        };
+        let unexpected = |why| Err(StreamError::UnexpectedSection { offset: off, kind: b[0], why });
         match b[0] {
             wire::SEC_CONFIGURATION if self.state == State::AfterHeader => {
                 self.step_configuration(b, sink)
@@ -459,12 +433,7 @@ impl Parser {
                     fix: "shared ramblocks are left out of such streams; disable x-ignore-shared",
                 });
             }
-            _ => {
-                return Err(StreamError::UnknownSubsection {
-                    offset: self.offset,
-                    name,
-                })
-            }
+            _ => return Err(StreamError::UnknownSubsection { offset: self.offset, name }),
         };
         if b.len() < total {
             return Ok(Step::Need(total));
@@ -510,11 +479,7 @@ impl Parser {
             });
         }
         tracing::debug!(target: TARGET, offset = self.offset, section_id, instance_id, "RAM START");
-        self.ram = Some(RamSectionHeader {
-            section_id,
-            instance_id,
-            version_id,
-        });
+        self.ram = Some(RamSectionHeader { section_id, instance_id, version_id });
         self.begin_section(SectionKind::Start, section_id, sink)?;
         Ok(Step::Consumed(total))
     }
@@ -527,18 +492,9 @@ impl Parser {
         if b.len() < 5 {
             return Ok(Step::Need(5));
         }
-        let kind = if b[0] == wire::SEC_PART {
-            SectionKind::Part
-        } else {
-            SectionKind::End
-        };
-        let unexpected = |why| {
-            Err(StreamError::UnexpectedSection {
-                offset: self.offset,
-                kind: b[0],
-                why,
-            })
-        };
+        let kind = if b[0] == wire::SEC_PART { SectionKind::Part } else { SectionKind::End };
+        let unexpected =
+            |why| Err(StreamError::UnexpectedSection { offset: self.offset, kind: b[0], why });
         let Some(ram) = &self.ram else {
             return unexpected("PART or END before the RAM START section");
         };
@@ -577,13 +533,7 @@ impl Parser {
         self.section = Some((kind, id));
         self.records_in_section = 0;
         self.state = State::RamRecord;
-        self.emit(
-            sink,
-            Event::SectionBegin {
-                kind,
-                section_id: id,
-            },
-        )
+        self.emit(sink, Event::SectionBegin { kind, section_id: id })
     }
 
     #[inline]
@@ -603,10 +553,9 @@ impl Parser {
                 flag,
                 fix,
             },
-            FlagProblem::Unknown => StreamError::UnknownFlags {
-                offset: self.offset,
-                flags: word & !wire::PAGE_MASK,
-            },
+            FlagProblem::Unknown => {
+                StreamError::UnknownFlags { offset: self.offset, flags: word & !wire::PAGE_MASK }
+            }
         })?;
         let first = self.records_in_section == 0;
         match h.kind {
@@ -651,27 +600,13 @@ impl Parser {
                         return Ok(Step::Need(hdr + PAGE_SIZE));
                     };
                     self.stats.page_records += 1;
-                    (
-                        Event::Page {
-                            block: BlockIdx(idx),
-                            offset: h.addr,
-                            data,
-                        },
-                        hdr + PAGE_SIZE,
-                    )
+                    (Event::Page { block: BlockIdx(idx), offset: h.addr, data }, hdr + PAGE_SIZE)
                 } else {
                     let Some(&fill) = b.get(hdr) else {
                         return Ok(Step::Need(hdr + 1));
                     };
                     self.stats.zero_records += 1;
-                    (
-                        Event::Zero {
-                            block: BlockIdx(idx),
-                            offset: h.addr,
-                            fill,
-                        },
-                        hdr + 1,
-                    )
+                    (Event::Zero { block: BlockIdx(idx), offset: h.addr, fill }, hdr + 1)
                 };
                 self.last_block = Some(idx);
                 self.records_in_section += 1;
@@ -701,10 +636,7 @@ impl Parser {
             }
             RecordKind::Eos => {
                 if h.addr != 0 {
-                    return Err(StreamError::UnknownFlags {
-                        offset: self.offset,
-                        flags: word,
-                    });
+                    return Err(StreamError::UnknownFlags { offset: self.offset, flags: word });
                 }
                 if !self.mem_size_seen {
                     return Err(StreamError::RecordOrder {
@@ -726,14 +658,12 @@ impl Parser {
                 return Ok(i);
             }
         }
-        self.blocks
-            .iter()
-            .position(|b| b.name.as_bytes() == name)
-            .map(|i| i as u32)
-            .ok_or_else(|| StreamError::UnknownBlock {
+        self.blocks.iter().position(|b| b.name.as_bytes() == name).map(|i| i as u32).ok_or_else(
+            || StreamError::UnknownBlock {
                 offset: self.offset + 9,
                 name: String::from_utf8_lossy(name).into_owned(),
-            })
+            },
+        )
     }
 
     fn step_mem_entry<S: StreamSink + ?Sized>(
@@ -746,12 +676,7 @@ impl Parser {
         if b.len() < total {
             return Ok(Step::Need(total));
         }
-        let bad = |why: String| {
-            Err(StreamError::BadBlockList {
-                offset: self.offset,
-                why,
-            })
-        };
+        let bad = |why: String| Err(StreamError::BadBlockList { offset: self.offset, why });
         let Ok(name) = std::str::from_utf8(&b[1..1 + n]) else {
             return bad("ramblock name is not UTF-8".into());
         };
@@ -781,10 +706,7 @@ impl Parser {
         if self.blocks.len() >= self.limits.max_blocks {
             return bad(format!("more than {} ramblocks", self.limits.max_blocks));
         }
-        self.blocks.push(RamBlock {
-            name: name.to_owned(),
-            used_len,
-        });
+        self.blocks.push(RamBlock { name: name.to_owned(), used_len });
         self.mem_remaining -= used_len;
         if self.mem_remaining == 0 {
             self.mem_size_seen = true;
@@ -804,9 +726,7 @@ impl Parser {
             return Ok(Step::Need(5));
         }
         let Some((kind, id)) = self.section else {
-            return Err(StreamError::Poisoned {
-                offset: self.offset,
-            });
+            return Err(StreamError::Poisoned { offset: self.offset });
         };
         let found_id = wire::be32(b, 1);
         if b[0] != wire::SEC_FOOTER || found_id != id {
@@ -819,13 +739,7 @@ impl Parser {
         }
         self.section = None;
         self.state = State::Section;
-        self.emit(
-            sink,
-            Event::SectionEnd {
-                kind,
-                section_id: id,
-            },
-        )?;
+        self.emit(sink, Event::SectionEnd { kind, section_id: id })?;
         Ok(Step::Consumed(5))
     }
 

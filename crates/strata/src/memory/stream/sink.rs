@@ -51,17 +51,9 @@ pub enum Event<'a> {
     /// The ramblock list from `MEM_SIZE`, in stream order ([`BlockIdx`] indexes it).
     RamBlocks(&'a [RamBlock]),
     /// A full page. `data` is borrowed from the fed slice (or the staging buffer).
-    Page {
-        block: BlockIdx,
-        offset: u64,
-        data: &'a [u8; PAGE_SIZE],
-    },
+    Page { block: BlockIdx, offset: u64, data: &'a [u8; PAGE_SIZE] },
     /// A page filled with one byte (QEMU 7.2 only sends 0).
-    Zero {
-        block: BlockIdx,
-        offset: u64,
-        fill: u8,
-    },
+    Zero { block: BlockIdx, offset: u64, fill: u8 },
     /// A RAM section's EOS and footer were read.
     SectionEnd { kind: SectionKind, section_id: u32 },
     /// Device-state tail bytes, verbatim; may arrive in several pieces.

@@ -47,18 +47,12 @@ pub(super) fn validate_tail(
             let v: serde_json::Value = match serde_json::from_slice(json) {
                 Ok(v) => v,
                 Err(_) => {
-                    return bad(
-                        start + q as u64 + 6,
-                        "VMDESCRIPTION is not valid JSON".into(),
-                    )
+                    return bad(start + q as u64 + 6, "VMDESCRIPTION is not valid JSON".into())
                 }
             };
             match v.get("devices").and_then(|d| d.as_array()) {
                 Some(d) => Ok(d.len()),
-                None => bad(
-                    start + q as u64 + 6,
-                    "VMDESCRIPTION has no \"devices\" array".into(),
-                ),
+                None => bad(start + q as u64 + 6, "VMDESCRIPTION has no \"devices\" array".into()),
             }
         }
         None if !require_vmdesc && tail.last() == Some(&wire::SEC_EOF) => Ok(0),

@@ -10,24 +10,11 @@ fn layout() -> StreamLayout {
         version: 3,
         machine_type: Some("pc-i440fx-7.2".into()),
         config_subsections: Vec::new(),
-        ram_section: RamSectionHeader {
-            section_id: 2,
-            instance_id: 0,
-            version_id: 4,
-        },
+        ram_section: RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
         blocks: vec![
-            RamBlock {
-                name: "pc.ram".into(),
-                used_len: 16 * 4096,
-            },
-            RamBlock {
-                name: "/rom@etc/acpi/tables".into(),
-                used_len: 2 * 4096,
-            },
-            RamBlock {
-                name: "pc.bios".into(),
-                used_len: 4096,
-            },
+            RamBlock { name: "pc.ram".into(), used_len: 16 * 4096 },
+            RamBlock { name: "/rom@etc/acpi/tables".into(), used_len: 2 * 4096 },
+            RamBlock { name: "pc.bios".into(), used_len: 4096 },
         ],
     }
 }
@@ -72,11 +59,7 @@ fn stream() -> Vec<u8> {
             } else {
                 PageContent::Data(&datas[bi][p as usize])
             };
-            recs.push(PageRecord {
-                block: BlockIdx(bi as u32),
-                offset: p * 4096,
-                content,
-            });
+            recs.push(PageRecord { block: BlockIdx(bi as u32), offset: p * 4096, content });
         }
     }
     generate(Vec::new(), &l, recs, &tail()).unwrap().0
@@ -97,24 +80,15 @@ impl StreamSink for Image {
                 self.blocks = b.iter().map(|b| vec![0u8; b.used_len as usize]).collect();
                 self.log.push(format!("blocks {}", b.len()));
             }
-            Event::Page {
-                block,
-                offset,
-                data,
-            } => {
+            Event::Page { block, offset, data } => {
                 let o = offset as usize;
                 self.blocks[block.get()][o..o + PAGE_SIZE].copy_from_slice(data);
                 self.log.push(format!("page {} {offset:#x}", block.0));
             }
-            Event::Zero {
-                block,
-                offset,
-                fill,
-            } => {
+            Event::Zero { block, offset, fill } => {
                 let o = offset as usize;
                 self.blocks[block.get()][o..o + PAGE_SIZE].fill(fill);
-                self.log
-                    .push(format!("zero {} {offset:#x} {fill}", block.0));
+                self.log.push(format!("zero {} {offset:#x} {fill}", block.0));
             }
             Event::Tail(t) => self.tail.extend_from_slice(t),
             other => self.log.push(format!("{other:?}")),
@@ -165,25 +139,15 @@ fn round_trip_synthetic() {
         .flat_map(|(bi, b)| {
             let img = &img;
             (0..b.pages()).map(move |p| {
-                let d: &[u8; PAGE_SIZE] = img.blocks[bi][p as usize * 4096..][..4096]
-                    .try_into()
-                    .unwrap();
-                let content = if bi == 0 && p % 2 == 1 {
-                    PageContent::Fill(0)
-                } else {
-                    PageContent::Data(d)
-                };
-                PageRecord {
-                    block: BlockIdx(bi as u32),
-                    offset: p * 4096,
-                    content,
-                }
+                let d: &[u8; PAGE_SIZE] =
+                    img.blocks[bi][p as usize * 4096..][..4096].try_into().unwrap();
+                let content =
+                    if bi == 0 && p % 2 == 1 { PageContent::Fill(0) } else { PageContent::Data(d) };
+                PageRecord { block: BlockIdx(bi as u32), offset: p * 4096, content }
             })
         })
         .collect();
-    let again = generate(Vec::new(), &info.layout, recs, &info.tail)
-        .unwrap()
-        .0;
+    let again = generate(Vec::new(), &info.layout, recs, &info.tail).unwrap().0;
     assert_eq!(again, s);
 }
 
@@ -191,19 +155,14 @@ fn round_trip_synthetic() {
 fn every_chunk_size_gives_the_same_events() {
     let s = stream();
     let (ref_info, ref_img) = parse_with(&s, s.len()).unwrap();
-    for chunk in [
-        1, 2, 3, 5, 7, 8, 9, 13, 100, 4095, 4096, 4097, 4105, 8192, 65536,
-    ] {
+    for chunk in [1, 2, 3, 5, 7, 8, 9, 13, 100, 4095, 4096, 4097, 4105, 8192, 65536] {
         let (info, img) = parse_with(&s, chunk).unwrap();
         assert_eq!(info.layout, ref_info.layout, "chunk {chunk}");
         assert_eq!(info.stats, ref_info.stats, "chunk {chunk}");
         assert_eq!(info.tail, ref_info.tail, "chunk {chunk}");
         assert_eq!(img.blocks, ref_img.blocks, "chunk {chunk}");
         assert_eq!(img.log, ref_img.log, "chunk {chunk}");
-        assert_eq!(
-            parse_all_chunked(&s, chunk).unwrap(),
-            parse_all(&s).unwrap()
-        );
+        assert_eq!(parse_all_chunked(&s, chunk).unwrap(), parse_all(&s).unwrap());
     }
 }
 
@@ -230,11 +189,7 @@ fn truncation_at_every_offset_is_a_clean_error() {
     let s = stream();
     for cut in 0..s.len() {
         let err = parse_all(&s[..cut]).expect_err("truncated stream accepted");
-        assert!(
-            err.offset() <= cut as u64,
-            "cut {cut}: offset {} beyond data",
-            err.offset()
-        );
+        assert!(err.offset() <= cut as u64, "cut {cut}: offset {} beyond data", err.offset());
         match err {
             StreamError::Truncated { offset, .. } => assert_eq!(offset, cut as u64),
             StreamError::BadTail { .. } => assert!(cut as u64 > parse_all(&s).unwrap().tail_offset),
@@ -244,13 +199,7 @@ fn truncation_at_every_offset_is_a_clean_error() {
     // In pieces too: the error names the last byte received.
     let err = parse_all_chunked(&s[..5000], 7).unwrap_err();
     assert!(
-        matches!(
-            err,
-            StreamError::Truncated {
-                offset: 5000,
-                expected: "a RAM record"
-            }
-        ),
+        matches!(err, StreamError::Truncated { offset: 5000, expected: "a RAM record" }),
         "{err}"
     );
 }
@@ -284,11 +233,7 @@ fn random_corruption_never_panics() {
         let chunk = 1 + (rng.next() as usize % 9000);
         let a = parse_all(&c);
         let b = parse_all_chunked(&c, chunk);
-        assert_eq!(
-            a.is_ok(),
-            b.is_ok(),
-            "round {round}: chunking changed the verdict"
-        );
+        assert_eq!(a.is_ok(), b.is_ok(), "round {round}: chunking changed the verdict");
         if let (Err(ea), Err(eb)) = (&a, &b) {
             assert_eq!(ea.offset(), eb.offset(), "round {round}: {ea} vs {eb}");
             errors += 1;
@@ -314,14 +259,9 @@ impl B {
     fn start(mut self) -> B {
         wire::put_ram_start(
             &mut self.0,
-            &RamSectionHeader {
-                section_id: 2,
-                instance_id: 0,
-                version_id: 4,
-            },
+            &RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
         );
-        self.0
-            .extend_from_slice(&wire::record_word(0x3000, RecordKind::MemSize, false));
+        self.0.extend_from_slice(&wire::record_word(0x3000, RecordKind::MemSize, false));
         wire::put_idstr(&mut self.0, "pc.ram").unwrap();
         self.0.extend_from_slice(&0x2000u64.to_be_bytes());
         wire::put_idstr(&mut self.0, "pc.bios").unwrap();
@@ -329,8 +269,7 @@ impl B {
         self.eos()
     }
     fn eos(mut self) -> B {
-        self.0
-            .extend_from_slice(&wire::record_word(0, RecordKind::Eos, false));
+        self.0.extend_from_slice(&wire::record_word(0, RecordKind::Eos, false));
         wire::put_footer(&mut self.0, 2);
         self
     }
@@ -339,8 +278,7 @@ impl B {
         self
     }
     fn page(mut self, name: Option<&str>, off: u64, fill: u8) -> B {
-        self.0
-            .extend_from_slice(&wire::record_word(off, RecordKind::Page, name.is_none()));
+        self.0.extend_from_slice(&wire::record_word(off, RecordKind::Page, name.is_none()));
         if let Some(n) = name {
             wire::put_idstr(&mut self.0, n).unwrap();
         }
@@ -386,12 +324,7 @@ fn multiple_passes_latest_wins() {
 
 #[test]
 fn background_snapshot_has_no_end_section() {
-    let s = B::new()
-        .start()
-        .sec(SectionKind::Part)
-        .page(Some("pc.ram"), 0, 1)
-        .eos()
-        .tail();
+    let s = B::new().start().sec(SectionKind::Part).page(Some("pc.ram"), 0, 1).eos().tail();
     let info = parse_all(&s).unwrap();
     assert!(info.background_snapshot);
     assert_eq!(info.stats.end_sections, 0);
@@ -403,13 +336,8 @@ fn uuid_subsection_is_kept_and_regenerated() {
     wire::put_idstr(&mut sub, wire::SUBSECTION_UUID).unwrap();
     sub.extend_from_slice(&1u32.to_be_bytes());
     sub.extend_from_slice(&[0x42; 16]);
-    let s = B::new()
-        .raw(&sub)
-        .start()
-        .sec(SectionKind::End)
-        .page(Some("pc.ram"), 0, 1)
-        .eos()
-        .tail();
+    let s =
+        B::new().raw(&sub).start().sec(SectionKind::End).page(Some("pc.ram"), 0, 1).eos().tail();
     let info = parse_all(&s).unwrap();
     assert_eq!(info.layout.config_subsections, sub);
     assert_eq!(info.layout.machine_type.as_deref(), Some("pc-q35-7.2"));
@@ -427,74 +355,36 @@ fn refusals_name_the_problem_and_offset() {
 
     let mut bad = stream();
     bad[0] = b'X';
-    assert!(matches!(
-        err_of(&bad),
-        StreamError::BadMagic { offset: 0, .. }
-    ));
+    assert!(matches!(err_of(&bad), StreamError::BadMagic { offset: 0, .. }));
     let mut v2 = stream();
     v2[7] = 2;
-    assert!(matches!(
-        err_of(&v2),
-        StreamError::BadVersion {
-            offset: 4,
-            found: 2
-        }
-    ));
+    assert!(matches!(err_of(&v2), StreamError::BadVersion { offset: 4, found: 2 }));
 
     let cmd = B::new().start().raw(&[wire::SEC_COMMAND, 0, 1, 0, 0]).0;
     assert!(matches!(err_of(&cmd), StreamError::Command { offset } if offset == base));
 
-    let xb = B::new()
-        .start()
-        .sec(SectionKind::Part)
-        .raw(&0x48u64.to_be_bytes())
-        .0;
+    let xb = B::new().start().sec(SectionKind::Part).raw(&0x48u64.to_be_bytes()).0;
     let e = err_of(&xb);
     assert!(
         matches!(e, StreamError::RefusedFlag { flag: "XBZRLE", offset, .. } if offset == base + 5),
         "{e}"
     );
-    assert!(
-        e.to_string().contains("disable the xbzrle capability"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("disable the xbzrle capability"), "{e}");
 
-    let comp = B::new()
-        .start()
-        .sec(SectionKind::Part)
-        .raw(&0x128u64.to_be_bytes())
-        .0;
-    assert!(matches!(
-        err_of(&comp),
-        StreamError::RefusedFlag {
-            flag: "COMPRESS_PAGE",
-            ..
-        }
-    ));
+    let comp = B::new().start().sec(SectionKind::Part).raw(&0x128u64.to_be_bytes()).0;
+    assert!(matches!(err_of(&comp), StreamError::RefusedFlag { flag: "COMPRESS_PAGE", .. }));
 
-    let unk = B::new()
-        .start()
-        .sec(SectionKind::Part)
-        .page(Some("vga.vram"), 0, 1)
-        .0;
+    let unk = B::new().start().sec(SectionKind::Part).page(Some("vga.vram"), 0, 1).0;
     let e = err_of(&unk);
     assert!(
         matches!(&e, StreamError::UnknownBlock { name, offset } if name == "vga.vram" && *offset == base + 5 + 9),
         "{e}"
     );
 
-    let beyond = B::new()
-        .start()
-        .sec(SectionKind::Part)
-        .page(Some("pc.bios"), 0x1000, 1)
-        .0;
+    let beyond = B::new().start().sec(SectionKind::Part).page(Some("pc.bios"), 0x1000, 1).0;
     assert!(matches!(
         err_of(&beyond),
-        StreamError::OffsetBeyondBlock {
-            page_offset: 0x1000,
-            used_len: 0x1000,
-            ..
-        }
+        StreamError::OffsetBeyondBlock { page_offset: 0x1000, used_len: 0x1000, .. }
     ));
 
     let mut blk = B::new().0;
@@ -521,17 +411,9 @@ fn refusals_name_the_problem_and_offset() {
     );
 
     let part_first = B::new().sec(SectionKind::Part).0;
-    assert!(matches!(
-        err_of(&part_first),
-        StreamError::UnexpectedSection { kind: 2, .. }
-    ));
+    assert!(matches!(err_of(&part_first), StreamError::UnexpectedSection { kind: 2, .. }));
 
-    let after_end = B::new()
-        .start()
-        .sec(SectionKind::End)
-        .eos()
-        .sec(SectionKind::Part)
-        .0;
+    let after_end = B::new().start().sec(SectionKind::End).eos().sec(SectionKind::Part).0;
     assert!(
         matches!(err_of(&after_end), StreamError::UnexpectedSection { why, .. } if why.contains("after the RAM END"))
     );
@@ -540,40 +422,22 @@ fn refusals_name_the_problem_and_offset() {
     wire::put_section_short(&mut wrong_id, SectionKind::Part, 7);
     assert!(matches!(
         err_of(&wrong_id),
-        StreamError::SectionIdMismatch {
-            found: 7,
-            expected: 2,
-            ..
-        }
+        StreamError::SectionIdMismatch { found: 7, expected: 2, .. }
     ));
 
     let mut footer = B::new().start().sec(SectionKind::Part).0;
     footer.extend_from_slice(&wire::record_word(0, RecordKind::Eos, false));
     wire::put_footer(&mut footer, 9);
-    assert!(matches!(
-        err_of(&footer),
-        StreamError::BadFooter {
-            found_id: 9,
-            expected_id: 2,
-            ..
-        }
-    ));
+    assert!(matches!(err_of(&footer), StreamError::BadFooter { found_id: 9, expected_id: 2, .. }));
 
     let mut no_ram = B::new().0;
     no_ram.extend_from_slice(&tail());
-    assert!(matches!(
-        err_of(&no_ram),
-        StreamError::UnexpectedSection { kind: 4, .. }
-    ));
+    assert!(matches!(err_of(&no_ram), StreamError::UnexpectedSection { kind: 4, .. }));
 
     let mut overrun = B::new().0;
     wire::put_ram_start(
         &mut overrun,
-        &RamSectionHeader {
-            section_id: 2,
-            instance_id: 0,
-            version_id: 4,
-        },
+        &RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 },
     );
     overrun.extend_from_slice(&wire::record_word(0x1000, RecordKind::MemSize, false));
     wire::put_idstr(&mut overrun, "pc.ram").unwrap();
@@ -586,10 +450,7 @@ fn refusals_name_the_problem_and_offset() {
     badver.extend_from_slice(&[wire::SEC_START, 0, 0, 0, 2]);
     wire::put_idstr(&mut badver, "ram").unwrap();
     badver.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 3]);
-    assert!(matches!(
-        err_of(&badver),
-        StreamError::RamVersion { found: 3, .. }
-    ));
+    assert!(matches!(err_of(&badver), StreamError::RamVersion { found: 3, .. }));
 
     // EOF + VMDESCRIPTION missing at the end.
     let s = stream();
@@ -603,21 +464,12 @@ fn refusals_name_the_problem_and_offset() {
 #[test]
 fn caps_limit_the_tail_and_sink_errors_stop_the_parse() {
     let s = stream();
-    let mut p = Parser::new(Limits {
-        max_tail_bytes: 10,
-        ..Limits::default()
-    });
+    let mut p = Parser::new(Limits { max_tail_bytes: 10, ..Limits::default() });
     let mut sink = |_: Event<'_>| -> Result<(), SinkError> { Ok(()) };
     let e = p.feed(&s, &mut sink).unwrap_err();
-    assert!(
-        matches!(e, StreamError::TailTooLarge { max: 10, .. }),
-        "{e}"
-    );
+    assert!(matches!(e, StreamError::TailTooLarge { max: 10, .. }), "{e}");
     // Poisoned afterwards.
-    assert!(matches!(
-        p.feed(&s, &mut sink),
-        Err(StreamError::Poisoned { .. })
-    ));
+    assert!(matches!(p.feed(&s, &mut sink), Err(StreamError::Poisoned { .. })));
 
     let mut p = Parser::default();
     let mut n = 0;
@@ -631,9 +483,7 @@ fn caps_limit_the_tail_and_sink_errors_stop_the_parse() {
         Ok(())
     };
     let e = p.feed(&s, &mut failing).unwrap_err();
-    let StreamError::Sink { offset, source } = e else {
-        panic!("not a sink error")
-    };
+    let StreamError::Sink { offset, source } = e else { panic!("not a sink error") };
     assert_eq!(source.to_string(), "store full");
     assert!(offset > 0 && offset < s.len() as u64);
 }
@@ -646,14 +496,8 @@ fn generator_refuses_bad_input() {
         w.page(BlockIdx(3), 0, &[0; PAGE_SIZE]),
         Err(GenerateError::BlockIndex { block: 3, count: 3 })
     ));
-    assert!(matches!(
-        w.zero(BlockIdx(2), 0x1000, 0),
-        Err(GenerateError::BadOffset { .. })
-    ));
-    assert!(matches!(
-        w.zero(BlockIdx(0), 0x10, 0),
-        Err(GenerateError::BadOffset { .. })
-    ));
+    assert!(matches!(w.zero(BlockIdx(2), 0x1000, 0), Err(GenerateError::BadOffset { .. })));
+    assert!(matches!(w.zero(BlockIdx(0), 0x10, 0), Err(GenerateError::BadOffset { .. })));
     w.zero(BlockIdx(0), 0, 0).unwrap();
     let e = w.tail(&tail()).unwrap_err();
     assert!(
@@ -663,15 +507,9 @@ fn generator_refuses_bad_input() {
 
     let mut w = StreamWriter::new(Vec::new(), &l).unwrap();
     w.allow_partial();
-    assert!(matches!(
-        w.tail(b"\x07junk"),
-        Err(GenerateError::Layout { .. })
-    ));
+    assert!(matches!(w.tail(b"\x07junk"), Err(GenerateError::Layout { .. })));
     w.tail(&tail()).unwrap();
-    assert!(matches!(
-        w.zero(BlockIdx(0), 0, 0),
-        Err(GenerateError::Order { .. })
-    ));
+    assert!(matches!(w.zero(BlockIdx(0), 0, 0), Err(GenerateError::Order { .. })));
     let (out, stats) = w.finish().unwrap();
     assert_eq!(stats.bytes, out.len() as u64);
     assert_eq!(parse_all(&out).unwrap().stats.page_records, 0);
@@ -681,16 +519,10 @@ fn generator_refuses_bad_input() {
 
     let mut bad = l.clone();
     bad.blocks[1].used_len = 100;
-    assert!(matches!(
-        StreamWriter::new(Vec::new(), &bad),
-        Err(GenerateError::Layout { .. })
-    ));
+    assert!(matches!(StreamWriter::new(Vec::new(), &bad), Err(GenerateError::Layout { .. })));
     bad = l.clone();
     bad.blocks[1].name = "pc.ram".into();
-    assert!(matches!(
-        StreamWriter::new(Vec::new(), &bad),
-        Err(GenerateError::Layout { .. })
-    ));
+    assert!(matches!(StreamWriter::new(Vec::new(), &bad), Err(GenerateError::Layout { .. })));
 }
 
 #[test]
@@ -702,25 +534,14 @@ fn target_page_bits_subsection() {
         v.extend_from_slice(&bits.to_be_bytes());
         v
     };
-    let ok = B::new()
-        .raw(&sub(12))
-        .start()
-        .sec(SectionKind::End)
-        .eos()
-        .tail();
+    let ok = B::new().raw(&sub(12)).start().sec(SectionKind::End).eos().tail();
     assert_eq!(parse_all(&ok).unwrap().layout.config_subsections, sub(12));
     let bad = B::new().raw(&sub(14)).start().0;
     let e = err_of(&bad);
-    assert!(
-        matches!(&e, StreamError::BadConfiguration { why, .. } if why.contains("2^14")),
-        "{e}"
-    );
+    assert!(matches!(&e, StreamError::BadConfiguration { why, .. } if why.contains("2^14")), "{e}");
     let mut unknown = B::new().0;
     unknown.push(wire::SEC_SUBSECTION);
     wire::put_idstr(&mut unknown, "configuration/new-thing").unwrap();
     unknown.extend_from_slice(&1u32.to_be_bytes());
-    assert!(matches!(
-        err_of(&unknown),
-        StreamError::UnknownSubsection { .. }
-    ));
+    assert!(matches!(err_of(&unknown), StreamError::UnknownSubsection { .. }));
 }

@@ -93,16 +93,10 @@ pub fn decode_record(word: u64) -> Result<RecordHeader, FlagProblem> {
     let flags = word & !PAGE_MASK;
     let addr = word & PAGE_MASK;
     if flags & RAM_XBZRLE != 0 {
-        return Err(FlagProblem::Refused(
-            "XBZRLE",
-            "disable the xbzrle capability",
-        ));
+        return Err(FlagProblem::Refused("XBZRLE", "disable the xbzrle capability"));
     }
     if flags & RAM_COMPRESS_PAGE != 0 {
-        return Err(FlagProblem::Refused(
-            "COMPRESS_PAGE",
-            "disable the compress capability",
-        ));
+        return Err(FlagProblem::Refused("COMPRESS_PAGE", "disable the compress capability"));
     }
     if flags & RAM_MULTIFD_FLUSH != 0 {
         return Err(FlagProblem::Refused(
@@ -226,16 +220,9 @@ mod tests {
     #[test]
     fn ram_start_bytes() {
         let mut v = Vec::new();
-        let h = RamSectionHeader {
-            section_id: 2,
-            instance_id: 0,
-            version_id: 4,
-        };
+        let h = RamSectionHeader { section_id: 2, instance_id: 0, version_id: 4 };
         put_ram_start(&mut v, &h);
-        assert_eq!(
-            v,
-            b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04"
-        );
+        assert_eq!(v, b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04");
         assert_eq!(v.len(), 1 + 4 + 1 + 3 + 4 + 4);
     }
 
@@ -245,10 +232,7 @@ mod tests {
         put_section_short(&mut v, SectionKind::Part, 2);
         put_section_short(&mut v, SectionKind::End, 0x01020304);
         put_footer(&mut v, 2);
-        assert_eq!(
-            v,
-            b"\x02\x00\x00\x00\x02\x03\x01\x02\x03\x04\x7e\x00\x00\x00\x02"
-        );
+        assert_eq!(v, b"\x02\x00\x00\x00\x02\x03\x01\x02\x03\x04\x7e\x00\x00\x00\x02");
     }
 
     #[test]
@@ -258,23 +242,11 @@ mod tests {
             record_word(0x0808_2000, RecordKind::MemSize, false),
             [0, 0, 0, 0, 8, 8, 0x20, 0x04]
         );
-        assert_eq!(
-            record_word(0x1000, RecordKind::Page, true),
-            [0, 0, 0, 0, 0, 0, 0x10, 0x28]
-        );
-        assert_eq!(
-            record_word(0x2000, RecordKind::Zero, false),
-            [0, 0, 0, 0, 0, 0, 0x20, 0x02]
-        );
-        assert_eq!(
-            record_word(0, RecordKind::Eos, false),
-            [0, 0, 0, 0, 0, 0, 0, 0x10]
-        );
+        assert_eq!(record_word(0x1000, RecordKind::Page, true), [0, 0, 0, 0, 0, 0, 0x10, 0x28]);
+        assert_eq!(record_word(0x2000, RecordKind::Zero, false), [0, 0, 0, 0, 0, 0, 0x20, 0x02]);
+        assert_eq!(record_word(0, RecordKind::Eos, false), [0, 0, 0, 0, 0, 0, 0, 0x10]);
         // Flags never leak into the address.
-        assert_eq!(
-            record_word(0x1fff, RecordKind::Zero, true),
-            [0, 0, 0, 0, 0, 0, 0x10, 0x22]
-        );
+        assert_eq!(record_word(0x1fff, RecordKind::Zero, true), [0, 0, 0, 0, 0, 0, 0x10, 0x22]);
     }
 
     #[test]
@@ -282,31 +254,17 @@ mod tests {
         let d = |w| decode_record(w);
         assert_eq!(
             d(0x1028).unwrap(),
-            RecordHeader {
-                kind: RecordKind::Page,
-                cont: true,
-                addr: 0x1000
-            }
+            RecordHeader { kind: RecordKind::Page, cont: true, addr: 0x1000 }
         );
         assert_eq!(
             d(0x2002).unwrap(),
-            RecordHeader {
-                kind: RecordKind::Zero,
-                cont: false,
-                addr: 0x2000
-            }
+            RecordHeader { kind: RecordKind::Zero, cont: false, addr: 0x2000 }
         );
         assert_eq!(d(0x0808_2004).unwrap().kind, RecordKind::MemSize);
         assert_eq!(d(0x10).unwrap().kind, RecordKind::Eos);
         assert!(matches!(d(0x48), Err(FlagProblem::Refused("XBZRLE", _))));
-        assert!(matches!(
-            d(0x128),
-            Err(FlagProblem::Refused("COMPRESS_PAGE", _))
-        ));
-        assert!(matches!(
-            d(0x200),
-            Err(FlagProblem::Refused("MULTIFD_FLUSH", _))
-        ));
+        assert!(matches!(d(0x128), Err(FlagProblem::Refused("COMPRESS_PAGE", _))));
+        assert!(matches!(d(0x200), Err(FlagProblem::Refused("MULTIFD_FLUSH", _))));
         assert!(matches!(d(0x80), Err(FlagProblem::Refused("HOOK", _))));
         for bad in [0u64, RAM_FULL, 0x0a, 0x30, 0x24, 0x20, 0x18, 0x400, 0x800] {
             assert_eq!(d(bad), Err(FlagProblem::Unknown), "flags {bad:#x}");

@@ -76,7 +76,11 @@ pub(super) fn stored_zstd_frame(raw: &[u8], out: &mut Vec<u8>) {
 pub(super) fn expand_table(table: &[u8], count: u64, what: &'static str) -> FResult<Vec<u8>> {
     let malformed = |detail: String| FormatError::Malformed { what, detail };
     if table.len() < ZSTD_MAGIC.len() + TABLE_CRC_LEN {
-        return Err(FormatError::Truncated { what, needed: (ZSTD_MAGIC.len() + TABLE_CRC_LEN) as u64, have: table.len() as u64 });
+        return Err(FormatError::Truncated {
+            what,
+            needed: (ZSTD_MAGIC.len() + TABLE_CRC_LEN) as u64,
+            have: table.len() as u64,
+        });
     }
     let (frame, stored_crc) = table.split_at(table.len() - TABLE_CRC_LEN);
     if crc(frame) != u32::from_le_bytes(stored_crc.try_into().unwrap_or_default()) {
@@ -87,7 +91,12 @@ pub(super) fn expand_table(table: &[u8], count: u64, what: &'static str) -> FRes
     }
     match zstd::zstd_safe::find_frame_compressed_size(frame) {
         Ok(n) if n == frame.len() => {}
-        Ok(n) => return Err(malformed(format!("{} bytes follow the entry table's zstd frame", frame.len() - n))),
+        Ok(n) => {
+            return Err(malformed(format!(
+                "{} bytes follow the entry table's zstd frame",
+                frame.len() - n
+            )))
+        }
         Err(_) => return Err(malformed("entry table's zstd frame is damaged".into())),
     }
     // `count` is capped (MAX_ENTRIES) by the caller: at most 64 MiB, and only what the table
@@ -106,7 +115,9 @@ pub(super) fn expand_table(table: &[u8], count: u64, what: &'static str) -> FRes
     });
     match r {
         Ok(n) if n == want => Ok(out),
-        Ok(n) => Err(malformed(format!("entry table expands to {n} bytes, not 64 x {count} entries"))),
+        Ok(n) => {
+            Err(malformed(format!("entry table expands to {n} bytes, not 64 x {count} entries")))
+        }
         Err(_) => Err(malformed(format!("entry table does not expand to 64 x {count} entries"))),
     }
 }
