@@ -11,7 +11,7 @@
 #                    cpio, strace, zstd, lzop, fuse3, gcc + libc6-dev (static memwork), kmod
 #                    (depmod for the fixture initramfs), and apt lists that know
 #                    linux-image-amd64 (scripts/fixtures.sh downloads the kernel with apt).
-#   Rust             a stable toolchain via rustup (rustup itself cannot be fetched here: only
+#   Rust             a stable toolchain with rustfmt and clippy via rustup (rustup itself cannot be fetched here: only
 #                    package registries are reachable, so a missing rustup is reported).
 #   cargo-fuzz       `cargo install cargo-fuzz --locked` if `cargo fuzz` is missing.
 # No gnuplot: strata draws its charts as SVG from Rust.
@@ -88,6 +88,12 @@ if command -v rustup >/dev/null 2>&1; then
 		say "rustup toolchain install stable"
 		rustup toolchain install stable --profile minimal || die "rustup could not install the stable toolchain"
 	fi
+	for c in rustfmt clippy; do
+		rustup component list --installed 2>/dev/null | grep -q "^$c" || {
+			say "rustup component add $c"
+			rustup component add "$c" || die "rustup could not add $c (CI runs cargo fmt --check and clippy)"
+		}
+	done
 	say "Rust: $(rustc +stable --version 2>/dev/null || rustc --version)"
 elif command -v cargo >/dev/null 2>&1; then
 	say "Rust without rustup: $(rustc --version) (strata needs >= 1.80; cargo-fuzz needs a nightly via rustup)"
