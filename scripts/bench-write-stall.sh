@@ -6,7 +6,7 @@
 # writer held back by compaction shows as the maximum.
 #
 #   scripts/bench-write-stall.sh [SECS] LABEL=BINARY [LABEL=BINARY ...]
-#   e.g. scripts/bench-write-stall.sh 90 before=/tmp/strata-old now=target/release/strata
+#   e.g. scripts/bench-write-stall.sh 180 before=/tmp/strata-unpaced now=target/release/strata
 #
 # Writes docs/results/bench-write-stall.{csv,json,svg} (override with OUT=dir). The store goes
 # under ${SCRATCH:-/var/tmp}; needs fio (scripts/setup.sh installs it).

@@ -14,8 +14,8 @@ else
 fi
 
 # Seed corpora from a real store built by the strata binary: the one `cargo test` built
-# (scripts/test.sh runs this right after it), else a dev build. A release build here cost CI
-# ~5 minutes for a 3 MB import.
+# (scripts/test.sh runs this right after it), else a dev build. A release build here would cost
+# CI ~5 minutes for a 3 MB import.
 bin=target/debug/strata
 [ -x "$bin" ] || cargo build -q -p strata-cli
 seed=$(mktemp -d); trap 'rm -rf "$seed"' EXIT
@@ -32,11 +32,13 @@ i=0; for f in "$seed"/s/refs/disk/*; do { printf '\x00'; cat "$f"; } > "fuzz/cor
 mkdir -p fuzz/corpus/disk_log
 find "$seed/s/.meta/disks" -name 'log.*' -exec cp {} fuzz/corpus/disk_log/ \;
 
-# Any extra targets (NBD, QEMU stream) are picked up automatically.
+# Any extra targets (NBD, QEMU stream) are picked up automatically. Inputs kept in the
+# repository (fuzz/seeds, one directory per target) join each target's corpus first.
+kept=fuzz/seeds
 for t in $("${fuzz[@]}" list); do
   echo "fuzz: $t for ${secs}s"
   mkdir -p "fuzz/corpus/$t"
-  [ -d "fuzz/seeds/$t" ] && cp -n fuzz/seeds/"$t"/* "fuzz/corpus/$t/" 2>/dev/null || true
+  [ -d "$kept/$t" ] && cp -n "$kept/$t"/* "fuzz/corpus/$t/" 2>/dev/null || true
   "${fuzz[@]}" run "${san[@]}" "$t" "fuzz/corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 3
 done
 echo "fuzz: all targets ran without crashes"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How much of one boot's memory deduplicates against another's, per page and per group? (session 41)
+"""How much of one boot's memory deduplicates against another's, per page and per group?
 
 Boots the test guest (`scripts/fixtures.sh` builds it) twice under TCG, lets each idle, stops
 it and dumps its RAM with QMP `pmemsave`, then compares the two dumps: non-zero pages,

@@ -3,7 +3,7 @@
 a store on a versitygw S3 server on loopback: `strata vm save` SAVES times, GAP_S seconds apart,
 the guest resumed between them; each save after the first takes the one before as its delta
 base (the default). Prints each save's stored bytes, pages and delta pages, then `du`.
-Needs scripts/setup.sh and scripts/fixtures.sh. Used in session 42 (docs/results/README.md).
+Needs scripts/setup.sh and scripts/fixtures.sh.
 
 usage: scripts/incremental-saves.py STRATA_BIN TAG [MEM_MIB=128] [SAVES=3] [GAP_S=5]
        (work files under $INCR_DIR/TAG, default /tmp/strata-incr/TAG; saves.json there)"""

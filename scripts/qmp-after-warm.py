@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How fast QEMU answers a save's set-up queries after the bench harness's host-memory warm
-(session 43). Boots the idle bench guest (memwork initramfs, golden disk; needs
+"""How fast QEMU answers a save's set-up queries after the bench harness's host-memory warm.
+Boots the idle bench guest (memwork initramfs, golden disk; needs
 scripts/fixtures.sh), then N times for each DELAY: touches and frees WARM MiB as
 `bench_hostmem::touch` does (huge pages advised), and from DELAY ms after the free until 300 ms
 later times a pipeline of 7 read-only queries (what `vm save` sends first) every ~20 ms.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What does each QMP command of a save's set-up cost QEMU? (session 41)
+"""What does each QMP command of a save's set-up cost QEMU?
 
 Boots the test guest (`scripts/fixtures.sh` builds it) under TCG with nothing else running,
 then times, over one QMP connection, the read-only queries `strata vm save` sends before

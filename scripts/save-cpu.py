@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Where does a remote save's CPU go? Per-thread CPU inside each save's clock (session 38).
+"""Where does a remote save's CPU go? Per-thread CPU inside each save's clock.
 
-`bench save-restore --remote` times every save from its `stop`; this script lines a system-wide
+`strata-bench save-restore --remote` times every save from its `stop`; this script lines a system-wide
 `perf` profile up with those clocks and sums the samples of each thread name inside them, for
 strata's saves and for the `zstd -1` stream's, per save. Record with real-time stamps and the
 QMP debug log (the save starts are found in it):
 
     perf record -a -F 1999 -k CLOCK_REALTIME -o /tmp/save.data -q &
-    STRATA_LOG=strata::qmp=debug flock /tmp/strata-bench.lock target/release/strata \\
-        bench save-restore --remote --workload idle --sizes 512 --rounds 4 --out /tmp/sc > /tmp/sc.log 2>&1
+    STRATA_LOG=strata::qmp=debug flock /tmp/strata-bench.lock target/release/strata-bench \\
+        save-restore --remote --workload idle --sizes 512 --rounds 4 --out /tmp/sc > /tmp/sc.log 2>&1
     kill -INT %1
     scripts/save-cpu.py /tmp/sc.log /tmp/save.data /tmp/sc/bench-save-restore-remote-workload-idle.json
 

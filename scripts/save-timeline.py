@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Where does a remote save's wall time go? One line per strata save, from the debug log (session 39).
+"""Where does a remote save's wall time go? One line per strata save, from the debug log.
 
-A stop-and-copy save to S3 (`bench save-restore --remote`) is a pipeline: QMP set-up, QEMU's
+A stop-and-copy save to S3 (`strata-bench save-restore --remote`) is a pipeline: QMP set-up, QEMU's
 stream into the parser and the pool, packs sealed and uploaded (at most two in flight), then
 the page maps, the last pack, the ref and, in the bench, the wait until the storage host has
 every object on disk. This script splits each save's clock at the points the debug log marks:
 
     STRATA_LOG=strata::qmp=debug,strata::store=debug,strata::memory=debug \\
-        flock /tmp/strata-bench.lock target/release/strata bench save-restore --remote \\
+        flock /tmp/strata-bench.lock target/release/strata-bench save-restore --remote \\
         --workload idle --sizes 128,512 --rounds 5 --out /tmp/tl > /tmp/tl.log 2>&1
     scripts/save-timeline.py /tmp/tl.log
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/storage-host.sh: emulate a storage host behind a 1 Gbit/s link, for the remote
-# benchmarks (issue 5, section 5) and their tests.
+# benchmarks and their tests.
 #
 # `up` creates a network namespace holding versitygw (S3, posix backend) and redis-server,
 # joined to the host by a veth pair whose two ends are each shaped with `tbf` (default 1gbit,
@@ -101,13 +101,13 @@ up() {
 	printf '%s' "$secret" >"$DIR/s3.secret"
 	# The storage host stands for another machine, but here it shares this host's cores, so
 	# its server runs lean, as an operator tuning a gateway would run it: ETags from the CRC64
-	# it computes anyway instead of an extra MD5 pass over every object (perf: MD5 was a third
+	# it computes anyway instead of an extra MD5 pass over every object (perf: MD5 is a third
 	# of versitygw's CPU during a save), and Go's GC at a quarter of its default frequency
 	# (GOGC=400; heap growth is bounded by the objects in flight). strata never reads ETags as
-	# MD5s; see docs/results/README.md (session 15) for the measured effect. And a 64 KiB
+	# MD5s. And a 64 KiB
 	# read buffer per ranged GET (`--io-buffer-size`) instead of versitygw 1.8's 1 MiB, which
 	# it allocates and zeroes for every ranged GET, however small (14% of its CPU during 4 KiB
-	# random reads; a small restore's GETs cost it ~0.05 CPU-s instead of ~0.03: session 32).
+	# random reads; a small restore's GETs cost it ~0.05 CPU-s instead of ~0.03).
 	ip netns exec "$NS" env GOGC=400 setsid versitygw --access "$key" --secret "$secret" --port "$STORE_IP:$S3_PORT" --quiet --keep-alive \
 		posix --data-integrity-etag --io-buffer-size 65536 "$DIR/s3" >"$DIR/versitygw.log" 2>&1 </dev/null &
 	echo $! >"$DIR/versitygw.pid"
