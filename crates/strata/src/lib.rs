@@ -8,6 +8,7 @@ pub mod backend;
 pub mod boot;
 pub mod codec;
 pub mod disk;
+pub mod error;
 pub mod fixtures;
 pub mod host;
 pub mod id;
@@ -20,18 +21,6 @@ pub mod serve;
 pub mod store;
 
 pub use codec::Codec;
+pub use error::error_chain;
 pub use id::{ChunkId, PackId};
 pub use store::{Session, Store, StoreError};
-
-/// An error and its sources, joined with ": " for one-line reports (check reports, the
-/// daemon's control replies, test assertions).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}

@@ -15,6 +15,7 @@ use crate::boot::prefetch::{Prefetch, PrefetchStatus};
 use crate::boot::workset;
 use crate::disk::{self, volume::Volume, DiskError};
 use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use crate::store::map;
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
@@ -364,7 +365,7 @@ impl ExportSet for DiskExports {
         let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
         self.maybe_prefetch(name);
         if m.snapshot_of.is_some() {
-            let blocks = disk::map::read_map(&self.store, &r.roots[0])
+            let blocks = map::read_map(&self.store, &r.roots[0])
                 .map_err(|e| unavailable(DiskError::Store(e)))?;
             return Ok(Arc::new(SnapshotExport {
                 store: self.store.clone(),

@@ -19,6 +19,7 @@ use crate::backend::cache::CacheBackend;
 use crate::backend::{BackendError, ErrorKind};
 use crate::disk::{self, DiskError};
 use crate::id::ChunkId;
+use crate::store::map;
 use crate::store::objects::Tree;
 use crate::store::{Store, StoreError};
 use std::collections::HashSet;
@@ -137,7 +138,7 @@ pub fn key(name: &str) -> String {
 /// Map a boot trace of a clone of `name` to `name`'s chunks.
 pub fn from_trace(store: &Store, name: &str, trace: &Trace) -> Result<WorkingSet> {
     let (r, m) = disk::load(store, name)?;
-    let blocks = disk::map::read_map(store, &r.roots[0])?;
+    let blocks = map::read_map(store, &r.roots[0])?;
     let bs = m.block_size as u64;
     let mut seen = HashSet::new();
     let mut chunks = Vec::new();

@@ -8,12 +8,12 @@
 pub mod compact;
 pub mod extent;
 pub mod log;
-pub mod map;
 pub mod volume;
 
 use crate::codec::{byte_entropy, Codec};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
+use crate::store::map;
 use crate::store::objects::Ref;
 use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};

@@ -19,8 +19,9 @@
 
 use super::extent::{ExtentMap, Src};
 use super::log::{self, LogError, LogHeader, LogWriter, RecKind};
-use super::{map, DiskError, DiskMeta, Result};
+use super::{DiskError, DiskMeta, Result};
 use crate::id::ChunkId;
+use crate::store::map;
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::{Condvar, Mutex, RwLock};
