@@ -11,11 +11,12 @@
 //! counted) when warming. Layout: `docs/format-bootset.md`, pinned by the tests below.
 //!
 //! Warming resolves every id to the exact (pack, frame offset, frame length) range the store
-//! reads, deduplicates ranges (several chunks may share a frame), and reads them through the
-//! SSD cache with `CacheBackend::prefetch`, in parallel, so the next boot's reads are hits.
+//! reads, deduplicates ranges (several chunks may share a frame), and has the store's backend
+//! stack prefetch them (`Backend::prefetch`: the SSD cache reads them in parallel), so the next
+//! boot's reads are hits. A stack without a cache reads them through, in parallel all the
+//! same.
 
 use super::trace::{Op, Trace};
-use crate::backend::cache::CacheBackend;
 use crate::backend::{BackendError, ErrorKind};
 use crate::disk::{self, DiskError};
 use crate::id::ChunkId;
@@ -252,22 +253,20 @@ pub struct WarmReport {
     pub cached: bool,
 }
 
-/// Read `name`'s boot working set (or its nearest ancestor's) through `cache`, so it is cached
-/// before a boot storm. Without a cache the ranges are read through the store's backend
-/// stack (which warms whatever caches it has, e.g. the page cache of a local store).
-pub fn warm(
-    store: &Store,
-    name: &str,
-    cache: Option<&CacheBackend>,
-    parallel: usize,
-) -> Result<WarmReport> {
+/// Read `name`'s boot working set (or its nearest ancestor's) into the cache of the store's
+/// backend stack, so it is cached before a boot storm. A stack that cannot prefetch (no cache)
+/// has the ranges read through it (which warms whatever caches it has, e.g. the page cache of
+/// a local store).
+pub fn warm(store: &Store, name: &str, parallel: usize) -> Result<WarmReport> {
     let t = Instant::now();
     let (found, ws) = find(store, name)?;
     let (ranges, missing) = ranges_of(store, &ws);
     let bytes: u64 = ranges.iter().map(|r| r.2).sum();
-    let backend_bytes = match cache {
-        Some(c) => c.prefetch(&ranges, parallel)?,
-        None => read_all(store, &ranges, parallel)?,
+    let cached = store.backend().can_prefetch();
+    let backend_bytes = if cached {
+        store.backend().prefetch(&ranges, parallel)?
+    } else {
+        read_all(store, &ranges, parallel)?
     };
     let rep = WarmReport {
         working_set_of: found,
@@ -277,7 +276,7 @@ pub fn warm(
         bytes,
         backend_bytes,
         secs: t.elapsed().as_secs_f64(),
-        cached: cache.is_some(),
+        cached,
     };
     tracing::info!(target: "strata::boot", name, ?rep, "warmed");
     Ok(rep)
