@@ -37,8 +37,9 @@ pub(crate) fn byte_entropy(parts: &[&[u8]]) -> f64 {
     }
     let n = total as f64;
     let mut bits = 0.0;
-    for i in 0..256 {
-        let c = (h[0][i] + h[1][i] + h[2][i] + h[3][i]) as f64;
+    let [h0, h1, h2, h3] = &h;
+    for (((a, b), c), d) in h0.iter().zip(h1).zip(h2).zip(h3) {
+        let c = (a + b + c + d) as f64;
         if c > 0.0 {
             let p = c / n;
             bits -= p * p.log2();
@@ -150,7 +151,7 @@ pub fn prewarm_zstd(levels: &[i32], per_level: usize) {
 /// a median 0.315 s against 0.360 s and its restore 0.228 s against 0.239 s (10 alternating
 /// rounds each). Readers are unaffected: zstd frames decode whatever the parameters that made
 /// them.
-pub const ZSTD1_MIN_MATCH: i32 = 7;
+pub(crate) const ZSTD1_MIN_MATCH: i32 = 7;
 
 /// Shortest match zstd level 1 looks for in frames longer than [`ZSTD1_NARROW_FRAME`]: the
 /// 256 KiB frames of a stop-and-copy save to a network backend, which is bound by its link
@@ -159,11 +160,11 @@ pub const ZSTD1_MIN_MATCH: i32 = 7;
 /// 33.78 MB at ~715 MB/s, against zstd:1's usual 7 34.49 MB at ~750 and zstd level 2
 /// 33.53 MB at ~590: within 0.8% of level 2's bytes for ~18% less CPU. An A/B pool of
 /// idle-guest saves to S3 is in `docs/results/README.md`.
-pub const ZSTD1_WIDE_MIN_MATCH: i32 = 5;
+pub(crate) const ZSTD1_WIDE_MIN_MATCH: i32 = 5;
 
 /// Frames up to this size (the 32-page frames of most memory writes, and disk blocks) use
 /// [`ZSTD1_MIN_MATCH`] at level 1; longer ones [`ZSTD1_WIDE_MIN_MATCH`].
-pub const ZSTD1_NARROW_FRAME: usize = 128 << 10;
+pub(crate) const ZSTD1_NARROW_FRAME: usize = 128 << 10;
 
 /// The minimum match length a level-1 context should use for a frame of `len` bytes.
 pub fn zstd1_min_match(len: usize) -> i32 {
@@ -198,7 +199,7 @@ pub fn zstd_compressor(level: i32) -> Option<zstd::bulk::Compressor<'static>> {
 }
 
 /// Largest decompressed frame the store accepts (16 MiB).
-pub const MAX_FRAME_RAW: usize = 16 << 20;
+pub(crate) const MAX_FRAME_RAW: usize = 16 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Codec {

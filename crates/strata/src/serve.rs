@@ -103,7 +103,7 @@ pub struct SnapshotExport {
     store: Store,
     size: u64,
     block_size: u64,
-    blocks: Vec<crate::ChunkId>,
+    blocks: Vec<crate::id::ChunkId>,
     name: String,
 }
 
@@ -218,10 +218,9 @@ fn start_prefetch(store: &Store, state: &Mutex<PrefetchState>, name: &str) {
         if let Some(ws) = ws {
             let mut st = state.lock();
             let Some(parallel) = st.parallel else { return };
-            if !st.by_image.contains_key(&cur) {
-                let p = Prefetch::start(store, &cur, &ws, parallel);
-                st.by_image.insert(cur, p);
-            }
+            st.by_image
+                .entry(cur)
+                .or_insert_with_key(|cur| Prefetch::start(store, cur, &ws, parallel));
             return;
         }
         match disk::load(store, &cur) {

@@ -6,12 +6,12 @@
 //! One prefetch per image per process (`serve::DiskExports` keeps them by image name), shared
 //! by every clone of it. It reads through the store's backend stack, whose top is the cache
 //! (`serve` starts one only when that stack [can prefetch](Backend::can_prefetch)), like any
-//! reader: ranges in the working
-//! set's recorded order (the boot's first-read order), consecutive frames of one pack batched
-//! into one `get_ranges` (which the S3 backend merges into few GETs), `parallel` batches in
-//! flight. A demand read of a frame the prefetch is fetching waits for that fetch (the cache
-//! coalesces concurrent misses per frame), and everything read is verified by its hash as
-//! usual. Stopping (server shutdown) lets the batches in flight finish and joins the threads.
+//! reader: ranges in the working set's recorded order (the boot's first-read order),
+//! consecutive frames of one pack batched into one `get_ranges` (which the S3 backend merges
+//! into few GETs), `parallel` batches in flight. A demand read of a frame the prefetch is
+//! fetching waits for that fetch (the cache coalesces concurrent misses per frame), and
+//! everything read is verified by its hash as usual. Stopping (server shutdown) lets the
+//! batches in flight finish and joins the threads.
 //! A failed batch is counted and logged and the rest carries on: demand reads still work.
 
 use super::workset::{self, WorkingSet};

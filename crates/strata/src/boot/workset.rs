@@ -27,13 +27,13 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-pub const MAGIC: &[u8; 8] = b"STRABSET";
-pub const VERSION: u32 = 1;
-pub const HEADER_LEN: usize = 80;
+pub(crate) const MAGIC: &[u8; 8] = b"STRABSET";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const HEADER_LEN: usize = 80;
 /// Most chunk ids in one working set (64 GiB of 64 KiB blocks; 32 MiB object).
-pub const MAX_CHUNKS: usize = 1 << 20;
+pub(crate) const MAX_CHUNKS: usize = 1 << 20;
 /// Backend key prefix of working sets.
-pub const KEY_PREFIX: &str = "bootsets/";
+pub(crate) const KEY_PREFIX: &str = "bootsets/";
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
@@ -288,17 +288,16 @@ fn read_all(store: &Store, ranges: &[(String, u64, u64)], parallel: usize) -> Re
     let err: parking_lot::Mutex<Option<BackendError>> = parking_lot::Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..parallel.max(1) {
-            s.spawn(|| loop {
-                let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                    break;
-                };
-                match store.backend().get_range(k, *off, *len) {
-                    Ok(v) => {
-                        got.fetch_add(v.len() as u64, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        err.lock().get_or_insert(e);
-                        break;
+            s.spawn(|| {
+                while let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    match store.backend().get_range(k, *off, *len) {
+                        Ok(v) => {
+                            got.fetch_add(v.len() as u64, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            err.lock().get_or_insert(e);
+                            break;
+                        }
                     }
                 }
             });

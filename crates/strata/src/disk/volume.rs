@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 /// Compact automatically when the log grows past this.
-pub const DEFAULT_COMPACT_AT: u64 = 1 << 30;
+pub(crate) const DEFAULT_COMPACT_AT: u64 = 1 << 30;
 
 #[derive(Default, Debug, serde::Serialize)]
 pub struct VolumeStats {

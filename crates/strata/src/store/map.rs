@@ -16,7 +16,7 @@ use super::{Result, Session, Store, StoreError};
 use crate::id::ChunkId;
 
 /// Ids per leaf.
-pub const LEAF_IDS: usize = 2048;
+pub(crate) const LEAF_IDS: usize = 2048;
 
 /// Write a block map; returns the root tree id.
 pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {

@@ -16,17 +16,17 @@
 
 use thiserror::Error;
 
-pub const DATA_MAGIC: &[u8; 8] = b"STRACDAT";
-pub const INDEX_MAGIC: &[u8; 8] = b"STRACIDX";
-pub const VERSION: u32 = 1;
-pub const DATA_HEADER_LEN: u64 = 4096;
-pub const INDEX_HEADER_LEN: usize = 64;
+pub(crate) const DATA_MAGIC: &[u8; 8] = b"STRACDAT";
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"STRACIDX";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const DATA_HEADER_LEN: u64 = 4096;
+pub(crate) const INDEX_HEADER_LEN: usize = 64;
 /// Bytes of BLAKE3 kept per entry.
-pub const HASH_LEN: usize = 16;
-pub const REC_INSERT: u8 = 1;
-pub const REC_REMOVE: u8 = 2;
+pub(crate) const HASH_LEN: usize = 16;
+pub(crate) const REC_INSERT: u8 = 1;
+pub(crate) const REC_REMOVE: u8 = 2;
 /// Longest key a record may carry (backend keys are at most 1024 bytes).
-pub const MAX_KEY: usize = 1024;
+pub(crate) const MAX_KEY: usize = 1024;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum FormatError {
