@@ -11,9 +11,11 @@ use std::path::{Path, PathBuf};
 
 /// Layers from the ground up. A module may use the modules of every lower row.
 const LAYERS: &[&[&str]] = &[
-    // Leaves: they import nothing from the crate. nbd and qmp are the protocol leaves.
-    &["error", "id", "codec", "progress", "nbd", "qmp"],
-    &["backend", "page_hash"],
+    // The ground floor: imports nothing from the crate.
+    &["error", "id", "codec", "progress", "endian"],
+    // The object stores, page hashing, and the protocols (NBD, QMP), which stand beside the
+    // storage stack and use only the ground floor.
+    &["backend", "page_hash", "nbd", "qmp"],
     &["store"],
     &["disk", "memory", "host"],
     &["boot"],
@@ -184,7 +186,8 @@ fn the_checker_sees_every_form_of_reference() {
         BTreeMap::from([(m.to_string(), used)])
     };
     assert!(violations(&refs("disk", &["store", "id", "qmp"])).is_empty());
-    let upward = [refs("store", &["disk"]), refs("disk", &["memory"]), refs("codec", &["memory"])];
+    assert!(violations(&refs("nbd", &["endian"])).is_empty());
+    let upward = [refs("store", &["disk"]), refs("disk", &["memory"]), refs("nbd", &["store"])];
     for bad in upward.into_iter().chain([refs("serve", &["ChunkId"])]) {
         assert_eq!(violations(&bad).len(), 1, "{bad:?}");
     }

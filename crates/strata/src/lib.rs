@@ -9,8 +9,8 @@
 //! 4  boot                          boot traces, working sets, prefetch
 //! 3  disk  memory  host            disk images, VM memory checkpoints, a host's stack
 //! 2  store                         chunks, packs, index, refs, block maps, GC, check
-//! 1  backend  page_hash            object stores and decorators; page hashing
-//! 0  error  id  codec  progress  nbd  qmp    leaves (nbd, qmp: the protocols)
+//! 1  backend  page_hash  nbd  qmp  object stores and decorators; page hashing; protocols
+//! 0  error  id  codec  progress  endian   the ground floor: imports nothing
 //! ```
 //!
 //! The library never prints: progress goes through [`progress::Progress`], errors through one
