@@ -294,7 +294,7 @@ fn strata_run(
     let (mut warm_s, mut warm_rx) = (None, None);
     if mode == Mode::Warm {
         let (rx0, _) = counters(ctx.sh);
-        let rep = workset::warm(&host.store, GOLDEN, host.cache.as_deref(), 16)?;
+        let rep = workset::warm(&host.store, GOLDEN, 16)?;
         warm_s = Some(rep.secs);
         warm_rx = Some(counters(ctx.sh).0 - rx0);
         eprintln!(
@@ -306,8 +306,8 @@ fn strata_run(
         );
     }
     let exports = DiskExports::new(host.store.clone());
-    if let (Some(c), true) = (&host.cache, mode != Mode::CacheNoPrefetch) {
-        exports.enable_prefetch(c.clone(), strata::boot::prefetch::DEFAULT_PARALLEL);
+    if mode != Mode::CacheNoPrefetch {
+        exports.enable_prefetch(strata::boot::prefetch::DEFAULT_PARALLEL);
     }
     let sock = dir.join("nbd.sock");
     let handle = Server::bind_unix(&sock)?.serve(exports.clone())?;

@@ -6,8 +6,9 @@
 //! stops when the guest has disconnected for two seconds, on Ctrl-C/SIGTERM, or at the
 //! timeout. The reads become NAME's working set in the backend; the clone is removed.
 //!
-//! warm prefetches the working set into the host's SSD cache (`CacheBackend::prefetch`, the
-//! cache the host configuration opened). A store without a cache (a local one, or a remote one
+//! warm prefetches the working set into the host's SSD cache (`Backend::prefetch` of the
+//! store's backend stack, whose top is the cache the host configuration opened). A store
+//! without a cache (a local one, or a remote one
 //! set up without `--cache`) has its ranges read through the backend stack, which warms the
 //! page cache at most; the report says `cached: false`.
 
@@ -15,7 +16,6 @@ use crate::ui;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use strata::backend::cache::CacheBackend;
 use strata::boot::{workset, Recorder, TracingExports};
 use strata::nbd::{ExportSet, Server};
 use strata::serve::DiskExports;
@@ -114,14 +114,8 @@ fn serve_and_record(
     Ok(rec.trace())
 }
 
-pub fn warm(
-    s: &Store,
-    cache: Option<&CacheBackend>,
-    name: &str,
-    parallel: usize,
-    json: bool,
-) -> Result<()> {
-    let rep = workset::warm(s, name, cache, parallel)?;
+pub fn warm(s: &Store, name: &str, parallel: usize, json: bool) -> Result<()> {
+    let rep = workset::warm(s, name, parallel)?;
     ui::emit(json, &rep, || {
         format!(
             "Warmed '{name}' with the working set of '{}': {} chunks ({} ranges, {}), {} from the backend in {:.2} s{}{}",

@@ -418,7 +418,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Disk { cmd } => {
             let h = open_host(&cli, false)?;
-            disk_cmd(&h.store, h.cache.as_deref(), cmd, cli.json)?;
+            disk_cmd(&h.store, cmd, cli.json)?;
         }
         Cmd::Serve { socket, tcp, no_cache, no_prefetch } => {
             serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?
@@ -429,12 +429,7 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn disk_cmd(
-    s: &Store,
-    cache: Option<&strata::backend::cache::CacheBackend>,
-    cmd: &DiskCmd,
-    json: bool,
-) -> Result<()> {
+fn disk_cmd(s: &Store, cmd: &DiskCmd, json: bool) -> Result<()> {
     use strata::disk;
     match cmd {
         DiskCmd::Import { name, file, codec } => {
@@ -524,7 +519,7 @@ fn disk_cmd(
         DiskCmd::RecordBoot { name, socket, trace, timeout } => {
             boot_cmd::record_boot(s, name, socket.as_deref(), trace.as_deref(), *timeout, json)?
         }
-        DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, cache, name, *parallel, json)?,
+        DiskCmd::Warm { name, parallel } => boot_cmd::warm(s, name, *parallel, json)?,
         DiskCmd::Rm { name } => {
             disk::remove(s, name)?;
             ui::emit(json, &serde_json::json!({"removed": name}), || {
@@ -562,8 +557,8 @@ fn serve(
     let host = open_host(cli, no_cache)?;
     let s = host.store.clone();
     let exports = strata::serve::DiskExports::new(s.clone());
-    if let (Some(c), false) = (&host.cache, no_prefetch) {
-        exports.enable_prefetch(c.clone(), strata::boot::prefetch::DEFAULT_PARALLEL);
+    if !no_prefetch {
+        exports.enable_prefetch(strata::boot::prefetch::DEFAULT_PARALLEL);
     }
     let server = match tcp {
         Some(addr) => {

@@ -37,8 +37,9 @@ pub(crate) fn byte_entropy(parts: &[&[u8]]) -> f64 {
     }
     let n = total as f64;
     let mut bits = 0.0;
-    for i in 0..256 {
-        let c = (h[0][i] + h[1][i] + h[2][i] + h[3][i]) as f64;
+    let [h0, h1, h2, h3] = &h;
+    for (((a, b), c), d) in h0.iter().zip(h1).zip(h2).zip(h3) {
+        let c = (a + b + c + d) as f64;
         if c > 0.0 {
             let p = c / n;
             bits -= p * p.log2();
@@ -145,25 +146,25 @@ pub fn prewarm_zstd(levels: &[i32], per_level: usize) {
 }
 
 /// Shortest match zstd level 1 looks for (zstd's own default at this frame size is 6). On a
-/// 128 MiB guest's captured migration stream in 128 KiB frames, 7 compressed 16% faster for
-/// 1.9% more bytes; a 128 MiB save to S3, bound by its compressing CPU on a 2-core host, took
+/// 128 MiB guest's captured migration stream in 128 KiB frames, 7 compresses 16% faster for
+/// 1.9% more bytes; a 128 MiB save to S3, bound by its compressing CPU on a 2-core host, takes
 /// a median 0.315 s against 0.360 s and its restore 0.228 s against 0.239 s (10 alternating
-/// rounds each, session 15). Readers are unaffected: zstd frames decode whatever the
-/// parameters that made them.
-pub const ZSTD1_MIN_MATCH: i32 = 7;
+/// rounds each). Readers are unaffected: zstd frames decode whatever the parameters that made
+/// them.
+pub(crate) const ZSTD1_MIN_MATCH: i32 = 7;
 
 /// Shortest match zstd level 1 looks for in frames longer than [`ZSTD1_NARROW_FRAME`]: the
 /// 256 KiB frames of a stop-and-copy save to a network backend, which is bound by its link
 /// and short of CPU on a 2-core host. On a captured idle 512 MiB guest's 92 MB of non-zero
-/// pages in 256 KiB blocks (`zstd -b1 -B256K --zstd=mml=N`, one core, session 40), minMatch
-/// 5 stores 33.78 MB at ~715 MB/s, against zstd:1's usual 7 34.49 MB at ~750 and zstd
-/// level 2 33.53 MB at ~590: within 0.8% of level 2's bytes for ~18% less CPU. An A/B pool
-/// of idle-guest saves to S3 is in `docs/results/README.md` (session 40).
-pub const ZSTD1_WIDE_MIN_MATCH: i32 = 5;
+/// pages in 256 KiB blocks (`zstd -b1 -B256K --zstd=mml=N`, one core), minMatch 5 stores
+/// 33.78 MB at ~715 MB/s, against zstd:1's usual 7 34.49 MB at ~750 and zstd level 2
+/// 33.53 MB at ~590: within 0.8% of level 2's bytes for ~18% less CPU. An A/B pool of
+/// idle-guest saves to S3 is in `docs/results/README.md`.
+pub(crate) const ZSTD1_WIDE_MIN_MATCH: i32 = 5;
 
 /// Frames up to this size (the 32-page frames of most memory writes, and disk blocks) use
 /// [`ZSTD1_MIN_MATCH`] at level 1; longer ones [`ZSTD1_WIDE_MIN_MATCH`].
-pub const ZSTD1_NARROW_FRAME: usize = 128 << 10;
+pub(crate) const ZSTD1_NARROW_FRAME: usize = 128 << 10;
 
 /// The minimum match length a level-1 context should use for a frame of `len` bytes.
 pub fn zstd1_min_match(len: usize) -> i32 {
@@ -198,7 +199,7 @@ pub fn zstd_compressor(level: i32) -> Option<zstd::bulk::Compressor<'static>> {
 }
 
 /// Largest decompressed frame the store accepts (16 MiB).
-pub const MAX_FRAME_RAW: usize = 16 << 20;
+pub(crate) const MAX_FRAME_RAW: usize = 16 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Codec {
@@ -391,9 +392,10 @@ mod tests {
             assert_eq!(Codec::Zstd(1).compress(&wide).unwrap(), w5);
             assert_eq!(Codec::Zstd(1).compress(&narrow).unwrap(), n7);
         }
-        let (m, kept) = crate::memory::codec_choice::measure_keep(Codec::Zstd(1), &wide);
+        // The path of a caller that times its compression (this thread's context from
+        // `with_zstd_compressor`, then `zstd_compress`) makes the same frame.
+        let kept = with_zstd_compressor(1, |c, _| zstd_compress(c, 1, &wide)).unwrap();
         assert_eq!(kept.unwrap(), w5);
-        assert_eq!(m.stored as usize, w5.len());
         assert_eq!(Codec::Zstd(1).decompress(&w5, wide.len()).unwrap(), wide);
     }
 

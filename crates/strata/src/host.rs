@@ -22,8 +22,8 @@ use crate::store::{local_meta_path, InitOptions, Store, StoreError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub const HOST_FILE: &str = "host.json";
-pub const HOST_FORMAT: u32 = 1;
+pub(crate) const HOST_FILE: &str = "host.json";
+pub(crate) const HOST_FORMAT: u32 = 1;
 const MAX_HOST_FILE: u64 = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]

@@ -1,16 +1,33 @@
 //! strata: content-addressed storage for VM disks and memory.
 //!
-//! Layers point downward only: `backend` (object stores) -> `store` (chunks, packs, refs,
-//! GC) -> disk / memory views -> NBD / QMP -> the `strata` binary. Start reading at
-//! `store/mod.rs`; `ARCHITECTURE.md` has the map.
+//! Every top-level module sits on one layer and uses only the layers below it (checked by the
+//! `layers` unit test; `ARCHITECTURE.md` draws the same table):
+//!
+//! ```text
+//! 6  fixtures                      test guests (feature `testkit`)
+//! 5  serve                         disks and snapshots as NBD exports
+//! 4  boot                          boot traces, working sets, prefetch
+//! 3  disk  memory  host            disk images, VM memory checkpoints, a host's stack
+//! 2  store                         chunks, packs, index, refs, block maps, GC, check
+//! 1  backend  page_hash  nbd  qmp  object stores and decorators; page hashing; protocols
+//! 0  error  id  codec  progress  endian   the ground floor: imports nothing
+//! ```
+//!
+//! The library never prints: progress goes through [`progress::Progress`], errors through one
+//! `thiserror` enum per module. The binaries are `strata` (`crates/strata-cli`, the product
+//! commands) and `strata-bench` (`crates/strata-bench`, the benchmark lab). Start reading at
+//! `backend/mod.rs` and `store/mod.rs`.
 
 pub mod backend;
 pub mod boot;
 pub mod codec;
 pub mod disk;
+pub mod error;
 pub mod fixtures;
 pub mod host;
 pub mod id;
+#[cfg(test)]
+mod layers;
 pub mod memory;
 pub mod nbd;
 pub mod page_hash;
@@ -20,18 +37,6 @@ pub mod serve;
 pub mod store;
 
 pub use codec::Codec;
+pub use error::error_chain;
 pub use id::{ChunkId, PackId};
 pub use store::{Session, Store, StoreError};
-
-/// An error and its sources, joined with ": " for one-line reports (check reports, the
-/// daemon's control replies, test assertions).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}

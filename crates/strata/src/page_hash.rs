@@ -27,7 +27,7 @@ use blake3::IncrementCounter;
 
 use crate::id::ChunkId;
 
-pub const PAGE: usize = 4096;
+pub(crate) const PAGE: usize = 4096;
 const CHUNK: usize = blake3::CHUNK_LEN;
 const CHUNKS: usize = PAGE / CHUNK;
 /// Pages hashed together: the widest SIMD degree blake3 has (AVX-512).

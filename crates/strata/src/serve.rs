@@ -6,15 +6,16 @@
 //! volume's group commit covers everything appended to its log before the flush began.
 //! Volumes stay open while the server runs and are flushed and compacted on shutdown.
 //!
-//! With an SSD cache and prefetch enabled (`enable_prefetch`, the `strata serve` default),
+//! With an SSD cache (a backend stack that can prefetch) and prefetch enabled
+//! (`enable_prefetch`, the `strata serve` default),
 //! opening a disk whose image has a recorded boot working set starts one background prefetch
 //! of it per image (`boot::prefetch`), shared by all its clones; `close_all` stops them.
 
-use crate::backend::cache::CacheBackend;
 use crate::boot::prefetch::{Prefetch, PrefetchStatus};
 use crate::boot::workset;
 use crate::disk::{self, volume::Volume, DiskError};
 use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use crate::store::map;
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
@@ -102,7 +103,7 @@ pub struct SnapshotExport {
     store: Store,
     size: u64,
     block_size: u64,
-    blocks: Vec<crate::ChunkId>,
+    blocks: Vec<crate::id::ChunkId>,
     name: String,
 }
 
@@ -188,10 +189,11 @@ pub struct DiskExports {
     prefetch: Arc<Mutex<PrefetchState>>,
 }
 
-/// Boot prefetches: the cache to fill, the names already looked up, the prefetch per image.
+/// Boot prefetches: batches in flight per prefetch (None: prefetch off), the names already
+/// looked up, the prefetch per image.
 #[derive(Default)]
 struct PrefetchState {
-    cache: Option<(Arc<CacheBackend>, usize)>,
+    parallel: Option<usize>,
     checked: HashSet<String>,
     by_image: HashMap<String, Arc<Prefetch>>,
     lookups: Vec<std::thread::JoinHandle<()>>,
@@ -215,11 +217,10 @@ fn start_prefetch(store: &Store, state: &Mutex<PrefetchState>, name: &str) {
         };
         if let Some(ws) = ws {
             let mut st = state.lock();
-            let Some((cache, parallel)) = st.cache.clone() else { return };
-            if !st.by_image.contains_key(&cur) {
-                let p = Prefetch::start(store, cache, &cur, &ws, parallel);
-                st.by_image.insert(cur, p);
-            }
+            let Some(parallel) = st.parallel else { return };
+            st.by_image
+                .entry(cur)
+                .or_insert_with_key(|cur| Prefetch::start(store, cur, &ws, parallel));
             return;
         }
         match disk::load(store, &cur) {
@@ -247,9 +248,15 @@ impl DiskExports {
     }
 
     /// From now on, opening a disk whose image has a recorded boot working set starts a
-    /// background prefetch of it into `cache` (once per image), `parallel` batches at a time.
-    pub fn enable_prefetch(&self, cache: Arc<CacheBackend>, parallel: usize) {
-        self.prefetch.lock().cache = Some((cache, parallel));
+    /// background prefetch of it into the cache of the store's backend stack (once per image),
+    /// `parallel` batches at a time. Returns false, and changes nothing, when the stack cannot
+    /// prefetch (no cache).
+    pub fn enable_prefetch(&self, parallel: usize) -> bool {
+        let can = self.store.backend().can_prefetch();
+        if can {
+            self.prefetch.lock().parallel = Some(parallel);
+        }
+        can
     }
 
     /// The prefetches started so far (image, progress).
@@ -270,7 +277,7 @@ impl DiskExports {
     /// backend, so it runs on its own thread: opening a disk never waits for it.
     fn maybe_prefetch(&self, name: &str) {
         let mut st = self.prefetch.lock();
-        if st.cache.is_none() || !st.checked.insert(name.to_string()) {
+        if st.parallel.is_none() || !st.checked.insert(name.to_string()) {
             return;
         }
         let (store, state, name) = (self.store.clone(), self.prefetch.clone(), name.to_string());
@@ -298,7 +305,7 @@ impl DiskExports {
     pub fn stop_prefetch(&self) {
         let lookups = {
             let mut st = self.prefetch.lock();
-            st.cache = None;
+            st.parallel = None;
             std::mem::take(&mut st.lookups)
         };
         for h in lookups {
@@ -364,7 +371,7 @@ impl ExportSet for DiskExports {
         let (r, m) = disk::load(&self.store, name).map_err(unavailable)?;
         self.maybe_prefetch(name);
         if m.snapshot_of.is_some() {
-            let blocks = disk::map::read_map(&self.store, &r.roots[0])
+            let blocks = map::read_map(&self.store, &r.roots[0])
                 .map_err(|e| unavailable(DiskError::Store(e)))?;
             return Ok(Arc::new(SnapshotExport {
                 store: self.store.clone(),

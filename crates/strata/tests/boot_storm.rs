@@ -5,6 +5,7 @@
 //!   pattern over NBD, and the trace becomes the golden image's working set in the bucket;
 //! - host C (own metadata, cold cache) warms its cache with that working set, after which the
 //!   same boot reads from fresh clones cost zero backend bytes; without warming they do not.
+//!
 //! The replayer runs the recorded trace with several clients and must return identical bytes.
 
 use std::path::Path;
@@ -178,7 +179,7 @@ fn a_recorded_boot_warms_another_hosts_cache_so_the_boot_costs_no_backend_bytes(
 
     // Warm (found through d2's parent), then the same boot from d2 costs nothing.
     cache.clear();
-    let rep = workset::warm(&c.store, "d2", Some(&cache), 4).unwrap();
+    let rep = workset::warm(&c.store, "d2", 4).unwrap();
     assert_eq!(rep.working_set_of, "golden@base");
     assert_eq!(rep.missing, 0);
     assert!(rep.backend_bytes > 0 && rep.backend_bytes == rep.bytes, "{rep:?}");
@@ -204,7 +205,7 @@ fn a_recorded_boot_warms_another_hosts_cache_so_the_boot_costs_no_backend_bytes(
     );
     assert!(after.hits > opened.hits);
     // A second warm finds everything cached.
-    assert_eq!(workset::warm(&c.store, "golden@base", Some(&cache), 4).unwrap().backend_bytes, 0);
+    assert_eq!(workset::warm(&c.store, "golden@base", 4).unwrap().backend_bytes, 0);
 
     // Replay the recorded trace with three clients: same bytes for all, all from the cache.
     let before = cache.counters();
@@ -227,7 +228,7 @@ fn a_recorded_boot_warms_another_hosts_cache_so_the_boot_costs_no_backend_bytes(
     ex.close_all().unwrap();
 
     // No working set: a clear error naming the fix.
-    let e = workset::warm(&c.store, "golden", Some(&cache), 2).unwrap_err().to_string();
+    let e = workset::warm(&c.store, "golden", 2).unwrap_err().to_string();
     assert!(e.contains("strata disk record-boot golden"), "{e}");
 }
 
@@ -316,7 +317,7 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     }
     let sock = d.path().join("c.sock");
     let (h, ex) = serve(&c.store, &sock, None);
-    ex.enable_prefetch(cache.clone(), 4);
+    assert!(ex.enable_prefetch(4));
     // A clone of an image without a working set starts none.
     read_all(&sock, "p1", &reads[..3], &img);
     ex.wait_prefetch_lookups();
@@ -359,7 +360,7 @@ fn serving_a_clone_prefetches_its_images_working_set_once_and_only_with_a_cache(
     cache.clear();
     let sock2 = d.path().join("c2.sock");
     let (h, ex) = serve(&c.store, &sock2, None);
-    ex.enable_prefetch(cache.clone(), 8);
+    assert!(ex.enable_prefetch(8));
     let before = cache.counters();
     let clients: Vec<(Target, String)> =
         ["c1", "c2"].iter().map(|n| (Target::Unix(sock2.clone()), n.to_string())).collect();

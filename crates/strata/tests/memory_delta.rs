@@ -183,7 +183,7 @@ fn damaged_base_page_aborts_restore_naming_the_page() {
     assert!(r.delta.as_ref().is_some_and(|d| d.pages > 1000));
     // Pick a base page that one of desk's delta records needs, and flip a byte of its frame.
     let c = load_checkpoint(&store, "desk").unwrap();
-    let map = strata::disk::map::read_map(&store, &c.map_roots[0]).unwrap();
+    let map = strata::store::map::read_map(&store, &c.map_roots[0]).unwrap();
     // Frames holding a page desk uses directly: damaging one of those would fail that page
     // first, wherever it is.
     let direct: std::collections::HashSet<_> = map

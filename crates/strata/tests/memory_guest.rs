@@ -11,7 +11,6 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use strata::disk::map::read_map;
 use strata::fixtures::{reply_field, Fixtures, Guest, Machine};
 use strata::memory::codec_choice::CodecPolicy;
 use strata::memory::delta::BasePolicy;
@@ -21,6 +20,7 @@ use strata::memory::restore::load_checkpoint;
 use strata::memory::save::{save, SaveOptions};
 use strata::progress::NoProgress;
 use strata::qmp::QmpClient;
+use strata::store::map::read_map;
 use strata::store::{InitOptions, Store};
 
 const T: Duration = Duration::from_secs(120);

@@ -1,5 +1,6 @@
 //! SSD cache decorator: a fixed-size cache file on local disk in front of any (remote) backend,
-//! after paper 004's client-side SSD cache for VDI, with the boot-storm fixes Ceph lacks.
+//! a client-side SSD cache for VM images built for boot storms (many clones reading the same
+//! frames at once).
 //!
 //! What is cached, and why that is "keyed by content": the store reads a chunk as one range of
 //! an immutable pack (`get_range(packs/XX/<id>, frame_off, frame_len)`), and a chunk lives in
@@ -50,6 +51,9 @@
 //! - Batched reads (`get_ranges`, `cache/batch.rs`): hits are answered from the cache, and all
 //!   the misses a reader leads go to the backend in one `get_ranges` call (which S3 merges
 //!   into few GETs); each range is still its own entry, coalesced and filled as above.
+//! - Prefetch (`Backend::prefetch`, the one backend that has it): ranges read through the
+//!   cache with N threads, then a wait for their fills, so a boot working set is on the SSD
+//!   before the storm (`strata disk warm`, `strata serve`'s background prefetch).
 //!
 //! Files: this one holds the options, counters and the read/write paths; `cache/index.rs` the
 //! in-memory index, eviction and the index log; `cache/fill.rs` the fill thread;
@@ -486,32 +490,6 @@ impl CacheBackend {
         (good, bad)
     }
 
-    /// Read the given ranges through the cache with `parallel` threads, so they are cached
-    /// (a golden image's recorded boot working set, for `strata disk warm`). Returns the bytes
-    /// that had to come from the backend.
-    pub fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
-        let before = self.counters().miss_bytes;
-        let next = AtomicU64::new(0);
-        let first_err: Mutex<Option<BackendError>> = Mutex::new(None);
-        std::thread::scope(|s| {
-            for _ in 0..parallel.max(1) {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                    let Some((k, off, len)) = ranges.get(i) else { break };
-                    if let Err(e) = self.get_range(k, *off, *len) {
-                        first_err.lock().get_or_insert(e);
-                        break;
-                    }
-                });
-            }
-        });
-        if let Some(e) = first_err.into_inner() {
-            return Err(e);
-        }
-        self.wait_idle();
-        Ok(self.counters().miss_bytes - before)
-    }
-
     /// Stage bytes for the fill thread, within the staging budget.
     fn stage(&self, rk: RangeKey, slice: Slice) {
         let len = slice.len as u64;
@@ -890,6 +868,35 @@ impl Backend for CacheBackend {
     fn head(&self, key: &str) -> BResult<Option<u64>> {
         self.sh.inner.head(key)
     }
+
+    fn can_prefetch(&self) -> bool {
+        true
+    }
+
+    /// Read the ranges through the cache with `parallel` threads, then wait for their fills,
+    /// so they are cached. Returns the bytes that had to come from the backend.
+    fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
+        let before = self.counters().miss_bytes;
+        let next = AtomicU64::new(0);
+        let first_err: Mutex<Option<BackendError>> = Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..parallel.max(1) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some((k, off, len)) = ranges.get(i) else { break };
+                    if let Err(e) = self.get_range(k, *off, *len) {
+                        first_err.lock().get_or_insert(e);
+                        break;
+                    }
+                });
+            }
+        });
+        if let Some(e) = first_err.into_inner() {
+            return Err(e);
+        }
+        self.wait_idle();
+        Ok(self.counters().miss_bytes - before)
+    }
 }
 
 /// One process per cache directory: an exclusive `flock` on the data file, released when the
@@ -920,6 +927,32 @@ fn reserve_space(f: &File, len: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::backend::retry::{RetryBackend, RetryPolicy};
+
+    /// Prefetch is a capability of the backend trait: a plain backend refuses it, the cache
+    /// has it, and a decorator over the cache forwards it. Prefetched ranges are then cached.
+    #[test]
+    fn prefetch_fills_the_cache_through_the_trait() {
+        let d = tempfile::tempdir().unwrap();
+        let mem = MemoryBackend::new();
+        let data: Vec<u8> = (0..64u32 << 10).map(|i| (i % 251) as u8).collect();
+        mem.put("packs/aa/p1", &data).unwrap();
+        let plain: DynBackend = Arc::new(mem);
+        assert!(!plain.can_prefetch());
+        assert_eq!(plain.prefetch(&[], 1).unwrap_err().kind, ErrorKind::Unsupported);
+        let cache =
+            Arc::new(CacheBackend::open(plain, d.path(), CacheOptions::new(8 << 20)).unwrap());
+        let stack = RetryBackend::new(cache.clone(), RetryPolicy::default());
+        assert!(cache.can_prefetch() && stack.can_prefetch());
+        let key = "packs/aa/p1".to_string();
+        let ranges = vec![(key.clone(), 0, 4096), (key.clone(), 8192, 4096)];
+        assert_eq!(stack.prefetch(&ranges, 2).unwrap(), 8192);
+        assert_eq!(stack.prefetch(&ranges, 2).unwrap(), 0, "a second prefetch finds both cached");
+        let before = cache.counters();
+        assert_eq!(stack.get_range(&key, 8192, 4096).unwrap(), data[8192..12288]);
+        assert_eq!(cache.counters().hits, before.hits + 1);
+    }
 
     #[test]
     fn geometry_follows_size_and_limits() {

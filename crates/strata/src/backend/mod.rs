@@ -12,7 +12,11 @@
 //! - `put_if_absent` is atomic with respect to other writers of the same backend (leases build on it).
 //! - Errors carry a kind (`NotFound`, `NoSpace`, `Unavailable`, ...) so callers can give advice.
 //!
-//! Decorators (fault injection, and later cache, retry and metrics) wrap any `Backend`.
+//! Optional capabilities: `get_range_to` (streamed ranges), `get_ranges` (merged ranges),
+//! `put_shared` (no copy), `put_volatile`, `get_meta_range`, and `prefetch` (read ranges into
+//! a cache, announced by `can_prefetch`). Decorators (`cache`, `retry`, fault injection) wrap
+//! any `Backend` and forward what they do not change, so a capability of the backend under
+//! them stays visible from above.
 
 pub mod cache;
 pub mod conformance;
@@ -74,6 +78,8 @@ pub enum ErrorKind {
     PermissionDenied,
     /// A key or argument the backend refuses.
     Invalid,
+    /// An optional capability this backend lacks (see [`Backend::can_prefetch`]).
+    Unsupported,
     Other,
 }
 
@@ -132,6 +138,7 @@ impl BackendError {
             }
             ErrorKind::PermissionDenied => "Backend denied access (check permissions/credentials)",
             ErrorKind::Invalid => "Backend refused the request",
+            ErrorKind::Unsupported => "Backend cannot do this",
             ErrorKind::Other => "Backend I/O failed",
         };
         if self.key.is_empty() {
@@ -226,6 +233,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Make every completed `put`/`delete` durable.
     fn sync(&self) -> BResult<()>;
+
+    /// Whether [`prefetch`](Self::prefetch) fills a cache: true for the SSD cache
+    /// ([`cache::CacheBackend`]) and for decorators over one.
+    fn can_prefetch(&self) -> bool {
+        false
+    }
+
+    /// Read `ranges` (key, offset, length) into this backend's cache with `parallel` threads,
+    /// so later reads of them are hits (a recorded boot working set, before a boot storm).
+    /// Returns the bytes that had to come from below the cache. Backends without a cache
+    /// return an `Unsupported` error; callers ask [`can_prefetch`](Self::can_prefetch) first.
+    fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
+        let _ = (ranges, parallel);
+        Err(BackendError::new(ErrorKind::Unsupported, "prefetch", ""))
+    }
 
     /// Size of an object, or None if it does not exist.
     fn head(&self, key: &str) -> BResult<Option<u64>> {

@@ -235,6 +235,15 @@ impl Backend for RetryBackend {
     fn head(&self, key: &str) -> BResult<Option<u64>> {
         self.retry("head", key, |_| self.inner.head(key))
     }
+
+    fn can_prefetch(&self) -> bool {
+        self.inner.can_prefetch()
+    }
+
+    /// Forwarded whole: the cache under this decorator reads through its own backend stack.
+    fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
+        self.inner.prefetch(ranges, parallel)
+    }
 }
 
 /// A backend that fails on purpose, for tests of the retry path: each call fails with
@@ -319,6 +328,12 @@ impl Backend for FlakyBackend {
     }
     fn head(&self, key: &str) -> BResult<Option<u64>> {
         self.maybe("head", key, || self.inner.head(key))
+    }
+    fn can_prefetch(&self) -> bool {
+        self.inner.can_prefetch()
+    }
+    fn prefetch(&self, ranges: &[(String, u64, u64)], parallel: usize) -> BResult<u64> {
+        self.maybe("prefetch", "", || self.inner.prefetch(ranges, parallel))
     }
 }
 

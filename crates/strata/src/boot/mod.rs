@@ -6,10 +6,12 @@
 //!   and `warm`, which prefetches it into the cache (`strata disk warm`);
 //! - `prefetch`: the same working set read into the cache in the background when `strata
 //!   serve` opens a clone of the image (one per image per process);
-//! - `replay`: N concurrent NBD clients replaying a trace's reads (`strata bench storm`).
+//! - `replay`: N concurrent NBD clients replaying a trace's reads (the boot-storm benchmark).
 //!
-//! This sits above `serve`/`nbd` and `disk`: it wraps exports and reads block maps, and never
-//! changes how either works.
+//! This sits above `disk`, `store` and the `nbd` protocol and below `serve` (which starts the
+//! prefetches): it wraps exports and reads block maps, and never changes how either works.
+//! Prefetching is a capability of the store's backend stack (`Backend::prefetch`), so nothing
+//! here knows the SSD cache.
 
 pub mod prefetch;
 pub mod replay;

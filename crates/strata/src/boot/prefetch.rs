@@ -1,20 +1,21 @@
 //! Boot-storm prefetch: when `strata serve` opens a disk whose image (the disk itself or the
 //! snapshot it was cloned from, up its parent chain) has a recorded boot working set, it reads
 //! that working set into the SSD cache in the background, in bulk and concurrently, instead of
-//! leaving the storm to fetch it one demand miss at a time (paper 004).
+//! leaving the storm to fetch it one demand miss at a time.
 //!
 //! One prefetch per image per process (`serve::DiskExports` keeps them by image name), shared
-//! by every clone of it. It goes through the cache like any reader: ranges in the working
-//! set's recorded order (the boot's first-read order), consecutive frames of one pack batched
-//! into one `get_ranges` (which the S3 backend merges into few GETs), `parallel` batches in
-//! flight. A demand read of a frame the prefetch is fetching waits for that fetch (the cache
-//! coalesces concurrent misses per frame), and everything read is verified by its hash as
-//! usual. Stopping (server shutdown) lets the batches in flight finish and joins the threads.
+//! by every clone of it. It reads through the store's backend stack, whose top is the cache
+//! (`serve` starts one only when that stack [can prefetch](Backend::can_prefetch)), like any
+//! reader: ranges in the working set's recorded order (the boot's first-read order),
+//! consecutive frames of one pack batched into one `get_ranges` (which the S3 backend merges
+//! into few GETs), `parallel` batches in flight. A demand read of a frame the prefetch is
+//! fetching waits for that fetch (the cache coalesces concurrent misses per frame), and
+//! everything read is verified by its hash as usual. Stopping (server shutdown) lets the
+//! batches in flight finish and joins the threads.
 //! A failed batch is counted and logged and the rest carries on: demand reads still work.
 
 use super::workset::{self, WorkingSet};
-use crate::backend::cache::CacheBackend;
-use crate::backend::Backend;
+use crate::backend::{Backend, DynBackend};
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -86,15 +87,10 @@ fn batches(ranges: Vec<(String, u64, u64)>) -> Vec<(String, Vec<(u64, u64)>)> {
 }
 
 impl Prefetch {
-    /// Start prefetching `ws` (the working set of `image`) into `cache` with `parallel`
-    /// batches in flight. Returns at once; the work runs on its own threads.
-    pub fn start(
-        store: &Store,
-        cache: Arc<CacheBackend>,
-        image: &str,
-        ws: &WorkingSet,
-        parallel: usize,
-    ) -> Arc<Prefetch> {
+    /// Start prefetching `ws` (the working set of `image`) through the store's backend stack
+    /// with `parallel` batches in flight. Returns at once; the work runs on its own threads.
+    pub fn start(store: &Store, image: &str, ws: &WorkingSet, parallel: usize) -> Arc<Prefetch> {
+        let backend: DynBackend = store.backend().clone();
         let (ranges, missing) = workset::ranges_of(store, ws);
         let p = Arc::new(Prefetch {
             image: image.into(),
@@ -116,7 +112,7 @@ impl Prefetch {
         let me = p.clone();
         let h = std::thread::Builder::new()
             .name("strata-prefetch".into())
-            .spawn(move || me.run(&cache, &work, parallel.max(1)));
+            .spawn(move || me.run(&*backend, &work, parallel.max(1)));
         match h {
             Ok(h) => *p.thread.lock() = Some(h),
             Err(e) => {
@@ -127,14 +123,14 @@ impl Prefetch {
         p
     }
 
-    fn run(&self, cache: &CacheBackend, work: &[(String, Vec<(u64, u64)>)], parallel: usize) {
+    fn run(&self, backend: &dyn Backend, work: &[(String, Vec<(u64, u64)>)], parallel: usize) {
         let next = AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..parallel.min(work.len()) {
                 s.spawn(|| {
                     while !self.stop.load(Ordering::Relaxed) {
                         let Some((key, rs)) = work.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                        match cache.get_ranges(key, rs) {
+                        match backend.get_ranges(key, rs) {
                             Ok(got) => {
                                 self.ranges_done.fetch_add(rs.len() as u64, Ordering::Relaxed);
                                 self.bytes_done.fetch_add(got.iter().map(|v| v.len() as u64).sum(), Ordering::Relaxed);

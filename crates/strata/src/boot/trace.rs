@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Most records a trace file may hold (a desktop boot is a few thousand requests).
-pub const MAX_RECORDS: usize = 4 << 20;
+pub(crate) const MAX_RECORDS: usize = 4 << 20;
 /// Header line of the CSV form.
-pub const CSV_HEADER: &str = "t_us,dur_us,op,offset,len,inflight";
+pub(crate) const CSV_HEADER: &str = "t_us,dur_us,op,offset,len,inflight";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -11,27 +11,29 @@
 //! counted) when warming. Layout: `docs/format-bootset.md`, pinned by the tests below.
 //!
 //! Warming resolves every id to the exact (pack, frame offset, frame length) range the store
-//! reads, deduplicates ranges (several chunks may share a frame), and reads them through the
-//! SSD cache with `CacheBackend::prefetch`, in parallel, so the next boot's reads are hits.
+//! reads, deduplicates ranges (several chunks may share a frame), and has the store's backend
+//! stack prefetch them (`Backend::prefetch`: the SSD cache reads them in parallel), so the next
+//! boot's reads are hits. A stack without a cache reads them through, in parallel all the
+//! same.
 
 use super::trace::{Op, Trace};
-use crate::backend::cache::CacheBackend;
 use crate::backend::{BackendError, ErrorKind};
 use crate::disk::{self, DiskError};
 use crate::id::ChunkId;
+use crate::store::map;
 use crate::store::objects::Tree;
 use crate::store::{Store, StoreError};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
-pub const MAGIC: &[u8; 8] = b"STRABSET";
-pub const VERSION: u32 = 1;
-pub const HEADER_LEN: usize = 80;
+pub(crate) const MAGIC: &[u8; 8] = b"STRABSET";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const HEADER_LEN: usize = 80;
 /// Most chunk ids in one working set (64 GiB of 64 KiB blocks; 32 MiB object).
-pub const MAX_CHUNKS: usize = 1 << 20;
+pub(crate) const MAX_CHUNKS: usize = 1 << 20;
 /// Backend key prefix of working sets.
-pub const KEY_PREFIX: &str = "bootsets/";
+pub(crate) const KEY_PREFIX: &str = "bootsets/";
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
@@ -137,7 +139,7 @@ pub fn key(name: &str) -> String {
 /// Map a boot trace of a clone of `name` to `name`'s chunks.
 pub fn from_trace(store: &Store, name: &str, trace: &Trace) -> Result<WorkingSet> {
     let (r, m) = disk::load(store, name)?;
-    let blocks = disk::map::read_map(store, &r.roots[0])?;
+    let blocks = map::read_map(store, &r.roots[0])?;
     let bs = m.block_size as u64;
     let mut seen = HashSet::new();
     let mut chunks = Vec::new();
@@ -251,22 +253,20 @@ pub struct WarmReport {
     pub cached: bool,
 }
 
-/// Read `name`'s boot working set (or its nearest ancestor's) through `cache`, so it is cached
-/// before a boot storm. Without a cache the ranges are read through the store's backend
-/// stack (which warms whatever caches it has, e.g. the page cache of a local store).
-pub fn warm(
-    store: &Store,
-    name: &str,
-    cache: Option<&CacheBackend>,
-    parallel: usize,
-) -> Result<WarmReport> {
+/// Read `name`'s boot working set (or its nearest ancestor's) into the cache of the store's
+/// backend stack, so it is cached before a boot storm. A stack that cannot prefetch (no cache)
+/// has the ranges read through it (which warms whatever caches it has, e.g. the page cache of
+/// a local store).
+pub fn warm(store: &Store, name: &str, parallel: usize) -> Result<WarmReport> {
     let t = Instant::now();
     let (found, ws) = find(store, name)?;
     let (ranges, missing) = ranges_of(store, &ws);
     let bytes: u64 = ranges.iter().map(|r| r.2).sum();
-    let backend_bytes = match cache {
-        Some(c) => c.prefetch(&ranges, parallel)?,
-        None => read_all(store, &ranges, parallel)?,
+    let cached = store.backend().can_prefetch();
+    let backend_bytes = if cached {
+        store.backend().prefetch(&ranges, parallel)?
+    } else {
+        read_all(store, &ranges, parallel)?
     };
     let rep = WarmReport {
         working_set_of: found,
@@ -276,7 +276,7 @@ pub fn warm(
         bytes,
         backend_bytes,
         secs: t.elapsed().as_secs_f64(),
-        cached: cache.is_some(),
+        cached,
     };
     tracing::info!(target: "strata::boot", name, ?rep, "warmed");
     Ok(rep)
@@ -288,17 +288,16 @@ fn read_all(store: &Store, ranges: &[(String, u64, u64)], parallel: usize) -> Re
     let err: parking_lot::Mutex<Option<BackendError>> = parking_lot::Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..parallel.max(1) {
-            s.spawn(|| loop {
-                let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) else {
-                    break;
-                };
-                match store.backend().get_range(k, *off, *len) {
-                    Ok(v) => {
-                        got.fetch_add(v.len() as u64, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        err.lock().get_or_insert(e);
-                        break;
+            s.spawn(|| {
+                while let Some((k, off, len)) = ranges.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    match store.backend().get_range(k, *off, *len) {
+                        Ok(v) => {
+                            got.fetch_add(v.len() as u64, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            err.lock().get_or_insert(e);
+                            break;
+                        }
                     }
                 }
             });

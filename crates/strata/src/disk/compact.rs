@@ -26,8 +26,9 @@
 use super::extent::ExtentMap;
 use super::log::{LogHeader, LogWriter};
 use super::volume::{fetch, io_err, plan, FrozenLog, SyncEvent, Volume};
-use super::{block_codec, map, ref_name, Result};
+use super::{block_codec, ref_name, Result};
 use crate::id::ChunkId;
+use crate::store::map;
 use crate::store::objects::Ref;
 use crate::store::pack::ChunkKind;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

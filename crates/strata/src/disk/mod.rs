@@ -8,12 +8,12 @@
 pub mod compact;
 pub mod extent;
 pub mod log;
-pub mod map;
 pub mod volume;
 
 use crate::codec::{byte_entropy, Codec};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
+use crate::store::map;
 use crate::store::objects::Ref;
 use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};
@@ -21,7 +21,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-pub const DEFAULT_BLOCK: u32 = 64 << 10;
+pub(crate) const DEFAULT_BLOCK: u32 = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
@@ -72,9 +72,9 @@ const SAMPLE: usize = 16 << 10;
 ///
 /// The trial compression is skipped when the sample's bytes look uniform (Shannon entropy
 /// above [`UNIFORM_BITS`] per byte): encrypted data (a BitLocker or LUKS guest writes nothing
-/// else) and already-compressed media. The histogram costs a fraction of the LZ4 pass; the
-/// trial was 11% of all CPU samples under sustained incompressible writes (`docs/results`,
-/// `bench io`, session 32). btrfs's compression heuristic makes the same check.
+/// else) and already-compressed media. The histogram costs a fraction of the LZ4 pass, while
+/// the trial takes 11% of all CPU samples under sustained incompressible writes (the `io`
+/// benchmark, `docs/results`). btrfs's compression heuristic makes the same check.
 pub(crate) fn block_codec(data: &[u8], codec: Codec) -> Codec {
     if codec == Codec::None {
         return codec;
@@ -92,9 +92,9 @@ pub(crate) fn block_codec(data: &[u8], codec: Codec) -> Codec {
 /// Bits per byte above which a sample counts as uniform (see [`block_codec`]). 4 KiB of
 /// uniform random bytes measure 7.95 (the histogram of a finite sample is never flat). The
 /// line is drawn high because byte entropy does not see LZ4's matches: of 304 blocks of this
-/// machine's files at 7.5 bits or more, 11 still shrank by 1/8 (jars, some `.gz`), but 1 of
-/// 226 at 7.9 or more (session 33, `docs/disks.md`). fio's buffers measure 7.53-7.9, so
-/// `bench io` mostly still pays the trial.
+/// machine's files at 7.5 bits or more, 11 still shrink by 1/8 (jars, some `.gz`), but 1 of
+/// 226 at 7.9 or more (`docs/disks.md`). fio's buffers measure 7.53-7.9, so the `io`
+/// benchmark mostly still pays the trial.
 const UNIFORM_BITS: f64 = 7.9;
 
 /// [`byte_entropy`] of four 1 KiB runs spread over `s` (a histogram of the whole 16 KiB sample

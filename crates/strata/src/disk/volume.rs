@@ -19,8 +19,9 @@
 
 use super::extent::{ExtentMap, Src};
 use super::log::{self, LogError, LogHeader, LogWriter, RecKind};
-use super::{map, DiskError, DiskMeta, Result};
+use super::{DiskError, DiskMeta, Result};
 use crate::id::ChunkId;
+use crate::store::map;
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -31,7 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 /// Compact automatically when the log grows past this.
-pub const DEFAULT_COMPACT_AT: u64 = 1 << 30;
+pub(crate) const DEFAULT_COMPACT_AT: u64 = 1 << 30;
 
 #[derive(Default, Debug, serde::Serialize)]
 pub struct VolumeStats {

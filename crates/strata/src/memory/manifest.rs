@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! refs/vm/NAME   roots[0]      = tail tree   (device-state tail, 64 KiB data chunks)
-//!                roots[1 + i]  = page map of ramblock i (disk::map two-level tree of page ids,
+//!                roots[1 + i]  = page map of ramblock i (store::map two-level tree of page ids,
 //!                                the zero id for a zero page; leaves may carry a slot table)
 //!                payload       = Manifest (JSON, format "strata-vm-checkpoint", version 2-4)
 //! ```

@@ -281,4 +281,4 @@ impl Store {
     }
 }
 
-use crate::error_chain as chain;
+use crate::error::error_chain as chain;

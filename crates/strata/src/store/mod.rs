@@ -26,6 +26,7 @@ pub mod du;
 pub mod format;
 pub mod gc;
 pub mod lease;
+pub mod map;
 pub mod meta;
 pub mod objects;
 pub mod pack;

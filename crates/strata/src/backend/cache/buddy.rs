@@ -4,7 +4,7 @@
 //! bytes and starts at a multiple of its size. Allocation takes the smallest free block of a
 //! large enough order and splits it in halves down to the order asked for; freeing merges a
 //! block with its buddy (the other half of its parent, at `off ^ size`) while the buddy is free.
-//! This is the allocator paper 004 chose for its SSD cache: entries of any size, no external
+//! A buddy allocator suits an SSD cache of frames: entries of any size, no external
 //! fragmentation beyond power-of-two rounding (at most 2x, typically ~1.35x for compressed
 //! 64 KiB frames), and O(log) work per operation.
 //!

@@ -16,17 +16,17 @@
 
 use thiserror::Error;
 
-pub const DATA_MAGIC: &[u8; 8] = b"STRACDAT";
-pub const INDEX_MAGIC: &[u8; 8] = b"STRACIDX";
-pub const VERSION: u32 = 1;
-pub const DATA_HEADER_LEN: u64 = 4096;
-pub const INDEX_HEADER_LEN: usize = 64;
+pub(crate) const DATA_MAGIC: &[u8; 8] = b"STRACDAT";
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"STRACIDX";
+pub(crate) const VERSION: u32 = 1;
+pub(crate) const DATA_HEADER_LEN: u64 = 4096;
+pub(crate) const INDEX_HEADER_LEN: usize = 64;
 /// Bytes of BLAKE3 kept per entry.
-pub const HASH_LEN: usize = 16;
-pub const REC_INSERT: u8 = 1;
-pub const REC_REMOVE: u8 = 2;
+pub(crate) const HASH_LEN: usize = 16;
+pub(crate) const REC_INSERT: u8 = 1;
+pub(crate) const REC_REMOVE: u8 = 2;
 /// Longest key a record may carry (backend keys are at most 1024 bytes).
-pub const MAX_KEY: usize = 1024;
+pub(crate) const MAX_KEY: usize = 1024;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum FormatError {
@@ -68,8 +68,8 @@ impl Geometry {
 }
 
 /// Data file header, 4096 bytes:
-/// magic[8] version u32 flags u32 instance[16] region_size u64 min_shift u8 top_order u8
-/// reserved[18] crc32c u32 (over bytes 0..60), then zeros.
+/// `magic[8] version u32 flags u32 instance[16] region_size u64 min_shift u8 top_order u8
+/// reserved[18] crc32c u32` (the CRC over bytes 0..60), then zeros.
 pub fn encode_data_header(g: &Geometry) -> Vec<u8> {
     let mut b = encode_header(DATA_MAGIC, g);
     b.resize(DATA_HEADER_LEN as usize, 0);
@@ -144,8 +144,8 @@ pub enum Record {
 
 /// Record framing: body_len u32, type u8, body, crc32c u32 over (body_len, type, body).
 ///
-/// Insert body (35 + key bytes): block u64, order u8, len u32, hash[16], obj_off u64,
-/// key_len u16, key. Remove body (8): block u64.
+/// Insert body (35 + key bytes): `block u64, order u8, len u32, hash[16], obj_off u64,
+/// key_len u16, key`. Remove body (8): `block u64`.
 pub fn encode_record(r: &Record, out: &mut Vec<u8>) {
     let start = out.len();
     let mut body = Vec::with_capacity(64);
@@ -220,7 +220,7 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
     Some((r, total))
 }
 
-/// BLAKE3 of an entry's bytes, truncated to [`HASH_LEN`].
+/// BLAKE3 of an entry's bytes, truncated to 16 bytes (`HASH_LEN`).
 pub fn entry_hash(data: &[u8]) -> [u8; HASH_LEN] {
     let h = blake3::hash(data);
     h.as_bytes()[..HASH_LEN].try_into().expect("16 bytes")

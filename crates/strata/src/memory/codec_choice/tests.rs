@@ -344,3 +344,26 @@ fn probe_measures_something() {
     assert!(bps > 1e6);
     assert!(b.list("tmp/").unwrap().is_empty(), "probe object left behind");
 }
+
+/// A measured frame is the one `Codec::compress` makes, narrow or wide, so a save can store it
+/// as it is; its measure counts those bytes.
+#[test]
+fn measure_keep_keeps_the_frame_compress_makes() {
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let words: [&[u8]; 4] = [b"page ", b"table ", b"kernel ", b"zero "];
+    let mut raw = Vec::new();
+    while raw.len() < 2 * crate::codec::ZSTD1_NARROW_FRAME {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        raw.extend_from_slice(words[(x % 4) as usize]);
+        raw.push((x >> 8) as u8 % 7);
+    }
+    for len in [crate::codec::ZSTD1_NARROW_FRAME, 2 * crate::codec::ZSTD1_NARROW_FRAME] {
+        let raw = &raw[..len];
+        let want = Codec::Zstd(1).compress(raw).unwrap();
+        let (m, kept) = measure_keep(Codec::Zstd(1), raw);
+        assert_eq!(kept.unwrap(), want);
+        assert_eq!(m.stored as usize, want.len());
+    }
+}

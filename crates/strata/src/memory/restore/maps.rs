@@ -129,7 +129,7 @@ pub(crate) fn get_chunks(
     Ok(out)
 }
 
-/// Read every ramblock's page map (the same trees `disk::map::read_map` reads), fetching the
+/// Read every ramblock's page map (the same trees `store::map::read_map` reads), fetching the
 /// roots, then the leaves of all maps, a few ranged GETs at a time ([`get_chunks`]). Errors
 /// carry the ramblock's index. Also returns each ramblock's slot overrides, `(page, slot)` in
 /// page order, from the leaves' slot tables (version 4, `manifest::SlotTable`).

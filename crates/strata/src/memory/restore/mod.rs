@@ -50,12 +50,12 @@ use super::manifest::{
 };
 use super::stream::{BlockIdx, GenerateStats, StreamWriter, PAGE_SIZE};
 use crate::codec::Codec;
-use crate::disk::map::LEAF_IDS;
 use crate::id::{ChunkId, PackId};
 use crate::page_hash::{as_page, hash_pages};
 use crate::progress::{Progress, Unit};
 use crate::qmp::{QmpClient, QmpError};
 use crate::store::format::crc;
+use crate::store::map::LEAF_IDS;
 use crate::store::objects::{Ref, Tree};
 use crate::store::pack::ChunkKind;
 use crate::store::{Store, StoreError};

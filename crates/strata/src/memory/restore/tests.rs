@@ -5,7 +5,7 @@ use super::pipeline::*;
 use super::*;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
-use crate::disk::map::{read_map, write_map};
+use crate::store::map::{read_map, write_map};
 use crate::store::pack::ChunkKind;
 use crate::store::InitOptions;
 use std::sync::Arc;
@@ -48,8 +48,8 @@ fn concurrent_map_reads_match_read_map() {
 /// leaves; a damaged table is an error naming its map.
 #[test]
 fn map_reads_return_slot_tables() {
-    use crate::disk::map::write_map_payloads;
     use crate::memory::manifest::SlotTable;
+    use crate::store::map::write_map_payloads;
     let d = tempfile::tempdir().unwrap();
     let store = Store::init(
         Arc::new(MemoryBackend::new()),
@@ -78,9 +78,9 @@ fn map_reads_return_slot_tables() {
     let (i, e) = read_maps(&store, &[root, bad_root], 2).unwrap_err();
     assert_eq!(i, 1);
     assert!(
-        crate::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"),
+        crate::error::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"),
         "{}",
-        crate::error_chain(&e)
+        crate::error::error_chain(&e)
     );
 }
 

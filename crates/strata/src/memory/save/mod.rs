@@ -49,13 +49,13 @@ use super::manifest::{
     VERSION_NO_RUNS, VERSION_RUNS,
 };
 use crate::codec::Codec;
-use crate::disk::map::{write_map_payloads, LEAF_IDS};
 use crate::id::ChunkId;
 use crate::progress::{Progress, Unit};
 use crate::qmp::{
     machine_type_request, set_capabilities_request, CapabilityPolicy, MigrateParameters, QmpClient,
     QmpError, QmpEvent, Request,
 };
+use crate::store::map::{write_map_payloads, LEAF_IDS};
 use crate::store::pack::ChunkKind;
 use crate::store::{Session, Store};
 

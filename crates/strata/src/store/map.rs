@@ -1,17 +1,22 @@
-//! Block maps: a disk's logical blocks -> chunk ids, persisted as a two-level tree of chunks.
+//! Block maps: a list of chunk ids (a disk's logical blocks, a ramblock's pages) persisted as
+//! a two-level tree of chunks. Disk images (`disk/`) and memory checkpoints (`memory/`) both
+//! keep their maps in this form, so it lives in the store beside the tree chunks it is made of.
 //!
 //! Leaves are tree chunks of up to `LEAF_IDS` ids (the zero id is an unallocated, zero-reading
-//! block); the root tree lists the leaves. Leaves are content-addressed like everything else,
-//! so two images that share a region share its leaves, and a full clone is a new ref to the
-//! same root: O(metadata), no data copied. With 64 KiB blocks and 2048-id leaves, one leaf
-//! covers 128 MiB and a 30 GiB disk's map is 240 leaves (15 MiB of ids).
+//! block); the root tree lists the leaves and carries the id count. Leaves are
+//! content-addressed like everything else, so two images that share a region share its
+//! leaves, and a full clone is a new ref to the same root: O(metadata), no data copied. With
+//! 64 KiB blocks and 2048-id leaves, one leaf covers 128 MiB and a 30 GiB disk's map is 240
+//! leaves (15 MiB of ids). A leaf may carry a payload (a memory page map's slot table).
 
+use super::format::FormatError;
+use super::objects::Tree;
+use super::pack::ChunkKind;
+use super::{Result, Session, Store, StoreError};
 use crate::id::ChunkId;
-use crate::store::objects::Tree;
-use crate::store::pack::ChunkKind;
-use crate::store::{Result, Session, Store, StoreError};
 
-pub const LEAF_IDS: usize = 2048;
+/// Ids per leaf.
+pub(crate) const LEAF_IDS: usize = 2048;
 
 /// Write a block map; returns the root tree id.
 pub fn write_map(ses: &Session, blocks: &[ChunkId]) -> Result<ChunkId> {
@@ -66,7 +71,7 @@ pub fn read_map(store: &Store, root: &ChunkId) -> Result<Vec<ChunkId>> {
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
         .ok_or_else(|| StoreError::Format {
             key: format!("chunk {root}"),
-            source: crate::store::format::FormatError::Malformed {
+            source: FormatError::Malformed {
                 what: "block map root",
                 detail: "no block count".into(),
             },
@@ -83,4 +88,37 @@ pub fn read_map(store: &Store, root: &ChunkId) -> Result<Vec<ChunkId>> {
     }
     out.resize(n, ChunkId::ZERO);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::tests::mem_store;
+
+    /// Maps of every shape read back as written: empty, one partial leaf, several leaves with
+    /// an all-zero one in the middle (stored as the zero id, no chunk), and leaf payloads.
+    #[test]
+    fn maps_round_trip_and_zero_leaves_cost_nothing() {
+        let (_d, s, _) = mem_store(1 << 20);
+        let ses = s.session();
+        let id = |n: u64| ChunkId::of(&n.to_le_bytes());
+        let mut long: Vec<ChunkId> = (0..3 * LEAF_IDS as u64 + 5).map(id).collect();
+        long[LEAF_IDS..2 * LEAF_IDS].fill(ChunkId::ZERO);
+        for blocks in [Vec::new(), (0..7).map(id).collect(), long.clone()] {
+            let root = write_map(&ses, &blocks).unwrap();
+            assert_eq!(read_map(&s, &root).unwrap(), blocks);
+        }
+        let mut trees = Vec::new();
+        let root = write_map_payloads(&ses, &long, &mut |n| vec![n as u8], &mut |id, raw| {
+            trees.push((id, raw))
+        })
+        .unwrap();
+        // Three non-zero leaves and the root.
+        assert_eq!(trees.len(), 4);
+        assert_eq!(trees.last().unwrap().0, root);
+        let rt = Tree::decode(&trees[3].1).unwrap();
+        assert!(rt.children[1].is_zero());
+        assert_eq!(Tree::decode(&trees[1].1).unwrap().payload, vec![2u8]);
+        assert_eq!(read_map(&s, &root).unwrap(), long);
+    }
 }
