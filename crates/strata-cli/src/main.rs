@@ -5,21 +5,7 @@
 //! prints either a human summary or, with `--json`, one JSON document for scripts. Progress
 //! bars come from the library's `Progress` trait, drawn with indicatif on a terminal only.
 
-mod bench;
-mod bench_disk;
-mod bench_guest;
-mod bench_hostmem;
-mod bench_io;
-mod bench_mem;
-mod bench_multifd;
-mod bench_objsync;
-mod bench_remote;
-mod bench_remote_disk;
-mod bench_remote_mem;
-mod bench_storm;
-mod bench_sync;
 mod boot_cmd;
-mod chart;
 mod control;
 mod inspect;
 mod ui;
@@ -123,11 +109,6 @@ enum Cmd {
     Vm {
         #[command(subcommand)]
         cmd: vm::VmCmd,
-    },
-    /// Benchmarks that write tables and charts to docs/results/.
-    Bench {
-        #[command(subcommand)]
-        which: bench::BenchCmd,
     },
 }
 
@@ -423,7 +404,6 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Serve { socket, tcp, no_cache, no_prefetch } => {
             serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?
         }
-        Cmd::Bench { which } => bench::run(which)?,
         Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }
     Ok(())

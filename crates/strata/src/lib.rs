@@ -8,6 +8,7 @@ pub mod backend;
 pub mod boot;
 pub mod codec;
 pub mod disk;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fixtures;
 pub mod host;
 pub mod id;

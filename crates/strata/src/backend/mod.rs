@@ -16,6 +16,7 @@
 
 pub mod cache;
 pub mod conformance;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fault;
 pub mod local;
 pub mod memory;
@@ -23,6 +24,7 @@ pub mod open;
 pub mod redis;
 pub mod retry;
 pub mod s3;
+#[cfg(feature = "testkit")]
 pub mod servers;
 
 use std::fmt;

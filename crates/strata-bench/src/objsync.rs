@@ -2,7 +2,7 @@
 //! S3 server would provide it (`bench save-restore --remote`). versitygw writes through the
 //! page cache and never syncs; a durable server writes an object to disk as it arrives and
 //! syncs it before acknowledging it. [`ObjectSync`] gives the save's objects that treatment,
-//! the same the stream baselines get from their [`Relay`](crate::bench_remote::Relay) (which
+//! the same the stream baselines get from their [`Relay`](crate::remote::Relay) (which
 //! starts writeback every [`RELAY_WRITEBACK_BYTES`] it receives and fsyncs its one file at the
 //! end):
 //!
@@ -23,7 +23,7 @@
 //!   cost ~2% of a 128 MiB save's CPU.
 //! - **At the end**, on the save's clock: [`ObjectSync::stop`] wakes the watcher (an eventfd
 //!   beside inotify) and waits until it has synced what had landed, and
-//!   [`StorageHost::fsync_tree`](crate::bench_remote::StorageHost::fsync_tree) fsyncs every
+//!   [`StorageHost::fsync_tree`](crate::remote::StorageHost::fsync_tree) fsyncs every
 //!   file the watcher did not sync or that changed since ([`Synced`]), so nothing the
 //!   watcher missed is lost (until session 36 every file again: ~2 ms of fsyncs of clean
 //!   files on the clock, which a server that synced each object would not spend). It syncs
@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use crate::bench_remote::{start_writeback, RELAY_WRITEBACK_BYTES};
+use crate::remote::{start_writeback, RELAY_WRITEBACK_BYTES};
 
 /// Watches the objects a save writes under one prefix, and syncs them (see the module comment).
 pub struct ObjectSync {
@@ -109,7 +109,7 @@ impl Drop for ObjectSync {
 }
 
 /// What a file looked like when its fsync returned: one that still looks the same at the end
-/// needs no second fsync ([`StorageHost::fsync_tree`](crate::bench_remote::StorageHost::fsync_tree)).
+/// needs no second fsync ([`StorageHost::fsync_tree`](crate::remote::StorageHost::fsync_tree)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Synced {
     ino: u64,
@@ -400,13 +400,13 @@ mod tests {
         let mut synced = SyncedFiles::new();
         synced.insert(a.clone(), Synced::of(&std::fs::metadata(&a).unwrap()));
         synced.insert(b.clone(), Synced::of(&std::fs::metadata(&b).unwrap()));
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (0, 2));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (0, 2));
         // Written again after its sync: synced again.
         std::fs::write(&b, b"ref, generation 2").unwrap();
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (1, 1));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (1, 1));
         // Never seen by the watcher: synced.
         std::fs::write(dir.join("packs/c"), b"late").unwrap();
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (2, 1));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (2, 1));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -2,7 +2,7 @@
 //! --remote` (paper 000, Figs 2 and 3) and `strata bench live --redis` (paper 002).
 //!
 //! Same guests and desktop workload as the local `bench save-restore` / `bench live`
-//! (`bench_mem/`), but the bytes go through the link:
+//! (`mem/`), but the bytes go through the link:
 //! * **QEMU baselines** migrate with `exec:` to a [`Relay`] that writes the stream into a file
 //!   on the storage host's disk (starting writeback every 4 MiB as it arrives) and fsyncs it:
 //!   `cat` (raw), `zstd -1` and `lzop`, compressing
@@ -14,7 +14,7 @@
 //!   the restore really reads through the link. The codec is chosen adaptively (the measured
 //!   link speed makes it compress); the chosen codec and the reason are reported. versitygw
 //!   does not fsync its objects, so the harness does what a durable server would
-//!   (`bench_objsync.rs`): it starts the writeback of objects as they arrive (every 4 MiB the
+//!   (`objsync.rs`): it starts the writeback of objects as they arrive (every 4 MiB the
 //!   server receives, as the relay does for a stream), fsyncs each object as it lands, and at
 //!   the commit (inside the save's clock, [`DurableAtCommit`]) waits for those fsyncs and
 //!   fsyncs every object file the watcher did not sync or that changed since (and every
@@ -40,16 +40,16 @@ use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{
+use crate::chart::{bars, Series};
+use crate::guest::{
     check_sum, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, results_name,
     scratch_dir, stack, start_dest, workload_guest, write_outputs, CheckpointCost, Workload,
     WorkloadMix, LIVE_MODES,
 };
-use crate::bench_hostmem::{retake, warm_host, warm_mib};
-use crate::bench_remote::{
+use crate::hostmem::{retake, warm_host, warm_mib};
+use crate::remote::{
     host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost,
 };
-use crate::chart::{bars, Series};
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
@@ -89,11 +89,11 @@ struct RestoreCpu {
 type CpuSample = ((f64, f64, u64, u64), f64, (f64, f64));
 
 impl RestoreCpu {
-    fn sample(d: &crate::bench_guest::Dest) -> CpuSample {
+    fn sample(d: &crate::guest::Dest) -> CpuSample {
         (d.cpu_split(), d.run_wait_s(), host_cpu_s())
     }
 
-    fn since(d: &crate::bench_guest::Dest, (q0, w0, h0): CpuSample) -> RestoreCpu {
+    fn since(d: &crate::guest::Dest, (q0, w0, h0): CpuSample) -> RestoreCpu {
         let (q1, w1, h1) = RestoreCpu::sample(d);
         RestoreCpu {
             target_qemu_s: (q1.0 + q1.1) - (q0.0 + q0.1),
@@ -268,12 +268,12 @@ fn status_mb(field: &str) -> f64 {
 /// Makes a save's objects durable the moment it commits, on its clock. `save` ends its
 /// "committing" phase (`Progress::finish`) right after writing the ref and before its
 /// `total_ms` is taken, so the watcher's last fsyncs and the final pass over every object
-/// (`bench_objsync.rs`) are part of the save's time, and nothing after the commit (the lease
+/// (`objsync.rs`) are part of the save's time, and nothing after the commit (the lease
 /// release) is. Before session 36 the harness waited for the watcher after `save` returned,
 /// off the clock, and only the final pass was added.
 struct DurableAtCommit {
     phase: std::sync::Mutex<String>,
-    sync: std::sync::Mutex<Option<crate::bench_objsync::ObjectSync>>,
+    sync: std::sync::Mutex<Option<crate::objsync::ObjectSync>>,
     dir: std::path::PathBuf,
     /// (objects the watcher fsynced as they landed, files fsynced at the end (not synced by
     /// it, or changed since), seconds from the commit until all were durable).
@@ -283,7 +283,7 @@ struct DurableAtCommit {
 }
 
 impl DurableAtCommit {
-    fn new(sync: crate::bench_objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
+    fn new(sync: crate::objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
         DurableAtCommit {
             phase: Default::default(),
             sync: std::sync::Mutex::new(Some(sync)),
@@ -378,7 +378,7 @@ fn strata_save(
         self1.2 - self0.2,
         r.codec.chosen,
         r.codec.why,
-        if crate::bench_remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
+        if crate::remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
     );
     let (sys, faults) = (self1.1 - self0.1, self1.2 - self0.2);
     if let Some(t) = &r.run_table {
@@ -569,11 +569,11 @@ pub fn bench_save_restore_remote(
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     for t in ["zstd", "lzop", "bash"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
     let host = StorageHost::up(tmp.path())?;
     host.warm_s3(WARM_S3_MIB).context("warming up the storage host's S3 server")?;
-    let probe = crate::bench_hostmem::probe();
+    let probe = crate::hostmem::probe();
     eprintln!(
         "host memory: touching fresh memory costs {:.2} ms/MiB after a pause, {:.2} ms/MiB right after a free; {}",
         probe.after_pause_ms_per_mib,
@@ -812,8 +812,8 @@ pub fn bench_save_restore_remote(
         "host_memory": {
             "probe": probe,
             "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
-            "settle_ms": if warm_memory { crate::bench_hostmem::SETTLE_MS } else { 0 },
-            "quiet_ms": if warm_memory { crate::bench_hostmem::QUIET_MS } else { 0 },
+            "settle_ms": if warm_memory { crate::hostmem::SETTLE_MS } else { 0 },
+            "quiet_ms": if warm_memory { crate::hostmem::QUIET_MS } else { 0 },
             "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory), then waits settle_ms before the step starts (since session 37: a step started right after its warm sometimes found the whole host slow for its first 15-25 ms). Since session 45 the warmed memory is a pool held between steps: taken back right after each step's clock stops (after its CPU was sampled), held for quiet_ms before the next step, then freed for it. The kernel reports free memory in passes ~2 s apart, and while one runs the outer VMM stops serving this VM's disk (an fsync of 1 MiB stalled 100/84/67/33 ms at 1.9/4.1/6.3/8.4 s after 2 GiB was freed); before, the freed surplus and exited QEMUs left such passes running into later steps of any method. --no-warm turns all of it off",
         },
         "restore_workers": workers,

@@ -32,12 +32,12 @@ use strata::progress::NoProgress;
 use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
-use crate::bench_guest::{
+use crate::chart::{bars, Series};
+use crate::guest::{
     available_mib, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore,
     qemu_save, qmp_of, restore_verified, results_name, scratch_dir, stack, start_dest,
     workload_guest, write_outputs, CheckpointCost, WorkloadMix, LIVE_MODES,
 };
-use crate::chart::{bars, Series};
 
 mod codecs;
 mod live;
@@ -115,7 +115,7 @@ pub enum MemBenchCmd {
         /// (text=PCT,zero=PCT,repeat=PCT,fill=on|off). Other than desktop, the result files are
         /// named bench-save-restore[-remote]-workload-NAME.*.
         #[arg(long, default_value = "desktop")]
-        workload: crate::bench_guest::WorkloadMix,
+        workload: crate::guest::WorkloadMix,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -178,7 +178,7 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(
+        } => crate::remote_mem::bench_save_restore_remote(
             sizes,
             machine,
             restore_workers
@@ -195,17 +195,10 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             sizes, machine, vms, vms_mem, workload, out, scratch, ..
         } => bench_save_restore(sizes, machine, *vms, *vms_mem, workload, out, scratch.as_deref()),
         MemBenchCmd::Multifd { mem, machine, channels, reps, out, scratch } => {
-            crate::bench_multifd::bench_multifd(
-                *mem,
-                machine,
-                channels,
-                *reps,
-                out,
-                scratch.as_deref(),
-            )
+            crate::multifd::bench_multifd(*mem, machine, channels, *reps, out, scratch.as_deref())
         }
         MemBenchCmd::Live { mem, rates, redis: true, out, scratch } => {
-            crate::bench_remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref())
+            crate::remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref())
         }
         MemBenchCmd::Live { mem, rates, out, scratch, .. } => {
             bench_live(*mem, rates, out, scratch.as_deref())

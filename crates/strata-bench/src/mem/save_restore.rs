@@ -1,7 +1,7 @@
 //! `bench save-restore` (paper 000, Figs 2–3), local: per guest size, save and restore time and
 //! stored bytes of strata against QEMU's own `exec:` migrations to a file (`cat` + `sync`,
 //! `zstd -1`, `lzop`), then `--vms` guests from one image saved into one store (what dedup and
-//! deltas share). The `--remote` variant lives in `bench_remote_mem.rs`.
+//! deltas share). The `--remote` variant lives in `remote_mem.rs`.
 
 use super::*;
 

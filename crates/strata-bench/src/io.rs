@@ -15,8 +15,8 @@
 //! their ceiling once the log's head start (twice the compaction threshold) is used up,
 //! while qemu-nbd's writes over the 1 GiB region stay in the page cache.
 
-use crate::bench_disk::{ensure_tool, Server};
 use crate::chart::{bars, Series};
+use crate::disk::{ensure_tool, Server};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -89,7 +89,7 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
         ensure_tool(t)?;
     }
     // No strace here: it would tax every system call of the servers being measured.
-    crate::bench_disk::set_tracing(false);
+    crate::disk::set_tracing(false);
     let tmp = match scratch {
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,

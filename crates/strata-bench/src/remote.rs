@@ -248,12 +248,12 @@ impl StorageHost {
     }
 
     /// fsync, as they land, the objects a save puts under `dir`, and start the writeback of
-    /// those still arriving as the relay does for a stream (`bench_objsync.rs`).
-    pub fn sync_objects(&self, dir: PathBuf) -> crate::bench_objsync::ObjectSync {
+    /// those still arriving as the relay does for a stream (`objsync.rs`).
+    pub fn sync_objects(&self, dir: PathBuf) -> crate::objsync::ObjectSync {
         let pid = std::fs::read_to_string(self.dir.join("versitygw.pid"))
             .ok()
             .and_then(|p| p.trim().parse().ok());
-        crate::bench_objsync::ObjectSync::start(dir, pid)
+        crate::objsync::ObjectSync::start(dir, pid)
     }
 
     /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
@@ -263,10 +263,7 @@ impl StorageHost {
     /// synced too unless [`names_durable_with_files`] holds there, exactly when the relay
     /// syncs its file's directory (until session 37 they always were, while the relay never
     /// did: ~4 ms of a 128 MiB save's commit-to-durable, measured below).
-    pub fn fsync_tree(
-        dir: &Path,
-        synced: &crate::bench_objsync::SyncedFiles,
-    ) -> Result<(u64, u64)> {
+    pub fn fsync_tree(dir: &Path, synced: &crate::objsync::SyncedFiles) -> Result<(u64, u64)> {
         let mut files = Vec::new();
         let mut dirs = Vec::new();
         let mut skipped = 0u64;
@@ -280,7 +277,7 @@ impl StorageHost {
                 } else if ft.is_file() {
                     let p = e.path();
                     let same = synced.get(&p).is_some_and(|s| {
-                        e.metadata().is_ok_and(|m| crate::bench_objsync::Synced::of(&m) == *s)
+                        e.metadata().is_ok_and(|m| crate::objsync::Synced::of(&m) == *s)
                     });
                     if same {
                         skipped += 1;

@@ -1,6 +1,6 @@
 //! `bench live` (paper 002, Tables 1–4): a guest dirtying memory at set rates, checkpointed
 //! by every live mode: pause, total time, pages sent, stored and skipped by dedup, plus the
-//! cost of a second (incremental) checkpoint. The `--redis` variant is in `bench_remote_mem.rs`.
+//! cost of a second (incremental) checkpoint. The `--redis` variant is in `remote_mem.rs`.
 
 use super::*;
 

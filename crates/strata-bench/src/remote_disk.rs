@@ -30,8 +30,8 @@ use strata::serve::DiskExports;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_remote::{mb, Link, StorageHost};
 use crate::chart::{bars, Series};
+use crate::remote::{mb, Link, StorageHost};
 
 /// Local strata NBD server over a store; stopping it flushes and compacts the disks.
 struct Strata {
@@ -173,9 +173,9 @@ fn fio(
 
 pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
     for t in ["fio", "qemu-nbd", "qemu-img"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_guest::scratch_dir(scratch)?;
+    let tmp = crate::guest::scratch_dir(scratch)?;
     let host = StorageHost::up(tmp.path())?;
     let dir = tmp.path();
     let size = 4u64 << 30;
@@ -388,9 +388,9 @@ pub fn bench_clone_remote(
     scratch: Option<&Path>,
 ) -> Result<()> {
     for t in ["qemu-nbd", "qemu-img"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_guest::scratch_dir(scratch)?;
+    let tmp = crate::guest::scratch_dir(scratch)?;
     let most = copies.iter().copied().max().unwrap_or(1) as u64;
     let need = data * (most + 3);
     ensure!(
@@ -407,7 +407,7 @@ pub fn bench_clone_remote(
         size >> 30,
         data as f64 / (1u64 << 30) as f64
     );
-    crate::bench_disk::make_image(&img, size, data)?;
+    crate::disk::make_image(&img, size, data)?;
     // The baseline's golden image sits on the storage host (a local copy: setup, not measured).
     let golden = host.dir().join("golden.raw");
     let o = Command::new("cp").arg("--sparse=always").arg(&img).arg(&golden).output()?;

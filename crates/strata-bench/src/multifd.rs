@@ -29,11 +29,11 @@ use strata::progress::NoProgress;
 use strata::qmp::{MigrateParameters, QmpClient};
 use strata::store::{InitOptions, Store};
 
-use crate::bench_guest::{
+use crate::chart::{bars, Series};
+use crate::guest::{
     desktop_guest, env_json, machine, qemu_save, scratch_dir, stack, write_outputs,
 };
-use crate::bench_mem::file_len;
-use crate::chart::{bars, Series};
+use crate::mem::file_len;
 
 /// CPU seconds (user + system, all threads) of process `pid`.
 fn process_cpu(pid: u32) -> Result<f64> {

@@ -8,7 +8,7 @@
 use crate::chart::{bars, Series};
 use anyhow::{ensure, Context, Result};
 use std::io::{Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use strata::disk;
@@ -239,6 +239,23 @@ fn wait_socket(sock: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The `strata` binary that serves disks: `$STRATA_BIN`, else `strata` next to this
+/// executable (cargo builds both into the same target directory).
+pub fn strata_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("STRATA_BIN").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let bin = exe.with_file_name("strata");
+    anyhow::ensure!(
+        bin.is_file(),
+        "No strata binary at {} (build it with `cargo build --release -p strata-cli`, or set \
+         STRATA_BIN)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
 impl Server {
     /// A fresh store with one disk `name` (optionally a clone of a golden disk whose blocks
     /// hold data), served by `strata serve` under strace.
@@ -259,7 +276,7 @@ impl Server {
     }
 
     fn spawn_strata(dir: &Path, name: &str, st: &Path) -> Result<Server> {
-        let exe = std::env::current_exe()?.display().to_string();
+        let exe = strata_binary()?.display().to_string();
         let sock = dir.join(format!("{name}.sock"));
         let _ = std::fs::remove_file(&sock);
         let trace = dir.join(format!("{name}.strace"));

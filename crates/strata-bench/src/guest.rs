@@ -1,5 +1,5 @@
-//! The guest side shared by the memory benchmarks (`bench_mem/`: local `codecs`,
-//! `save-restore`, `live`; `bench_remote_mem.rs`: the same over the 1 Gbit/s storage host):
+//! The guest side shared by the memory benchmarks (`mem/`: local `codecs`,
+//! `save-restore`, `live`; `remote_mem.rs`: the same over the 1 Gbit/s storage host):
 //! booting the TCG guest with the golden desktop disk, loading the desktop workload, QMP,
 //! destination QEMUs for restores, the QEMU baseline save/restore, a checkpoint taken while
 //! the guest dirties memory, a strata restore verified by the guest's memwork checksum, and
@@ -236,7 +236,7 @@ pub(crate) struct Dest {
 impl Dest {
     /// The QEMU process's (user s, system s, minor faults, major faults) so far.
     pub fn cpu_split(&self) -> (f64, f64, u64, u64) {
-        crate::bench_remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
+        crate::remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
     }
 
     /// Seconds the QEMU process's threads have waited, runnable, for a CPU so far (the

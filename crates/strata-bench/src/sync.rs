@@ -7,8 +7,8 @@
 //! counted from the trace, so start-up costs are excluded. strata's own counter (printed by
 //! `strata serve` on exit) is reported beside the strace figure.
 
-use crate::bench_disk::{ensure_tool, Server};
 use crate::chart::{bars, Series};
+use crate::disk::{ensure_tool, Server};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -161,7 +161,7 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
         }
     }
     // Throughput: 64 KiB append + flush, 800 ops, with servers not under strace.
-    crate::bench_disk::set_tracing(false);
+    crate::disk::set_tracing(false);
     let ops = 800;
     let cmds: Vec<String> = (0..ops)
         .flat_map(|i| [format!("write -P 7 {} 64k", i as u64 * 65536), "flush".to_string()])

@@ -24,9 +24,9 @@
 //! hosts are VMs whose hypervisor takes back free memory, and N fresh guests' RAM otherwise
 //! costs whichever mode boots first after a pause several CPU-seconds of outer faults.
 
-use crate::bench_disk::ensure_tool;
-use crate::bench_remote::StorageHost;
 use crate::chart::{bars, Series};
+use crate::disk::ensure_tool;
+use crate::remote::StorageHost;
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -217,7 +217,7 @@ struct Ctx<'a> {
 /// Launch `drives.len()` guests at once; returns each one's (seconds to ready, bootset_ms).
 fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
     // Outside the clock, for every mode alike: the guests' RAM comes from backed memory.
-    crate::bench_hostmem::warm_host(crate::bench_hostmem::warm_mib(
+    crate::hostmem::warm_host(crate::hostmem::warm_mib(
         drives.len() as u32 * ctx.opts.memory_mib,
         true,
     ));
