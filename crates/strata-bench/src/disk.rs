@@ -1,6 +1,6 @@
-//! Disk benchmarks: `strata bench clone` (and, with the NBD server, sync and io).
+//! Disk benchmarks: `strata-bench clone` (and, with the NBD server, sync and io).
 //!
-//! Clone (004 Fig 7): a sparse image of `size` bytes holding `data` bytes is imported once;
+//! Clone: a sparse image of `size` bytes holding `data` bytes is imported once;
 //! then N full clones are made with strata (a new ref to the same block map), with
 //! `cp --sparse=always` of the raw file, and with `qemu-img convert -O qcow2`. Each method's N
 //! copies are timed together, including a final sync, and removed before the next N.
@@ -154,9 +154,10 @@ pub fn bench_clone(
     std::fs::write(out.join("bench-clone.csv"), csv)?;
     let meta = serde_json::json!({
         "benchmark": "clone",
-        "command": format!("strata bench clone --size {}G --data {}G --copies {}", size >> 30, data >> 30,
+        "command": format!("strata-bench clone --size {}G --data {}G --copies {}", size >> 30, data >> 30,
             copies.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")),
         "image": {"virtual_bytes": size, "data_bytes": data, "strata_import_s": import_s},
+        "env": crate::results::env_json(),
         "rows": rows,
     });
     std::fs::write(out.join("bench-clone.json"), serde_json::to_string_pretty(&meta)?)?;

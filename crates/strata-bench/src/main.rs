@@ -17,6 +17,7 @@ mod objsync;
 mod remote;
 mod remote_disk;
 mod remote_mem;
+mod results;
 mod store;
 mod storm;
 mod sync;

@@ -1,4 +1,4 @@
-//! The storage host of the remote benchmarks (issue 5): `bench io --remote`, `clone --remote`,
+//! The storage host of the remote benchmarks: `io --remote`, `clone --remote`,
 //! `save-restore --remote` and `live --redis` all run against a network namespace holding
 //! versitygw (S3) and redis-server behind a veth pair shaped to 1 Gbit/s with `tbf`, built by
 //! `scripts/storage-host.sh` (embedded in the binary, so the benchmark works from any
@@ -9,7 +9,7 @@
 //! link beside its times: [`StorageHost::link`] reads the host end's veth counters (`tx` =
 //! host to storage, `rx` = storage to host; Ethernet frames, so TCP/IP headers included).
 //!
-//! `bench storm` uses the same driver under its own namespace and subnet ([`StorageHost::up_named`]).
+//! `storm` uses the same driver under its own namespace and subnet ([`StorageHost::up_named`]).
 //!
 //! Baselines that need a file on the storage host (QEMU migration streams, raw images) use
 //! [`Relay`]: a thread of this process that enters the namespace with `setns(CLONE_NEWNET)`
@@ -261,8 +261,8 @@ impl StorageHost {
     /// Files already synced and unchanged since (`synced`, from the object watcher) are
     /// skipped; returns how many files were synced here and how many skipped. Directories are
     /// synced too unless [`names_durable_with_files`] holds there, exactly when the relay
-    /// syncs its file's directory (until session 37 they always were, while the relay never
-    /// did: ~4 ms of a 128 MiB save's commit-to-durable, measured below).
+    /// syncs its file's directory, so both get the same treatment (a directory sync costs
+    /// ~4 ms of a 128 MiB save's commit-to-durable).
     pub fn fsync_tree(dir: &Path, synced: &crate::objsync::SyncedFiles) -> Result<(u64, u64)> {
         let mut files = Vec::new();
         let mut dirs = Vec::new();

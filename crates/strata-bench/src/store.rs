@@ -172,10 +172,10 @@ pub fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>
     std::fs::write(out.join("bench-store.csv"), csv)?;
     let meta = serde_json::json!({
         "benchmark": "store",
-        "command": format!("strata bench store --size {}M --threads {threads}", size >> 20),
+        "command": format!("strata-bench store --size {}M --threads {threads}", size >> 20),
         "data": "host binaries and libraries (/usr/lib/x86_64-linux-gnu, /usr/bin, ...), every 8th page zero",
         "baseline": {"what": "same bytes written to one file + fdatasync, then read back", "write_mib_s": file_w, "read_mib_s": file_r},
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "env": crate::results::env_json(),
         "rows": rows,
     });
     std::fs::write(out.join("bench-store.json"), serde_json::to_string_pretty(&meta)?)?;
