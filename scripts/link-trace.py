@@ -2,11 +2,11 @@
 """Trace the benchmark link: where does a remote restore leave it idle? (session 27)
 
 `record OUT` samples the byte counters of the storage host's veth (the `sh*` device that
-`strata bench ... --remote` creates) every millisecond until killed; run it at real-time
+`strata-bench ... --remote` creates) every millisecond until killed; run it at real-time
 priority so its own samples are not late on a busy 2-core host:
 
     chrt -f 50 scripts/link-trace.py record /tmp/link.txt &
-    STRATA_LOG=strata::memory=debug strata bench save-restore --remote --cold-maps \\
+    STRATA_LOG=strata::memory=debug strata-bench save-restore --remote --cold-maps \\
         --workload random --sizes 512 --rounds 1 --out /tmp/lt > /tmp/lt.log 2>&1
     kill %1
     scripts/link-trace.py show /tmp/link.txt /tmp/lt.log

@@ -7,8 +7,8 @@ strata's saves and for the `zstd -1` stream's, per save. Record with real-time s
 QMP debug log (the save starts are found in it):
 
     perf record -a -F 1999 -k CLOCK_REALTIME -o /tmp/save.data -q &
-    STRATA_LOG=strata::qmp=debug flock /tmp/strata-bench.lock target/release/strata \\
-        bench save-restore --remote --workload idle --sizes 512 --rounds 4 --out /tmp/sc > /tmp/sc.log 2>&1
+    STRATA_LOG=strata::qmp=debug flock /tmp/strata-bench.lock target/release/strata-bench \\
+        save-restore --remote --workload idle --sizes 512 --rounds 4 --out /tmp/sc > /tmp/sc.log 2>&1
     kill -INT %1
     scripts/save-cpu.py /tmp/sc.log /tmp/save.data /tmp/sc/bench-save-restore-remote-workload-idle.json
 

@@ -7,7 +7,7 @@ the page maps, the last pack, the ref and, in the bench, the wait until the stor
 every object on disk. This script splits each save's clock at the points the debug log marks:
 
     STRATA_LOG=strata::qmp=debug,strata::store=debug,strata::memory=debug \\
-        flock /tmp/strata-bench.lock target/release/strata bench save-restore --remote \\
+        flock /tmp/strata-bench.lock target/release/strata-bench save-restore --remote \\
         --workload idle --sizes 128,512 --rounds 5 --out /tmp/tl > /tmp/tl.log 2>&1
     scripts/save-timeline.py /tmp/tl.log
 
