@@ -1,8 +1,8 @@
 //! Test guests: the fixture files built by `scripts/fixtures.sh` and a harness that boots them
 //! under `qemu-system-x86_64 -accel tcg`.
 //!
-//! Integration tests and the benchmarks (`strata-bench`) use this module to get a real guest to talk to:
-//! [`Fixtures::ensure`] builds (or reuses) the kernel, initramfs and golden disk, and
+//! Integration tests and the benchmarks (`strata-bench`) use this module to get a real guest
+//! to talk to: [`Fixtures::ensure`] builds (or reuses) the kernel, initramfs and golden disk, and
 //! [`GuestBuilder`] launches QEMU with the guest's serial console on a unix-socket chardev.
 //! The harness holds the client end of that socket, so a test drives the in-guest agent
 //! (`memwork` in `strata.mode=mem`, the golden disk's `/sbin/init` in `strata.mode=root`) with
