@@ -2,7 +2,7 @@
 """How fast QEMU answers a save's set-up queries after the bench harness's host-memory warm.
 Boots the idle bench guest (memwork initramfs, golden disk; needs
 scripts/fixtures.sh), then N times for each DELAY: touches and frees WARM MiB as
-`bench_hostmem::touch` does (huge pages advised), and from DELAY ms after the free until 300 ms
+`hostmem::touch` (strata-bench) does (huge pages advised), and from DELAY ms after the free until 300 ms
 later times a pipeline of 7 read-only queries (what `vm save` sends first) every ~20 ms.
 Prints, per delay, the median and largest round trip and the slow ones as ms@ms-after-the-free.
 

@@ -30,7 +30,7 @@ pub fn record_boot(
     json: bool,
 ) -> Result<()> {
     // Block SIGINT/SIGTERM in every thread; the wait loop below polls for them.
-    let set = crate::block_stop_signals();
+    let set = crate::serve::block_stop_signals();
     disk::info(s, name)?;
     let tmp = format!("{}.record-{:08x}", name.replace('@', "-"), rand_u32());
     disk::clone(s, name, &tmp, false)?;

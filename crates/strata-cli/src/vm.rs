@@ -221,6 +221,96 @@ fn date(unix: u64) -> String {
     format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02}Z")
 }
 
+/// The table `strata vm list` prints.
+fn list_text(l: &[catalog::CheckpointSummary]) -> String {
+    if l.is_empty() {
+        return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)".into();
+    }
+    let mut out = format!(
+        "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
+        "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC"
+    );
+    for c in l {
+        match &c.error {
+            Some(e) => out += &format!("{:<28} UNREADABLE: {e}\n", c.name),
+            None => {
+                out += &format!(
+                    "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
+                    c.name,
+                    c.mode,
+                    date(c.created_unix),
+                    c.machine_type,
+                    ui::human(c.ram_bytes),
+                    ui::human(c.stored_bytes),
+                    c.codec
+                )
+            }
+        }
+    }
+    out.trim_end().to_string()
+}
+
+/// What `strata vm inspect` prints.
+fn inspect_text(i: &catalog::Inspection) -> String {
+    let m = &i.manifest;
+    let s = &m.stats;
+    let mut out = format!(
+        "Checkpoint '{}' ({}), taken {} by QEMU {} ({})\n  machine {}  RAM {}  {} pages, {} zero, {} distinct\n  stream {} bytes, device state {} bytes, {} devices\n  save: {} total, downtime {}; stored {} new of {} raw (dedup: {} pages skipped, {} stored)\n  codec {} ({}): {}\n  ramblocks:\n",
+        i.name,
+        m.mode.as_str(),
+        date(m.created_unix),
+        m.qemu.version,
+        m.qemu.package,
+        m.qemu.machine_type,
+        ui::human(s.logical_bytes),
+        i.total_pages,
+        s.zero_pages,
+        s.unique_pages,
+        m.stream.bytes,
+        m.tail.len,
+        m.stream.vmdesc_devices,
+        secs(s.total_ms),
+        secs(s.downtime_ms),
+        ui::human(s.stored_bytes),
+        ui::human(s.new_bytes),
+        s.pages_deduped,
+        s.pages_stored,
+        m.codec.chosen,
+        m.codec.policy,
+        m.codec.why
+    );
+    if m.delta.is_some() {
+        out += &delta_text(m.delta.as_ref())[1..];
+        out.push('\n');
+    }
+    for b in &m.blocks {
+        out += &format!(
+            "    {:<24} {:>10}  {:>8} pages  {:>8} zero  {:>8} distinct\n",
+            b.name,
+            ui::human(b.used_len),
+            b.pages(),
+            b.zero_pages,
+            b.unique_pages
+        );
+    }
+    if let Some(sh) = &i.sharing {
+        out += &format!(
+            "  sharing with {} other checkpoints: {} of {} distinct pages shared, {} only here (~{} before compression)\n",
+            sh.other_checkpoints,
+            sh.shared_pages,
+            sh.distinct_pages,
+            sh.exclusive_pages,
+            ui::human(sh.exclusive_pages * 4096)
+        );
+    }
+    if m.qemu.cmdline.is_empty() {
+        out += "  command line: unknown (--launch unavailable)";
+    } else {
+        out += &format!("  command line: {}", m.qemu.cmdline.join(" "));
+    }
+    out
+}
+
 pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
     let open = || {
         strata::host::open(store_path, &Default::default())
@@ -284,34 +374,7 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
         VmCmd::List => {
             let store = open()?;
             let l = catalog::list(&store)?;
-            ui::emit(json, &l, || {
-                if l.is_empty() {
-                    return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)"
-                        .into();
-                }
-                let mut out = format!(
-                    "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
-                    "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC"
-                );
-                for c in &l {
-                    match &c.error {
-                        Some(e) => out += &format!("{:<28} UNREADABLE: {e}\n", c.name),
-                        None => {
-                            out += &format!(
-                                "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
-                                c.name,
-                                c.mode,
-                                date(c.created_unix),
-                                c.machine_type,
-                                ui::human(c.ram_bytes),
-                                ui::human(c.stored_bytes),
-                                c.codec
-                            )
-                        }
-                    }
-                }
-                out.trim_end().to_string()
-            });
+            ui::emit(json, &l, || list_text(&l));
         }
         VmCmd::Rm { name } => {
             let store = open()?;
@@ -323,65 +386,7 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
         VmCmd::Inspect { name, sharing } => {
             let store = open()?;
             let i = catalog::inspect(&store, name, *sharing)?;
-            ui::emit(json, &i, || {
-                let m = &i.manifest;
-                let s = &m.stats;
-                let mut out = format!(
-                    "Checkpoint '{}' ({}), taken {} by QEMU {} ({})\n  machine {}  RAM {}  {} pages, {} zero, {} distinct\n  stream {} bytes, device state {} bytes, {} devices\n  save: {} total, downtime {}; stored {} new of {} raw (dedup: {} pages skipped, {} stored)\n  codec {} ({}): {}\n  ramblocks:\n",
-                    i.name,
-                    m.mode.as_str(),
-                    date(m.created_unix),
-                    m.qemu.version,
-                    m.qemu.package,
-                    m.qemu.machine_type,
-                    ui::human(s.logical_bytes),
-                    i.total_pages,
-                    s.zero_pages,
-                    s.unique_pages,
-                    m.stream.bytes,
-                    m.tail.len,
-                    m.stream.vmdesc_devices,
-                    secs(s.total_ms),
-                    secs(s.downtime_ms),
-                    ui::human(s.stored_bytes),
-                    ui::human(s.new_bytes),
-                    s.pages_deduped,
-                    s.pages_stored,
-                    m.codec.chosen,
-                    m.codec.policy,
-                    m.codec.why
-                );
-                if m.delta.is_some() {
-                    out += &delta_text(m.delta.as_ref())[1..];
-                    out.push('\n');
-                }
-                for b in &m.blocks {
-                    out += &format!(
-                        "    {:<24} {:>10}  {:>8} pages  {:>8} zero  {:>8} distinct\n",
-                        b.name,
-                        ui::human(b.used_len),
-                        b.pages(),
-                        b.zero_pages,
-                        b.unique_pages
-                    );
-                }
-                if let Some(sh) = &i.sharing {
-                    out += &format!(
-                        "  sharing with {} other checkpoints: {} of {} distinct pages shared, {} only here (~{} before compression)\n",
-                        sh.other_checkpoints,
-                        sh.shared_pages,
-                        sh.distinct_pages,
-                        sh.exclusive_pages,
-                        ui::human(sh.exclusive_pages * 4096)
-                    );
-                }
-                if m.qemu.cmdline.is_empty() {
-                    out += "  command line: unknown (--launch unavailable)";
-                } else {
-                    out += &format!("  command line: {}", m.qemu.cmdline.join(" "));
-                }
-                out
-            });
+            ui::emit(json, &i, || inspect_text(&i));
         }
     }
     Ok(())

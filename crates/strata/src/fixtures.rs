@@ -1,8 +1,8 @@
 //! Test guests: the fixture files built by `scripts/fixtures.sh` and a harness that boots them
 //! under `qemu-system-x86_64 -accel tcg`.
 //!
-//! Integration tests and benchmark commands use this module to get a real guest to talk to:
-//! [`Fixtures::ensure`] builds (or reuses) the kernel, initramfs and golden disk, and
+//! Integration tests and the benchmarks (`strata-bench`) use this module to get a real guest
+//! to talk to: [`Fixtures::ensure`] builds (or reuses) the kernel, initramfs and golden disk, and
 //! [`GuestBuilder`] launches QEMU with the guest's serial console on a unix-socket chardev.
 //! The harness holds the client end of that socket, so a test drives the in-guest agent
 //! (`memwork` in `strata.mode=mem`, the golden disk's `/sbin/init` in `strata.mode=root`) with
@@ -11,19 +11,18 @@
 //! Why it is shaped this way:
 //! - The build lives in one shell script (cached by a stamp) so CI, developers and this
 //!   module produce the same files; [`Fixtures::ensure`] only runs it and checks the outputs.
-//! - The harness is split by concern: [`guest`] (QEMU process and options), [`console`]
-//!   (line log and the agents' reply rule), [`qmp`] (a minimal monitor client). Everything is
-//!   std plus serde_json, so tests and the CLI's benchmark commands share it freely.
+//! - The harness is split by concern: [`guest`] (QEMU process and options) and [`console`]
+//!   (line log and the agents' reply rule); it talks to QEMU's monitor with the product's
+//!   [`QmpClient`](crate::qmp::QmpClient). It is built only with the `testkit` feature, so
+//!   the `strata` binary carries none of it.
 //! - Errors carry what a person needs to fix the problem: the script's last output, QEMU's
 //!   stderr and the last console lines of a guest that did not come up.
 
 mod console;
 mod guest;
-mod qmp;
 
 pub use console::{classify_reply, reply_field, reply_fields, unescape_reply, LineSplitter, Reply};
 pub use guest::{Guest, GuestBuilder, GuestMode, Machine};
-pub use qmp::Qmp;
 
 use std::collections::VecDeque;
 use std::fs;
@@ -93,8 +92,8 @@ pub enum FixtureError {
     Agent { command: String, message: String },
     #[error("Console of the guest is closed")]
     ConsoleClosed,
-    #[error("QMP {command} failed: {message}")]
-    Qmp { command: String, message: String },
+    #[error("QMP failed")]
+    Qmp(#[from] crate::qmp::QmpError),
 }
 
 type Result<T> = std::result::Result<T, FixtureError>;

@@ -23,6 +23,7 @@ pub mod boot;
 pub mod codec;
 pub mod disk;
 pub mod error;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fixtures;
 pub mod host;
 pub mod id;

@@ -7,8 +7,7 @@
 //! through a file, and the golden disk boots from a qcow2 overlay and keeps writes across a
 //! reboot and a QEMU restart while the base image stays untouched.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::thread;
@@ -17,6 +16,7 @@ use std::time::{Duration, Instant};
 use strata::fixtures::{
     create_overlay, reply_field, FixtureError, Fixtures, Guest, GuestMode, Machine,
 };
+use strata::qmp::QmpClient;
 
 const CMD: Duration = Duration::from_secs(120);
 
@@ -128,66 +128,13 @@ fn mem_guest_on_q35_is_deterministic() {
     mem_guest_checks(Machine::Q35, false);
 }
 
-/// A minimal QMP client: one command, one reply, events skipped.
-struct Qmp {
-    r: BufReader<UnixStream>,
-    w: UnixStream,
-}
-
-impl Qmp {
-    fn connect(path: &Path) -> Qmp {
-        let start = Instant::now();
-        let s = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e) if start.elapsed() > Duration::from_secs(30) => panic!("QMP connect: {e}"),
-                Err(_) => thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let mut q = Qmp { r: BufReader::new(s.try_clone().unwrap()), w: s };
-        let greeting = q.read();
-        assert!(greeting.get("QMP").is_some(), "not a QMP greeting: {greeting}");
-        q.exec("qmp_capabilities", serde_json::json!({}));
-        q
-    }
-
-    fn read(&mut self) -> serde_json::Value {
-        loop {
-            let mut line = String::new();
-            let n = self.r.read_line(&mut line).expect("QMP read");
-            assert!(n > 0, "QMP socket closed");
-            let v: serde_json::Value = serde_json::from_str(&line).expect("QMP JSON");
-            if v.get("event").is_none() {
-                return v;
-            }
-        }
-    }
-
-    fn exec(&mut self, cmd: &str, args: serde_json::Value) -> serde_json::Value {
-        let req = serde_json::json!({"execute": cmd, "arguments": args});
-        writeln!(self.w, "{req}").unwrap();
-        let v = self.read();
-        assert!(v.get("error").is_none(), "QMP {cmd} failed: {v}");
-        v["return"].clone()
-    }
-}
-
 /// Save the guest's state to `file` with QMP `migrate exec:cat > file`; returns the time taken.
 fn migrate_to_file(g: &Guest, file: &Path) -> Duration {
-    let mut q = Qmp::connect(g.qmp_path().expect("guest started with qmp"));
+    let mut q = QmpClient::connect(g.qmp_path().expect("guest started with qmp")).expect("QMP");
     let t = Instant::now();
-    q.exec("migrate", serde_json::json!({"uri": format!("exec:cat > {}", file.display())}));
-    loop {
-        let st = q.exec("query-migrate", serde_json::json!({}));
-        match st["status"].as_str() {
-            Some("completed") => return t.elapsed(),
-            Some("failed") | Some("cancelled") => panic!("migration failed: {st}"),
-            _ => {}
-        }
-        assert!(t.elapsed() < Duration::from_secs(300), "migration did not finish: {st}");
-        thread::sleep(Duration::from_millis(100));
-    }
+    q.migrate(&format!("exec:cat > {}", file.display())).expect("migrate");
+    q.wait_migration(Duration::from_secs(300), Duration::from_millis(100)).expect("migration");
+    t.elapsed()
 }
 
 #[test]

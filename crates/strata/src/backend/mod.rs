@@ -4,7 +4,7 @@
 //! `can_*` callbacks: a handful of required operations, optional capabilities with defaults.
 //! Keys are `/`-separated ASCII paths (`packs/ab/<hex>`, `index/<hex>`, `refs/<name>`, `config`).
 //!
-//! Contract every backend must meet (checked by [`conformance`]):
+//! Contract every backend must meet (checked by `conformance`, built with feature `testkit`):
 //! - `put` is atomic: a reader sees the whole old object, the whole new object, or (for a new
 //!   key) nothing; never a prefix.
 //! - A `put`/`delete` that returned Ok is *durable* only once a later `sync` returned Ok. After
@@ -19,7 +19,9 @@
 //! them stays visible from above.
 
 pub mod cache;
+#[cfg(any(test, feature = "testkit"))]
 pub mod conformance;
+#[cfg(any(test, feature = "testkit"))]
 pub mod fault;
 pub mod local;
 pub mod memory;
@@ -27,6 +29,7 @@ pub mod open;
 pub mod redis;
 pub mod retry;
 pub mod s3;
+#[cfg(feature = "testkit")]
 pub mod servers;
 
 use std::fmt;

@@ -1,6 +1,6 @@
-//! Disk benchmarks: `strata bench clone` (and, with the NBD server, sync and io).
+//! Disk benchmarks: `strata-bench clone` (and, with the NBD server, sync and io).
 //!
-//! Clone (004 Fig 7): a sparse image of `size` bytes holding `data` bytes is imported once;
+//! Clone: a sparse image of `size` bytes holding `data` bytes is imported once;
 //! then N full clones are made with strata (a new ref to the same block map), with
 //! `cp --sparse=always` of the raw file, and with `qemu-img convert -O qcow2`. Each method's N
 //! copies are timed together, including a final sync, and removed before the next N.
@@ -8,7 +8,7 @@
 use crate::chart::{bars, Series};
 use anyhow::{ensure, Context, Result};
 use std::io::{Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use strata::disk;
@@ -154,9 +154,10 @@ pub fn bench_clone(
     std::fs::write(out.join("bench-clone.csv"), csv)?;
     let meta = serde_json::json!({
         "benchmark": "clone",
-        "command": format!("strata bench clone --size {}G --data {}G --copies {}", size >> 30, data >> 30,
+        "command": format!("strata-bench clone --size {}G --data {}G --copies {}", size >> 30, data >> 30,
             copies.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")),
         "image": {"virtual_bytes": size, "data_bytes": data, "strata_import_s": import_s},
+        "env": crate::results::env_json(),
         "rows": rows,
     });
     std::fs::write(out.join("bench-clone.json"), serde_json::to_string_pretty(&meta)?)?;
@@ -239,6 +240,23 @@ fn wait_socket(sock: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The `strata` binary that serves disks: `$STRATA_BIN`, else `strata` next to this
+/// executable (cargo builds both into the same target directory).
+pub fn strata_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("STRATA_BIN").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let bin = exe.with_file_name("strata");
+    anyhow::ensure!(
+        bin.is_file(),
+        "No strata binary at {} (build it with `cargo build --release -p strata-cli`, or set \
+         STRATA_BIN)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
 impl Server {
     /// A fresh store with one disk `name` (optionally a clone of a golden disk whose blocks
     /// hold data), served by `strata serve` under strace.
@@ -259,7 +277,7 @@ impl Server {
     }
 
     fn spawn_strata(dir: &Path, name: &str, st: &Path) -> Result<Server> {
-        let exe = std::env::current_exe()?.display().to_string();
+        let exe = strata_binary()?.display().to_string();
         let sock = dir.join(format!("{name}.sock"));
         let _ = std::fs::remove_file(&sock);
         let trace = dir.join(format!("{name}.strace"));

@@ -1,4 +1,4 @@
-//! `strata bench io` (paper 004 Figs 5 and 6, local): fio's nbd engine against strata, and
+//! `strata-bench io` (local): fio's nbd engine against strata, and
 //! against qemu-nbd serving raw and qcow2, in the same run. 4 KiB random read/write IOPS
 //! (iodepth 16) and 1 MiB sequential read/write MB/s over a 1 GiB region; three rounds with
 //! the systems taking turns per test, medians reported.
@@ -15,8 +15,8 @@
 //! their ceiling once the log's head start (twice the compaction threshold) is used up,
 //! while qemu-nbd's writes over the 1 GiB region stay in the page cache.
 
-use crate::bench_disk::{ensure_tool, Server};
 use crate::chart::{bars, Series};
+use crate::disk::{ensure_tool, Server};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -89,7 +89,7 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
         ensure_tool(t)?;
     }
     // No strace here: it would tax every system call of the servers being measured.
-    crate::bench_disk::set_tracing(false);
+    crate::disk::set_tracing(false);
     let tmp = match scratch {
         Some(p) => tempfile::tempdir_in(p)?,
         None => tempfile::tempdir_in("/var/tmp").or_else(|_| tempfile::tempdir())?,
@@ -202,12 +202,13 @@ pub fn bench_io(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> 
         .collect();
     let meta = serde_json::json!({
         "benchmark": "io",
-        "command": format!("strata bench io --runtime {runtime}"),
+        "command": format!("strata-bench io --runtime {runtime}"),
         "rounds": ROUNDS,
         "samples": samples.iter().map(|r| serde_json::json!({"system": r.0, "test": r.1, "iops": r.2, "mib_s": r.3})).collect::<Vec<_>>(),
         "method": "fio --ioengine=nbd --iodepth=16 over nbd+unix, 1 GiB region of a 4 GiB disk, filled first with 1 MiB writes; every server restarted after the fill (strata folds its log into chunks then); page cache warm for all (nothing dropped)",
         "durable_write_mib_s": durable,
         "durable_write_note": "1 GiB written to a plain file in the same directory, then fdatasync: the ceiling for sustained strata writes, which compaction must store as durable chunks",
+        "env": crate::results::env_json(),
         "rows": rows,
         "ratios": ratios,
         "strata_write_amplification": wa,

@@ -1,4 +1,4 @@
-//! The storage host of the remote benchmarks (issue 5): `bench io --remote`, `clone --remote`,
+//! The storage host of the remote benchmarks: `io --remote`, `clone --remote`,
 //! `save-restore --remote` and `live --redis` all run against a network namespace holding
 //! versitygw (S3) and redis-server behind a veth pair shaped to 1 Gbit/s with `tbf`, built by
 //! `scripts/storage-host.sh` (embedded in the binary, so the benchmark works from any
@@ -9,7 +9,7 @@
 //! link beside its times: [`StorageHost::link`] reads the host end's veth counters (`tx` =
 //! host to storage, `rx` = storage to host; Ethernet frames, so TCP/IP headers included).
 //!
-//! `bench storm` uses the same driver under its own namespace and subnet ([`StorageHost::up_named`]).
+//! `storm` uses the same driver under its own namespace and subnet ([`StorageHost::up_named`]).
 //!
 //! Baselines that need a file on the storage host (QEMU migration streams, raw images) use
 //! [`Relay`]: a thread of this process that enters the namespace with `setns(CLONE_NEWNET)`
@@ -248,12 +248,12 @@ impl StorageHost {
     }
 
     /// fsync, as they land, the objects a save puts under `dir`, and start the writeback of
-    /// those still arriving as the relay does for a stream (`bench_objsync.rs`).
-    pub fn sync_objects(&self, dir: PathBuf) -> crate::bench_objsync::ObjectSync {
+    /// those still arriving as the relay does for a stream (`objsync.rs`).
+    pub fn sync_objects(&self, dir: PathBuf) -> crate::objsync::ObjectSync {
         let pid = std::fs::read_to_string(self.dir.join("versitygw.pid"))
             .ok()
             .and_then(|p| p.trim().parse().ok());
-        crate::bench_objsync::ObjectSync::start(dir, pid)
+        crate::objsync::ObjectSync::start(dir, pid)
     }
 
     /// fsync every file under `dir` on the storage host (versitygw's posix backend does not
@@ -261,12 +261,9 @@ impl StorageHost {
     /// Files already synced and unchanged since (`synced`, from the object watcher) are
     /// skipped; returns how many files were synced here and how many skipped. Directories are
     /// synced too unless [`names_durable_with_files`] holds there, exactly when the relay
-    /// syncs its file's directory (until session 37 they always were, while the relay never
-    /// did: ~4 ms of a 128 MiB save's commit-to-durable, measured below).
-    pub fn fsync_tree(
-        dir: &Path,
-        synced: &crate::bench_objsync::SyncedFiles,
-    ) -> Result<(u64, u64)> {
+    /// syncs its file's directory, so both get the same treatment (a directory sync costs
+    /// ~4 ms of a 128 MiB save's commit-to-durable).
+    pub fn fsync_tree(dir: &Path, synced: &crate::objsync::SyncedFiles) -> Result<(u64, u64)> {
         let mut files = Vec::new();
         let mut dirs = Vec::new();
         let mut skipped = 0u64;
@@ -280,7 +277,7 @@ impl StorageHost {
                 } else if ft.is_file() {
                     let p = e.path();
                     let same = synced.get(&p).is_some_and(|s| {
-                        e.metadata().is_ok_and(|m| crate::bench_objsync::Synced::of(&m) == *s)
+                        e.metadata().is_ok_and(|m| crate::objsync::Synced::of(&m) == *s)
                     });
                     if same {
                         skipped += 1;

@@ -1,4 +1,4 @@
-//! `strata bench sync` (paper 001): host fdatasync calls per guest flush, and 64 KiB
+//! `strata-bench sync`: host fdatasync calls per guest flush, and 64 KiB
 //! append + flush throughput, for strata against qemu-nbd serving qcow2 (default and
 //! lazy_refcounts) and raw, all driven by the same qemu-io workloads over NBD.
 //!
@@ -7,8 +7,8 @@
 //! counted from the trace, so start-up costs are excluded. strata's own counter (printed by
 //! `strata serve` on exit) is reported beside the strace figure.
 
-use crate::bench_disk::{ensure_tool, Server};
 use crate::chart::{bars, Series};
+use crate::disk::{ensure_tool, Server};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::Command;
@@ -115,7 +115,7 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
                 continue; // raw files have no clones
             }
             let mut server = match system {
-                "strata" => Server::strata_disk(dir, &format!("{case}"), size, case == "clone-4k")
+                "strata" => Server::strata_disk(dir, case, size, case == "clone-4k")
                     .with_context(|| format!("{case}/{system}"))?,
                 "raw" => {
                     let f = dir.join(format!("{case}.raw"));
@@ -161,7 +161,7 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
         }
     }
     // Throughput: 64 KiB append + flush, 800 ops, with servers not under strace.
-    crate::bench_disk::set_tracing(false);
+    crate::disk::set_tracing(false);
     let ops = 800;
     let cmds: Vec<String> = (0..ops)
         .flat_map(|i| [format!("write -P 7 {} 64k", i as u64 * 65536), "flush".to_string()])
@@ -224,8 +224,9 @@ pub fn bench_sync(n: usize, guest_dd: bool, out: &Path, scratch: Option<&Path>) 
     std::fs::write(out.join("bench-sync.csv"), csv)?;
     let meta = serde_json::json!({
         "benchmark": "sync",
-        "command": format!("strata bench sync --ops {n}"),
+        "command": format!("strata-bench sync --ops {n}"),
         "method": "qemu-io over NBD (nbd+unix); host sync calls counted with strace -f on the server between warm-up and end of workload",
+        "env": crate::results::env_json(),
         "rows": rows,
         "append_flush_64k": {"runs": tput, "best_mib_s": {"strata": st, "raw": raw, "qcow2": q}, "strata_over_raw": st / raw, "strata_over_qcow2": st / q},
         "in_guest_dd": {
@@ -269,8 +270,8 @@ struct GuestRow {
     mb_s: f64,
 }
 
-/// 64 KiB O_DSYNC writes from inside a TCG guest onto a disk served over NBD (paper 001's dd
-/// test): 256 MiB appended, then the same 256 MiB overwritten.
+/// 64 KiB O_DSYNC writes from inside a TCG guest onto a disk served over NBD (`dd` with
+/// `oflag=dsync`): 256 MiB appended, then the same 256 MiB overwritten.
 fn in_guest_dd(dir: &Path) -> Result<Vec<GuestRow>> {
     use std::time::Duration;
     use strata::fixtures::{create_overlay, Fixtures, GuestMode};

@@ -1,188 +1,14 @@
-//! `strata bench ...`: benchmark commands. Each writes `docs/results/bench-<name>.{csv,json,svg}`
-//! and compares against what a user would use instead, measured in the same run. Ratios are
-//! reported because these machines are noisy.
+//! `strata-bench store`: chunk-store put/get throughput for 4 KiB and 64 KiB chunks with each
+//! codec, against writing the same bytes to one file with fdatasync and reading them back.
 
 use crate::chart::{bars, Series};
-use crate::parse_size;
 use anyhow::{Context, Result};
-use clap::Subcommand;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata::store::pack::ChunkKind;
 use strata::store::{InitOptions, Store};
 use strata::{ChunkId, Codec};
-
-#[derive(Subcommand)]
-pub enum BenchCmd {
-    /// Chunk-store put/get throughput for 4 KiB and 64 KiB chunks with each codec, against
-    /// writing the same bytes to a plain file with fsync (what `cp` + `sync` costs).
-    Store {
-        /// Bytes of data per case.
-        #[arg(long, default_value = "128M")]
-        size: String,
-        /// Writer threads.
-        #[arg(long, default_value_t = 2)]
-        threads: usize,
-        /// Where results go.
-        #[arg(long, default_value = "docs/results")]
-        out: PathBuf,
-        /// Scratch directory for the stores (default: a temp dir under /var/tmp).
-        #[arg(long)]
-        scratch: Option<PathBuf>,
-    },
-    /// Host fdatasyncs per guest flush (paper 001) and 64 KiB append+flush throughput: strata
-    /// against qemu-nbd serving qcow2 (default, lazy_refcounts) and raw, same qemu-io workloads.
-    Sync {
-        /// Write+flush pairs per case.
-        #[arg(long, default_value_t = 200)]
-        ops: usize,
-        /// Skip the in-guest dd test (needs the guest fixtures).
-        #[arg(long)]
-        no_guest: bool,
-        #[arg(long, default_value = "docs/results")]
-        out: PathBuf,
-        #[arg(long)]
-        scratch: Option<PathBuf>,
-    },
-    /// fio over NBD (004 Figs 5/6, local): 4 KiB random and 1 MiB sequential read/write,
-    /// strata against qemu-nbd raw and qcow2.
-    Io {
-        /// Seconds per fio test.
-        #[arg(long, default_value_t = 15)]
-        runtime: u32,
-        /// Store on an emulated 1 Gbit/s storage host (S3): no/cold/warm SSD cache against
-        /// qemu-nbd serving raw/qcow2 there (needs root).
-        #[arg(long)]
-        remote: bool,
-        #[arg(long, default_value = "docs/results")]
-        out: PathBuf,
-        #[arg(long)]
-        scratch: Option<PathBuf>,
-    },
-    /// Full clones of a large image (004 Fig 7): strata's O(metadata) clone against
-    /// `cp --sparse=always` and `qemu-img convert`, for 1, 2, 5 and 10 copies.
-    Clone {
-        /// Virtual size of the image.
-        #[arg(long, default_value = "30G")]
-        size: String,
-        /// Bytes of data in it.
-        #[arg(long, default_value = "3G")]
-        data: String,
-        #[arg(long, default_value = "1,2,5,10")]
-        copies: String,
-        /// Image on an emulated 1 Gbit/s storage host: strata on S3 against qemu-img convert
-        /// between qemu-nbd servers there (needs root).
-        #[arg(long)]
-        remote: bool,
-        #[arg(long, default_value = "docs/results")]
-        out: PathBuf,
-        #[arg(long)]
-        scratch: Option<PathBuf>,
-    },
-    /// Boot storm (004 Fig 8): 1, 2, 5, 10 TCG guests boot together from clones of a golden
-    /// image on an emulated storage host (1 Gbit/s link): strata with a cold cache, without
-    /// it, and qemu-nbd qcow2 with overlays; plus the recorded boot trace replayed by N NBD
-    /// clients, and one warmed-cache row. Needs root.
-    Storm {
-        #[arg(long, default_value = "1,2,5,10")]
-        guests: String,
-        /// Guest memory in MiB.
-        #[arg(long, default_value_t = 224)]
-        memory: u32,
-        /// Requests in flight per replay client (0: the recorded boot's mean).
-        #[arg(long, default_value_t = 0)]
-        depth: usize,
-        /// SSD cache size of each strata host.
-        #[arg(long, default_value = "1G")]
-        cache_size: String,
-        /// Only the trace replay, no guest storms.
-        #[arg(long)]
-        no_guests: bool,
-        /// Replay this trace (CSV from an earlier run) instead of recording one.
-        #[arg(long)]
-        trace: Option<PathBuf>,
-        /// Network namespace and /24 of the storage host.
-        #[arg(long, default_value = "strata-storm")]
-        ns: String,
-        #[arg(long, default_value = "10.211.0")]
-        net: String,
-        #[arg(long, default_value = "docs/results")]
-        out: PathBuf,
-        #[arg(long)]
-        scratch: Option<PathBuf>,
-    },
-    #[command(flatten)]
-    Mem(crate::bench_mem::MemBenchCmd),
-}
-
-pub fn run(cmd: &BenchCmd) -> Result<()> {
-    match cmd {
-        BenchCmd::Store { size, threads, out, scratch } => {
-            bench_store(parse_size(size)?, *threads, out, scratch.as_deref())
-        }
-        BenchCmd::Io { runtime, remote: true, out, scratch } => {
-            crate::bench_remote_disk::bench_io_remote(*runtime, out, scratch.as_deref())
-        }
-        BenchCmd::Io { runtime, out, scratch, .. } => {
-            crate::bench_io::bench_io(*runtime, out, scratch.as_deref())
-        }
-        BenchCmd::Sync { ops, no_guest, out, scratch } => {
-            crate::bench_sync::bench_sync(*ops, !no_guest, out, scratch.as_deref())
-        }
-        BenchCmd::Clone { size, data, copies, remote, out, scratch } => {
-            let copies: Vec<usize> = copies
-                .split(',')
-                .map(|c| c.trim().parse())
-                .collect::<Result<_, _>>()
-                .context("--copies: e.g. 1,2,5,10")?;
-            if *remote {
-                return crate::bench_remote_disk::bench_clone_remote(
-                    parse_size(size)?,
-                    parse_size(data)?,
-                    &copies,
-                    out,
-                    scratch.as_deref(),
-                );
-            }
-            crate::bench_disk::bench_clone(
-                parse_size(size)?,
-                parse_size(data)?,
-                &copies,
-                out,
-                scratch.as_deref(),
-            )
-        }
-        BenchCmd::Storm {
-            guests,
-            memory,
-            depth,
-            cache_size,
-            no_guests,
-            trace,
-            ns,
-            net,
-            out,
-            scratch,
-        } => crate::bench_storm::bench_storm(&crate::bench_storm::StormOpts {
-            guests: guests
-                .split(',')
-                .map(|c| c.trim().parse())
-                .collect::<Result<_, _>>()
-                .context("--guests: e.g. 1,2,5,10")?,
-            memory_mib: *memory,
-            depth: *depth,
-            cache_size: parse_size(cache_size)?,
-            no_guests: *no_guests,
-            trace: trace.clone(),
-            ns: ns.clone(),
-            net: net.clone(),
-            out: out.clone(),
-            scratch: scratch.clone(),
-        }),
-        BenchCmd::Mem(c) => crate::bench_mem::run(c),
-    }
-}
 
 /// Realistic data: host binaries and libraries (what a golden desktop holds), read in a fixed
 /// order, with one page in eight zeroed as in real images.
@@ -238,11 +64,11 @@ struct Row {
     get_vs_file_read: f64,
 }
 
-pub fn mib_s(bytes: usize, secs: f64) -> f64 {
+fn mib_s(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / (1 << 20) as f64 / secs.max(1e-9)
 }
 
-fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
+pub fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) -> Result<()> {
     let size = size as usize;
     let tmp = match scratch {
         Some(p) => tempfile::tempdir_in(p)?,
@@ -346,10 +172,10 @@ fn bench_store(size: u64, threads: usize, out: &Path, scratch: Option<&Path>) ->
     std::fs::write(out.join("bench-store.csv"), csv)?;
     let meta = serde_json::json!({
         "benchmark": "store",
-        "command": format!("strata bench store --size {}M --threads {threads}", size >> 20),
+        "command": format!("strata-bench store --size {}M --threads {threads}", size >> 20),
         "data": "host binaries and libraries (/usr/lib/x86_64-linux-gnu, /usr/bin, ...), every 8th page zero",
         "baseline": {"what": "same bytes written to one file + fdatasync, then read back", "write_mib_s": file_w, "read_mib_s": file_r},
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "env": crate::results::env_json(),
         "rows": rows,
     });
     std::fs::write(out.join("bench-store.json"), serde_json::to_string_pretty(&meta)?)?;

@@ -1,5 +1,5 @@
 //! Minimal SVG charts for benchmark results (grouped bars), so benchmarks need no plotting
-//! tool: every `strata bench` writes a table (CSV and JSON) and a chart next to it.
+//! tool: every `strata-bench` writes a table (CSV and JSON) and a chart next to it.
 
 pub struct Series {
     pub name: String,
@@ -91,4 +91,17 @@ fn fmt(v: f64) -> String {
     } else {
         format!("{v:.3}")
     }
+}
+
+/// Stack several charts into one SVG.
+pub(crate) fn stack(charts: Vec<String>) -> String {
+    let h = 420;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"{}\">\n",
+        h * charts.len()
+    );
+    for (i, c) in charts.into_iter().enumerate() {
+        s += &c.replacen("<svg ", &format!("<svg y=\"{}\" ", i * h), 1);
+    }
+    s + "</svg>\n"
 }

@@ -1,12 +1,12 @@
-//! `strata bench multifd`: would QEMU 7.2's multifd make `vm save` cheaper? (issue 4)
+//! `strata-bench multifd`: would QEMU's multifd make `vm save` cheaper?
 //!
-//! The idea was that with multifd QEMU's channel threads send pages from guest RAM with iovecs
-//! while the single-channel path copies every page into its stream buffer, so multifd would
-//! take CPU off QEMU's side of a save on these 2-core hosts. This benchmark measures the QEMU
-//! side alone, before any receiver is written: the same stopped desktop guest migrated, in one
+//! With multifd, QEMU's channel threads send pages from guest RAM with iovecs, while the
+//! single-channel path copies every page into its stream buffer, so multifd could take CPU
+//! off QEMU's side of a save on these 2-core hosts. This benchmark measures the QEMU side
+//! alone, with no strata receiver for multifd: the same stopped desktop guest migrated, in one
 //! run, into
-//! * `exec:cat > file` + `sync` (the baseline of `bench save-restore`),
-//! * `strata vm save` into a fresh local store (single channel, as shipped),
+//! * `exec:cat > file` + `sync` (the baseline of `strata-bench save-restore`),
+//! * `strata vm save` into a fresh local store (single channel),
 //! * a unix socket drained by one reader thread (single channel, no storing),
 //! * multifd with N channels, every connection drained by its own reader thread,
 //!
@@ -29,11 +29,10 @@ use strata::progress::NoProgress;
 use strata::qmp::{MigrateParameters, QmpClient};
 use strata::store::{InitOptions, Store};
 
-use crate::bench_guest::{
-    desktop_guest, env_json, machine, qemu_save, scratch_dir, stack, write_outputs,
-};
-use crate::bench_mem::file_len;
-use crate::chart::{bars, Series};
+use crate::chart::{bars, stack, Series};
+use crate::guest::{desktop_guest, machine, qemu_save, scratch_dir};
+use crate::mem::file_len;
+use crate::results::{env_json, write_outputs};
 
 /// CPU seconds (user + system, all threads) of process `pid`.
 fn process_cpu(pid: u32) -> Result<f64> {

@@ -1,12 +1,12 @@
-//! Memory benchmarks over the 1 Gbit/s storage host (issue 5): `strata bench save-restore
-//! --remote` (paper 000, Figs 2 and 3) and `strata bench live --redis` (paper 002).
+//! Memory benchmarks over the 1 Gbit/s storage host: `strata-bench save-restore --remote` and
+//! `strata-bench live --redis`.
 //!
-//! Same guests and desktop workload as the local `bench save-restore` / `bench live`
-//! (`bench_mem/`), but the bytes go through the link:
+//! Same guests and desktop workload as the local `save-restore` / `live`
+//! (`mem/`), but the bytes go through the link:
 //! * **QEMU baselines** migrate with `exec:` to a [`Relay`] that writes the stream into a file
 //!   on the storage host's disk (starting writeback every 4 MiB as it arrives) and fsyncs it:
 //!   `cat` (raw), `zstd -1` and `lzop`, compressing
-//!   on this host before the link (as the paper's compressed save does). Save time runs from
+//!   on this host before the link (as a compressed save to remote storage does). Save time runs from
 //!   the `stop` of the running guest (then `migrate`) to the fsync on the storage host, as
 //!   strata's `vm save` clock runs from the request on the running guest (it stops it itself). Restores start a fresh
 //!   QEMU with `-incoming defer`; the relay serves the file and the filter decompresses here.
@@ -14,7 +14,7 @@
 //!   the restore really reads through the link. The codec is chosen adaptively (the measured
 //!   link speed makes it compress); the chosen codec and the reason are reported. versitygw
 //!   does not fsync its objects, so the harness does what a durable server would
-//!   (`bench_objsync.rs`): it starts the writeback of objects as they arrive (every 4 MiB the
+//!   (`objsync.rs`): it starts the writeback of objects as they arrive (every 4 MiB the
 //!   server receives, as the relay does for a stream), fsyncs each object as it lands, and at
 //!   the commit (inside the save's clock, [`DurableAtCommit`]) waits for those fsyncs and
 //!   fsyncs every object file the watcher did not sync or that changed since (and every
@@ -40,16 +40,16 @@ use strata::progress::NoProgress;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_guest::{
-    check_sum, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore, results_name,
-    scratch_dir, stack, start_dest, workload_guest, write_outputs, CheckpointCost, Workload,
-    WorkloadMix, LIVE_MODES,
+use crate::chart::{bars, stack, Series};
+use crate::guest::{
+    check_sum, desktop_guest, dirty_checkpoint, machine, qemu_restore, results_name, scratch_dir,
+    start_dest, workload_guest, CheckpointCost, Workload, WorkloadMix, LIVE_MODES,
 };
-use crate::bench_hostmem::{retake, warm_host, warm_mib};
-use crate::bench_remote::{
+use crate::hostmem::{retake, warm_host, warm_mib};
+use crate::remote::{
     host_cpu_s, mb, proc_cpu_s, proc_cpu_split, HostCpu, Link, Relay, StorageHost,
 };
-use crate::chart::{bars, Series};
+use crate::results::{env_json, write_outputs};
 
 #[derive(Debug, Clone, serde::Serialize)]
 struct Row {
@@ -67,7 +67,7 @@ struct Row {
     codec: String,
     verified: bool,
     restore_cpu: RestoreCpu,
-    /// Host CPU from the save's start until it was durable (since session 38).
+    /// Host CPU from the save's start until it was durable.
     save_cpu: HostCpu,
 }
 
@@ -89,11 +89,11 @@ struct RestoreCpu {
 type CpuSample = ((f64, f64, u64, u64), f64, (f64, f64));
 
 impl RestoreCpu {
-    fn sample(d: &crate::bench_guest::Dest) -> CpuSample {
+    fn sample(d: &crate::guest::Dest) -> CpuSample {
         (d.cpu_split(), d.run_wait_s(), host_cpu_s())
     }
 
-    fn since(d: &crate::bench_guest::Dest, (q0, w0, h0): CpuSample) -> RestoreCpu {
+    fn since(d: &crate::guest::Dest, (q0, w0, h0): CpuSample) -> RestoreCpu {
         let (q1, w1, h1) = RestoreCpu::sample(d);
         RestoreCpu {
             target_qemu_s: (q1.0 + q1.1) - (q0.0 + q0.1),
@@ -140,7 +140,7 @@ fn qemu_save_remote(
 const WARM_S3_MIB: usize = 256;
 
 /// Largest range GET of the strata restore over the link: the library's default, what
-/// `strata vm restore` uses (8 MiB until session 13).
+/// `strata vm restore` uses.
 const RESTORE_READ_BYTES: u64 = strata::memory::restore::DEFAULT_READ_BYTES;
 
 /// The three QEMU streams: decoder, encoder and file name on the storage host.
@@ -268,12 +268,11 @@ fn status_mb(field: &str) -> f64 {
 /// Makes a save's objects durable the moment it commits, on its clock. `save` ends its
 /// "committing" phase (`Progress::finish`) right after writing the ref and before its
 /// `total_ms` is taken, so the watcher's last fsyncs and the final pass over every object
-/// (`bench_objsync.rs`) are part of the save's time, and nothing after the commit (the lease
-/// release) is. Before session 36 the harness waited for the watcher after `save` returned,
-/// off the clock, and only the final pass was added.
+/// (`objsync.rs`) are part of the save's time, and nothing after the commit (the lease
+/// release) is.
 struct DurableAtCommit {
     phase: std::sync::Mutex<String>,
-    sync: std::sync::Mutex<Option<crate::bench_objsync::ObjectSync>>,
+    sync: std::sync::Mutex<Option<crate::objsync::ObjectSync>>,
     dir: std::path::PathBuf,
     /// (objects the watcher fsynced as they landed, files fsynced at the end (not synced by
     /// it, or changed since), seconds from the commit until all were durable).
@@ -283,7 +282,7 @@ struct DurableAtCommit {
 }
 
 impl DurableAtCommit {
-    fn new(sync: crate::bench_objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
+    fn new(sync: crate::objsync::ObjectSync, dir: std::path::PathBuf) -> DurableAtCommit {
         DurableAtCommit {
             phase: Default::default(),
             sync: std::sync::Mutex::new(Some(sync)),
@@ -378,7 +377,7 @@ fn strata_save(
         self1.2 - self0.2,
         r.codec.chosen,
         r.codec.why,
-        if crate::bench_remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
+        if crate::remote::names_durable_with_files(&objects) { "" } else { " and the directories" }
     );
     let (sys, faults) = (self1.1 - self0.1, self1.2 - self0.2);
     if let Some(t) = &r.run_table {
@@ -411,8 +410,8 @@ fn strata_save(
 /// Bytes of the objects a save put under its prefix on the storage host: its packs (frames,
 /// entry tables, headers and footers), index objects if any, and its ref. The save report's
 /// `stored_bytes` counts frames only (the store's `stored_bytes_new`), ~1.5% less for a
-/// memory save (its pack tables); until session 37 the tables showed that figure, so strata's
-/// stored bytes were understated against the streams' files.
+/// memory save (its pack tables), so the tables report the objects' sizes, which compare
+/// fairly with the streams' files.
 fn save_object_bytes(prefix_dir: &Path) -> Result<u64> {
     fn walk(d: &Path, total: &mut u64) -> std::io::Result<()> {
         for e in std::fs::read_dir(d)? {
@@ -436,10 +435,16 @@ fn save_object_bytes(prefix_dir: &Path) -> Result<u64> {
     Ok(total)
 }
 
+/// One strata restore: seconds, link bytes, the report, the target QEMU's CPU (user, system)
+/// and the host's CPU.
+type StrataRestore = (f64, Link, RestoreReport, (f64, f64), RestoreCpu);
+
 /// strata's restore: the index and (unless `cold_maps`) the page maps are local (this host saved
 /// them), the pages come over the link.
 /// Seconds until QEMU reported the load completed, as for the streams (resuming the guest
 /// after it, in `total_ms`, is not in their times either).
+// The saved store, the guest and this run's settings; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 fn strata_restore(
     host: &StorageHost,
     s: &StrataSaved,
@@ -449,7 +454,7 @@ fn strata_restore(
     workers: usize,
     warm: u32,
     cold_maps: bool,
-) -> Result<(f64, Link, RestoreReport, (f64, f64), RestoreCpu)> {
+) -> Result<StrataRestore> {
     let mut d = start_dest(g, dir, "dst-strata")?;
     if cold_maps {
         // As on a host that did not save it: the page maps come over the link.
@@ -569,11 +574,11 @@ pub fn bench_save_restore_remote(
     let tmp = scratch_dir(scratch)?;
     let fx = Fixtures::ensure()?;
     for t in ["zstd", "lzop", "bash"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
     let host = StorageHost::up(tmp.path())?;
     host.warm_s3(WARM_S3_MIB).context("warming up the storage host's S3 server")?;
-    let probe = crate::bench_hostmem::probe();
+    let probe = crate::hostmem::probe();
     eprintln!(
         "host memory: touching fresh memory costs {:.2} ms/MiB after a pause, {:.2} ms/MiB right after a free; {}",
         probe.after_pause_ms_per_mib,
@@ -719,7 +724,7 @@ pub fn bench_save_restore_remote(
         cells * rounds as usize
     );
 
-    // Targets of issue 5 at the largest size.
+    // Targets at the largest size: saves 2x and restores 1.8x as fast as exec:cat.
     let big = *sizes.iter().max().unwrap_or(&0);
     let at = |meth: &str| rows.iter().find(|r| r.mem_mib == big && r.method == meth);
     let mut targets = serde_json::Value::Null;
@@ -791,7 +796,7 @@ pub fn bench_save_restore_remote(
     let json = serde_json::json!({
         "benchmark": "save-restore-remote",
         "command": format!(
-            "strata bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}{}{}",
+            "strata-bench save-restore --remote --sizes {} --machine {mach} --rounds {rounds}{}{}{}{}",
             sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
             if codec == CodecPolicy::Auto { String::new() } else { format!(" --codec {codec}") },
             if warm_memory { "" } else { " --no-warm" },
@@ -803,18 +808,17 @@ pub fn bench_save_restore_remote(
         } else {
             "local: the restoring host is the one that saved, and reads the page maps from its tree cache and plans from its copy of the ref while it fetches the ref (the pages still all cross the link); --cold-maps measures a host without them"
         },
-        "paper": "000 Figs 2 and 3, over a 1 Gbit/s link",
-        "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw 1.8 (S3, posix backend) there, run by scripts/storage-host.sh with --keep-alive, --data-integrity-etag, --io-buffer-size 65536 (since session 32; 1 MiB before) and GOGC=400",
-        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache; versitygw does not fsync, so as a durable server would, the harness starts the writeback of objects as they arrive (every 4 MiB the server receives, as for the streams; since session 36), a watcher fsyncs each object as it lands (inotify), and at the commit, on the save's clock, the harness waits for the watcher and fsyncs every object file the watcher did not sync or that changed since (since session 36 that wait is inside the clock, before, the watcher's last fsyncs ran after it; until session 36 every file was fsynced again); directories are fsynced too, and the relay's directory, only where a file's fsync does not make its name durable (not on ext4, where the storage host is; until session 37 strata's directories always were, the relay's never); strata's stored bytes are its objects' sizes on the storage host (packs with their entry tables, and the ref; until session 37 the save report's frame bytes, ~1.5% less); restore reads every page through the link (no SSD cache; the page maps from this host's tree cache unless --cold-maps, see page_maps), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
+        "link": "veth pair into a network namespace (the storage host), tbf rate 1gbit on both ends; versitygw 1.8 (S3, posix backend) there, run by scripts/storage-host.sh with --keep-alive, --data-integrity-etag, --io-buffer-size 65536 and GOGC=400",
+        "how": "QEMU baselines: running guest, stop, migrate exec:'FILTER > /dev/tcp/storage/PORT' (FILTER = cat, zstd -1 -q, lzop -c, run on this host), a thread in the storage host's namespace writes the stream to a file, starting its writeback every 4 MiB, and fsyncs it; save time = stop (included) to fsync, as strata's clock includes its own stop. Restore: fresh QEMU -incoming defer, migrate-incoming exec:'DECODER < /dev/tcp/storage/PORT', time to completed. strata: vm save (stop-and-copy, adaptive codec) into a fresh store on the storage host's S3 without SSD cache; versitygw does not fsync, so as a durable server would, the harness starts the writeback of objects as they arrive (every 4 MiB the server receives, as for the streams), a watcher fsyncs each object as it lands (inotify), and at the commit, on the save's clock, the harness waits for the watcher and fsyncs every object file the watcher did not sync or that changed since; directories are fsynced too, and the relay's directory, only where a file's fsync does not make its name durable (not on ext4, where the storage host is); strata's stored bytes are its objects' sizes on the storage host (packs with their entry tables, and the ref); restore reads every page through the link (no SSD cache; the page maps from this host's tree cache unless --cold-maps, see page_maps), verified, and the resumed guest's memwork sum is compared. Each round saves and restores with every method on the same running guest, the methods taking turns at going first (round r starts with method r mod 4 of cat, zstd -1, lzop, strata, in the saves and in the restores); before every timed step the harness warms host memory (see host_memory); `rows` are the medians over the rounds, `round_rows` every round",
         "link_bytes": "veth counters of the host end, both directions, Ethernet frames",
-        "save_cpu": "per row, the host's CPU from a save's start until it was durable: host_busy_s, what every task ran (the root cgroup's cpuacct.usage, in ns; /proc/stat ticks where that is missing), against host_avail_s, wall time x cores; the storage host's server and the relay share these cores (since session 38)",
+        "save_cpu": "per row, the host's CPU from a save's start until it was durable: host_busy_s, what every task ran (the root cgroup's cpuacct.usage, in ns; /proc/stat ticks where that is missing), against host_avail_s, wall time x cores; the storage host's server and the relay share these cores",
         "rounds": rounds,
         "host_memory": {
             "probe": probe,
             "warm_mib_per_step": sizes.iter().map(|&m| serde_json::json!({"mem_mib": m, "warm_mib": warm_mib(m, warm_memory)})).collect::<Vec<_>>(),
-            "settle_ms": if warm_memory { crate::bench_hostmem::SETTLE_MS } else { 0 },
-            "quiet_ms": if warm_memory { crate::bench_hostmem::QUIET_MS } else { 0 },
-            "why": "these hosts are VMs with free page reporting: memory free for ~1 s is handed to the outer hypervisor and costs an outer fault per page when next touched (probe: ms per MiB after a pause and right after a free). Before every timed save and restore, of every method, outside the clock, the harness touches and frees warm_mib of memory, so whichever process allocates next gets backed pages, as on a bare-metal KVM host. It is 4x the guest's RAM, capped at 2048 MiB, + 64 MiB (1x capped at 512 until session 20: the kernel reports freed memory a share at a time, so 1x left a restore that followed a save directly on unbacked memory), then waits settle_ms before the step starts (since session 37: a step started right after its warm sometimes found the whole host slow for its first 15-25 ms). Since session 45 the warmed memory is a pool held between steps: taken back right after each step's clock stops (after its CPU was sampled), held for quiet_ms before the next step, then freed for it. The kernel reports free memory in passes ~2 s apart, and while one runs the outer VMM stops serving this VM's disk (an fsync of 1 MiB stalled 100/84/67/33 ms at 1.9/4.1/6.3/8.4 s after 2 GiB was freed); before, the freed surplus and exited QEMUs left such passes running into later steps of any method. --no-warm turns all of it off",
+            "settle_ms": if warm_memory { crate::hostmem::SETTLE_MS } else { 0 },
+            "quiet_ms": if warm_memory { crate::hostmem::QUIET_MS } else { 0 },
+            "method": "before every timed save and restore, of every method, outside the clock: hold warm_mib (4x the guest's RAM, capped at 2048 MiB, + 64 MiB) of touched memory for quiet_ms, free it, wait settle_ms, then start the step; the memory is taken back right after the step's clock stops. These hosts are VMs with free page reporting (memory free for ~1 s costs an outer fault per page when next touched; probe: ms per MiB after a pause and right after a free), and a bare-metal KVM host has no such cost. --no-warm turns it off",
         },
         "restore_workers": workers,
         "codec_policy": codec.to_string(),
@@ -1027,9 +1031,8 @@ pub fn bench_live_redis(mem: u32, rates: &[u32], out: &Path, scratch: Option<&Pa
     }
     let json = serde_json::json!({
         "benchmark": "live-redis",
-        "command": format!("strata bench live --redis --mem {mem} --rates {}", rates.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
-        "paper": "002 (dirty pages kept in a NoSQL store)",
-        "how": "as `bench live`, but every checkpoint goes into a fresh store on the storage host's Redis (appendonly, appendfsync always: every acknowledged SET is fsynced), 8 MiB packs, through the 1 Gbit/s link; link_bytes = veth counters, both directions. The '2nd background-snapshot' row is a second checkpoint 5 s later into the first snapshot's store (incremental cost)",
+        "command": format!("strata-bench live --redis --mem {mem} --rates {}", rates.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
+        "how": "as `strata-bench live`, but every checkpoint goes into a fresh store on the storage host's Redis (appendonly, appendfsync always: every acknowledged SET is fsynced), 8 MiB packs, through the 1 Gbit/s link; link_bytes = veth counters, both directions. The '2nd background-snapshot' row is a second checkpoint 5 s later into the first snapshot's store (incremental cost)",
         "workload": w,
         "env": env_json(),
         "rows": rows,

@@ -1,5 +1,5 @@
-//! `strata bench codecs | save-restore | live`: the VM-memory benchmarks of issue 4, on a real
-//! TCG guest (`strata::fixtures` memory guest with the golden desktop disk attached).
+//! `strata-bench codecs | save-restore | live`: the VM-memory benchmarks, on a real TCG
+//! guest (`strata::fixtures` memory guest with the golden desktop disk attached).
 //!
 //! Every run boots the guest, loads the *desktop workload* — the golden disk's binaries,
 //! libraries and data read into memory page-cache style (`text`), then anonymous memory with
@@ -7,11 +7,11 @@
 //! touched and the data is neither synthetic-only nor cherry-picked. Results go to
 //! `docs/results/bench-<name>.{csv,json,svg}`, and every comparison is measured in the same
 //! run, because these 2-core machines are noisy:
-//! * `codecs` (paper 000, Tables 1–2): ratio, compress and decompress MB/s and the expected
+//! * `codecs`: ratio, compress and decompress MB/s and the expected
 //!   transfer speeds Speed × (1 − Rate) of each codec on 64 KiB frames of the captured memory.
-//! * `save-restore` (000, Figs 2–3): per guest size, save and restore time and stored bytes
+//! * `save-restore`: per guest size, save and restore time and stored bytes
 //!   of strata against QEMU's `exec:cat > file` + `sync`, `exec:zstd -1`, `exec:lzop`.
-//! * `live` (002, Tables 1–4): a guest dirtying memory at set rates, checkpointed by
+//! * `live`: a guest dirtying memory at set rates, checkpointed by
 //!   background-snapshot, precopy + cont and stop-and-copy: pause, total time, pages sent,
 //!   stored and skipped by dedup, plus the cost of a second (incremental) checkpoint.
 //!
@@ -32,12 +32,13 @@ use strata::progress::NoProgress;
 use strata::qmp::QmpClient;
 use strata::store::{InitOptions, Store};
 
-use crate::bench_guest::{
-    available_mib, boot, desktop_guest, dirty_checkpoint, env_json, machine, qemu_restore,
-    qemu_save, qmp_of, restore_verified, results_name, scratch_dir, stack, start_dest,
-    workload_guest, write_outputs, CheckpointCost, WorkloadMix, LIVE_MODES,
+use crate::chart::{bars, stack, Series};
+use crate::guest::{
+    available_mib, boot, desktop_guest, dirty_checkpoint, machine, qemu_restore, qemu_save, qmp_of,
+    restore_verified, results_name, scratch_dir, start_dest, workload_guest, CheckpointCost,
+    WorkloadMix, LIVE_MODES,
 };
-use crate::chart::{bars, Series};
+use crate::results::{env_json, write_outputs};
 
 mod codecs;
 mod live;
@@ -52,7 +53,7 @@ pub(crate) use save_restore::file_len;
 
 #[derive(Subcommand)]
 pub enum MemBenchCmd {
-    /// Codec ratio and speed on memory captured from a real guest (paper 000, Tables 1 and 2).
+    /// Codec ratio and speed on memory captured from a real guest.
     Codecs {
         /// Guest RAM in MiB.
         #[arg(long, default_value_t = 1024)]
@@ -66,8 +67,7 @@ pub enum MemBenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
-    /// Save and restore time and stored bytes vs QEMU exec:cat + sync, zstd -1 and lzop
-    /// (paper 000, Figs 2 and 3).
+    /// Save and restore time and stored bytes vs QEMU exec:cat + sync, zstd -1 and lzop.
     SaveRestore {
         /// Guest sizes in MiB.
         #[arg(long, value_delimiter = ',', default_value = "128,256,384,512,768,1024,2048")]
@@ -87,7 +87,7 @@ pub enum MemBenchCmd {
         #[arg(long)]
         remote: bool,
         /// Restore decoder threads for --remote (4 fetchers keep the ranged GETs in flight);
-        /// default: what `strata vm restore` uses, the host's cores (12 until session 14).
+        /// default: what `strata vm restore` uses, the host's cores.
         #[arg(long)]
         restore_workers: Option<usize>,
         /// Codec of strata's saves for --remote: auto (measured per batch) or a fixed one
@@ -115,7 +115,7 @@ pub enum MemBenchCmd {
         /// (text=PCT,zero=PCT,repeat=PCT,fill=on|off). Other than desktop, the result files are
         /// named bench-save-restore[-remote]-workload-NAME.*.
         #[arg(long, default_value = "desktop")]
-        workload: crate::bench_guest::WorkloadMix,
+        workload: crate::guest::WorkloadMix,
         #[arg(long, default_value = "docs/results")]
         out: PathBuf,
         #[arg(long)]
@@ -142,7 +142,7 @@ pub enum MemBenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
-    /// Live checkpoints of a guest dirtying memory (paper 002, Tables 1-4).
+    /// Live checkpoints of a guest dirtying memory.
     Live {
         /// Guest RAM in MiB.
         #[arg(long, default_value_t = 1024)]
@@ -178,7 +178,7 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             out,
             scratch,
             ..
-        } => crate::bench_remote_mem::bench_save_restore_remote(
+        } => crate::remote_mem::bench_save_restore_remote(
             sizes,
             machine,
             restore_workers
@@ -195,17 +195,10 @@ pub fn run(cmd: &MemBenchCmd) -> Result<()> {
             sizes, machine, vms, vms_mem, workload, out, scratch, ..
         } => bench_save_restore(sizes, machine, *vms, *vms_mem, workload, out, scratch.as_deref()),
         MemBenchCmd::Multifd { mem, machine, channels, reps, out, scratch } => {
-            crate::bench_multifd::bench_multifd(
-                *mem,
-                machine,
-                channels,
-                *reps,
-                out,
-                scratch.as_deref(),
-            )
+            crate::multifd::bench_multifd(*mem, machine, channels, *reps, out, scratch.as_deref())
         }
         MemBenchCmd::Live { mem, rates, redis: true, out, scratch } => {
-            crate::bench_remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref())
+            crate::remote_mem::bench_live_redis(*mem, rates, out, scratch.as_deref())
         }
         MemBenchCmd::Live { mem, rates, out, scratch, .. } => {
             bench_live(*mem, rates, out, scratch.as_deref())

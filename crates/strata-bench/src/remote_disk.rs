@@ -1,5 +1,5 @@
-//! Disk benchmarks over the 1 Gbit/s storage host (issue 5): `strata bench io --remote`
-//! (paper 004 Figs 5 and 6) and `strata bench clone --remote` (004 Fig 7).
+//! Disk benchmarks over the 1 Gbit/s storage host: `strata-bench io --remote` and
+//! `strata-bench clone --remote`.
 //!
 //! * **io**: fio's nbd engine (iodepth 16) on a disk whose store is on the storage host's S3.
 //!   strata serves it from this host (in-process NBD server on a unix socket), reading through
@@ -30,8 +30,8 @@ use strata::serve::DiskExports;
 use strata::store::Store;
 use strata::Codec;
 
-use crate::bench_remote::{mb, Link, StorageHost};
 use crate::chart::{bars, Series};
+use crate::remote::{mb, Link, StorageHost};
 
 /// Local strata NBD server over a store; stopping it flushes and compacts the disks.
 struct Strata {
@@ -173,9 +173,9 @@ fn fio(
 
 pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Result<()> {
     for t in ["fio", "qemu-nbd", "qemu-img"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_guest::scratch_dir(scratch)?;
+    let tmp = crate::guest::scratch_dir(scratch)?;
     let host = StorageHost::up(tmp.path())?;
     let dir = tmp.path();
     let size = 4u64 << 30;
@@ -335,12 +335,13 @@ pub fn bench_io_remote(runtime: u32, out: &Path, scratch: Option<&Path>) -> Resu
     std::fs::write(out.join("bench-io-remote.csv"), csv)?;
     let json = serde_json::json!({
         "benchmark": "io-remote",
-        "command": format!("strata bench io --remote --runtime {runtime}"),
-        "paper": "004 Figs 5 and 6, over a 1 Gbit/s link",
+        "command": format!("strata-bench io --remote --runtime {runtime}"),
+        "link": "1 Gbit/s (tbf) between this host and the storage host",
         "method": "fio --ioengine=nbd --iodepth=16 --randrepeat=1 on a 1 GiB region of a 4 GiB disk, filled first. Reads are fixed work (4k randread: 64 MiB; 1M read: 1 GiB); writes run for `runtime` seconds. strata: store on the storage host's S3 (versitygw) behind a 1 Gbit/s tbf link, served by an in-process NBD server on a unix socket; every read case starts a new server (empty in-memory block cache); 'cold cache' clears the 2 GiB SSD cache first, 'warm cache' repeats the same reads. qemu-nbd: runs inside the storage host's namespace on a raw/qcow2 file there, fio connects over the link (nbd://)",
         "writes": "strata acknowledges writes from its local write log (durable at a flush); data reaches S3 when the log is compacted (on close here). The write rows measure the log; 'writeback' times the compaction to S3 and its link bytes. qemu-nbd's writes cross the link before each reply",
         "writeback": writeback,
         "cache_counters_after_reads": counters,
+        "env": crate::results::env_json(),
         "rows": rows,
         "ratios": ratios,
     });
@@ -388,9 +389,9 @@ pub fn bench_clone_remote(
     scratch: Option<&Path>,
 ) -> Result<()> {
     for t in ["qemu-nbd", "qemu-img"] {
-        crate::bench_disk::ensure_tool(t)?;
+        crate::disk::ensure_tool(t)?;
     }
-    let tmp = crate::bench_guest::scratch_dir(scratch)?;
+    let tmp = crate::guest::scratch_dir(scratch)?;
     let most = copies.iter().copied().max().unwrap_or(1) as u64;
     let need = data * (most + 3);
     ensure!(
@@ -407,7 +408,7 @@ pub fn bench_clone_remote(
         size >> 30,
         data as f64 / (1u64 << 30) as f64
     );
-    crate::bench_disk::make_image(&img, size, data)?;
+    crate::disk::make_image(&img, size, data)?;
     // The baseline's golden image sits on the storage host (a local copy: setup, not measured).
     let golden = host.dir().join("golden.raw");
     let o = Command::new("cp").arg("--sparse=always").arg(&img).arg(&golden).output()?;
@@ -501,11 +502,12 @@ pub fn bench_clone_remote(
     let gib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 30) as f64);
     let json = serde_json::json!({
         "benchmark": "clone-remote",
-        "command": format!("strata bench clone --remote --size {}G --data {}G --copies {}", size >> 30, gib(data),
+        "command": format!("strata-bench clone --remote --size {}G --data {}G --copies {}", size >> 30, gib(data),
             copies.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")),
-        "paper": "004 Fig 7, image on a 1 Gbit/s storage host",
+        "link": "1 Gbit/s (tbf) between this host and the storage host, which holds the image",
         "image": {"virtual_bytes": size, "data_bytes": data, "strata_import_s": import.0, "strata_import_link": import.1},
-        "baseline": "qemu-img convert -n --target-is-zero -f raw -O raw from qemu-nbd serving the golden raw file on the storage host to qemu-nbd serving a new sparse file there (data crosses the link twice, only allocated extents), then fsync of the copy on the storage host; copies made one after another. Chosen because it is what copying an image kept on network storage costs (cp over NFS reads and writes through the client too); S3 CopyObject of a 30 GiB raw object would copy 30 GiB on the server and needs the image uploaded whole",
+        "baseline": "qemu-img convert -n --target-is-zero -f raw -O raw from qemu-nbd serving the golden raw file on the storage host to qemu-nbd serving a new sparse file there (data crosses the link twice, only allocated extents), then fsync of the copy on the storage host; copies made one after another: what copying an image kept on network storage costs (cp over NFS reads and writes through the client too); S3 CopyObject of a 30 GiB raw object would copy 30 GiB on the server and needs the image uploaded whole",
+        "env": crate::results::env_json(),
         "rows": rows,
     });
     std::fs::write(out.join("bench-clone-remote.json"), serde_json::to_string_pretty(&json)?)?;

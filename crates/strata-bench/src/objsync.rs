@@ -1,8 +1,8 @@
 //! Durability of the objects a strata save puts on the storage host, emulated as a durable
-//! S3 server would provide it (`bench save-restore --remote`). versitygw writes through the
+//! S3 server would provide it (`strata-bench save-restore --remote`). versitygw writes through the
 //! page cache and never syncs; a durable server writes an object to disk as it arrives and
 //! syncs it before acknowledging it. [`ObjectSync`] gives the save's objects that treatment,
-//! the same the stream baselines get from their [`Relay`](crate::bench_remote::Relay) (which
+//! the same the stream baselines get from their [`Relay`](crate::remote::Relay) (which
 //! starts writeback every [`RELAY_WRITEBACK_BYTES`] it receives and fsyncs its one file at the
 //! end):
 //!
@@ -12,24 +12,24 @@
 //!   descriptors (`/proc/PID/fd`), keeps a descriptor of its own for each such file (opened
 //!   through `/proc`), and once the server has received [`RELAY_WRITEBACK_BYTES`] more across
 //!   them, starts the writeback of what each grew by (`SYNC_FILE_RANGE_WRITE`: queue, do not
-//!   wait), as the relay does for its stream. Before session 36 nothing was written back until
-//!   an object landed: the fsync of a big last pack then wrote it whole (5.8 ms for 8.6 MB)
-//!   and held the ref's PUT behind ext4's journal (5.9 ms instead of ~1.1).
+//!   wait), as the relay does for its stream. Without it nothing is written back until an
+//!   object lands: the fsync of a big last pack then writes it whole (5.8 ms for 8.6 MB) and
+//!   holds the ref's PUT behind ext4's journal (5.9 ms instead of ~1.1).
 //! - **As objects land** (the watcher thread): inotify reports each file linked, renamed or
 //!   closed after writing anywhere under the save's prefix (new directories are watched, then
-//!   scanned, as they appear) and [`SYNCERS`] threads fsync it while the save goes on (one
-//!   after another until session 36: a save's last packs and its ref land within milliseconds,
-//!   and a server syncs each in its own request). It used to rescan the tree every 5 ms, which
-//!   cost ~2% of a 128 MiB save's CPU.
+//!   scanned, as they appear) and [`SYNCERS`] threads fsync it while the save goes on (several,
+//!   not one after another: a save's last packs and its ref land within milliseconds, and a
+//!   server syncs each in its own request). Events, not a rescan of the tree every few
+//!   milliseconds (~2% of a 128 MiB save's CPU at 5 ms).
 //! - **At the end**, on the save's clock: [`ObjectSync::stop`] wakes the watcher (an eventfd
 //!   beside inotify) and waits until it has synced what had landed, and
-//!   [`StorageHost::fsync_tree`](crate::bench_remote::StorageHost::fsync_tree) fsyncs every
+//!   [`StorageHost::fsync_tree`](crate::remote::StorageHost::fsync_tree) fsyncs every
 //!   file the watcher did not sync or that changed since ([`Synced`]), so nothing the
-//!   watcher missed is lost (until session 36 every file again: ~2 ms of fsyncs of clean
-//!   files on the clock, which a server that synced each object would not spend). It syncs
-//!   the directories too where a file's fsync does not make its name durable (not on ext4;
-//!   the relay then syncs its directory too); until session 37 it always did, while the relay
-//!   never did: 8 → 4 ms of commit-to-durable by median, 3 passes of 5 rounds each.
+//!   watcher missed is lost (not every file again: ~2 ms of fsyncs of clean files on the clock,
+//!   which a server that synced each object would not spend). It syncs the directories too
+//!   only where a file's fsync does not make its name durable (not on ext4; the relay then
+//!   syncs its directory too), so both sides get the same treatment (directory syncs on ext4
+//!   would cost strata ~4 ms of commit-to-durable by median).
 //!   The watcher's own teardown (closing inotify waits for an RCU grace period, up to ~14 ms
 //!   here) happens after it has answered, off the clock.
 
@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use crate::bench_remote::{start_writeback, RELAY_WRITEBACK_BYTES};
+use crate::remote::{start_writeback, RELAY_WRITEBACK_BYTES};
 
 /// Watches the objects a save writes under one prefix, and syncs them (see the module comment).
 pub struct ObjectSync {
@@ -109,7 +109,7 @@ impl Drop for ObjectSync {
 }
 
 /// What a file looked like when its fsync returned: one that still looks the same at the end
-/// needs no second fsync ([`StorageHost::fsync_tree`](crate::bench_remote::StorageHost::fsync_tree)).
+/// needs no second fsync ([`StorageHost::fsync_tree`](crate::remote::StorageHost::fsync_tree)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Synced {
     ino: u64,
@@ -400,13 +400,13 @@ mod tests {
         let mut synced = SyncedFiles::new();
         synced.insert(a.clone(), Synced::of(&std::fs::metadata(&a).unwrap()));
         synced.insert(b.clone(), Synced::of(&std::fs::metadata(&b).unwrap()));
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (0, 2));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (0, 2));
         // Written again after its sync: synced again.
         std::fs::write(&b, b"ref, generation 2").unwrap();
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (1, 1));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (1, 1));
         // Never seen by the watcher: synced.
         std::fs::write(dir.join("packs/c"), b"late").unwrap();
-        assert_eq!(crate::bench_remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (2, 1));
+        assert_eq!(crate::remote::StorageHost::fsync_tree(&dir, &synced).unwrap(), (2, 1));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

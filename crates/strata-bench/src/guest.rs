@@ -1,5 +1,5 @@
-//! The guest side shared by the memory benchmarks (`bench_mem/`: local `codecs`,
-//! `save-restore`, `live`; `bench_remote_mem.rs`: the same over the 1 Gbit/s storage host):
+//! The guest side shared by the memory benchmarks (`mem/`: local `codecs`,
+//! `save-restore`, `live`; `remote_mem.rs`: the same over the 1 Gbit/s storage host):
 //! booting the TCG guest with the golden desktop disk, loading the desktop workload, QMP,
 //! destination QEMUs for restores, the QEMU baseline save/restore, a checkpoint taken while
 //! the guest dirties memory, a strata restore verified by the guest's memwork checksum, and
@@ -236,7 +236,7 @@ pub(crate) struct Dest {
 impl Dest {
     /// The QEMU process's (user s, system s, minor faults, major faults) so far.
     pub fn cpu_split(&self) -> (f64, f64, u64, u64) {
-        crate::bench_remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
+        crate::remote::proc_cpu_split(&format!("/proc/{}/stat", self.child.id()))
     }
 
     /// Seconds the QEMU process's threads have waited, runnable, for a CPU so far (the
@@ -330,62 +330,6 @@ pub(crate) fn qemu_restore(d: &mut Dest, uri: &str) -> Result<f64> {
     d.qmp.migrate_incoming(uri)?;
     d.qmp.wait_migration(Duration::from_secs(1800), Duration::from_millis(2))?;
     Ok(t.elapsed().as_secs_f64())
-}
-
-pub(crate) fn write_outputs(
-    out: &Path,
-    name: &str,
-    csv: String,
-    json: &serde_json::Value,
-    svg: String,
-) -> Result<()> {
-    std::fs::create_dir_all(out).with_context(|| format!("Cannot create {}", out.display()))?;
-    std::fs::write(out.join(format!("bench-{name}.csv")), csv)?;
-    std::fs::write(out.join(format!("bench-{name}.json")), serde_json::to_string_pretty(json)?)?;
-    std::fs::write(out.join(format!("bench-{name}.svg")), svg)?;
-    eprintln!("wrote {}/bench-{name}.{{csv,json,svg}}", out.display());
-    Ok(())
-}
-
-/// Stack several charts into one SVG.
-pub(crate) fn stack(charts: Vec<String>) -> String {
-    let h = 420;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\" height=\"{}\">\n",
-        h * charts.len()
-    );
-    for (i, c) in charts.into_iter().enumerate() {
-        s += &c.replacen("<svg ", &format!("<svg y=\"{}\" ", i * h), 1);
-    }
-    s + "</svg>\n"
-}
-
-pub(crate) fn env_json() -> serde_json::Value {
-    let qemu = Command::new(qemu_program())
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.lines().next().map(str::to_string))
-        .unwrap_or_default();
-    // Machines of one kind still differ (`zstd -1`'s save of the idle 128 MiB guest took
-    // ~0.37 s in session 44 against ~0.18 s in session 43): the CPU model tells runs apart.
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("model name")
-                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
-            })
-        })
-        .unwrap_or_default();
-    serde_json::json!({
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "cpu": cpu,
-        "qemu": qemu,
-        "accel": "tcg",
-        "when_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-    })
 }
 
 /// Boot a guest of `mem` MiB and load the desktop workload; returns it with its QMP client.

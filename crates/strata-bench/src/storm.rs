@@ -1,10 +1,10 @@
-//! `strata bench storm` (paper 004 Fig 8): N guests boot at once from clones of a golden image
+//! `strata-bench storm`: N guests boot at once from clones of a golden image
 //! kept on a storage host behind a 1 Gbit/s link, and the same boot replayed as a block trace.
 //!
 //! Setup, all made and removed by the benchmark:
 //! - The storage host: `scripts/storage-host.sh` (network namespace, versitygw + redis, veth
 //!   shaped with tbf to 1 Gbit/s), through the remote benchmarks' driver
-//!   (`bench_remote::StorageHost`), with this benchmark's own namespace name and subnet.
+//!   (`remote::StorageHost`), with this benchmark's own namespace name and subnet.
 //! - Host A (its own metadata directory) imports the golden image into the S3 bucket there.
 //! - The qcow2 baseline: the golden image as qcow2 on the storage host, served by qemu-nbd
 //!   inside the namespace over TCP; every guest gets its own qcow2 overlay on this host whose
@@ -19,14 +19,14 @@
 //! `bench-storm-trace.csv` and as the golden image's working set in the bucket, then replays
 //! its reads with N concurrent NBD clients against each mode (no guest CPU in the way). One
 //! extra guest row warms the cache with `disk warm`'s code path before the largest storm.
-//! Fairness (since session 20): at each N the modes take turns at going first, and before
-//! every guest boot the host's memory is warmed outside the clock (`bench_hostmem`): these
+//! Fairness: at each N the modes take turns at going first, and before
+//! every guest boot the host's memory is warmed outside the clock (`hostmem`): these
 //! hosts are VMs whose hypervisor takes back free memory, and N fresh guests' RAM otherwise
 //! costs whichever mode boots first after a pause several CPU-seconds of outer faults.
 
-use crate::bench_disk::ensure_tool;
-use crate::bench_remote::StorageHost;
 use crate::chart::{bars, Series};
+use crate::disk::ensure_tool;
+use crate::remote::StorageHost;
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -217,7 +217,7 @@ struct Ctx<'a> {
 /// Launch `drives.len()` guests at once; returns each one's (seconds to ready, bootset_ms).
 fn boot_guests(ctx: &Ctx, drives: &[Drive]) -> Result<Vec<(f64, u64)>> {
     // Outside the clock, for every mode alike: the guests' RAM comes from backed memory.
-    crate::bench_hostmem::warm_host(crate::bench_hostmem::warm_mib(
+    crate::hostmem::warm_host(crate::hostmem::warm_mib(
         drives.len() as u32 * ctx.opts.memory_mib,
         true,
     ));
@@ -502,7 +502,7 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
         o.memory_mib,
         scratch.display()
     );
-    let sh = StorageHost::up_named(&scratch, &o.ns, &o.net)?;
+    let sh = StorageHost::up_named(scratch, &o.ns, &o.net)?;
 
     // Host A imports the golden image into the bucket.
     let t = Instant::now();
@@ -640,7 +640,7 @@ pub fn bench_storm(o: &StormOpts) -> Result<()> {
     Ok(())
 }
 
-fn find<'a, T>(rows: &'a [T], f: impl Fn(&T) -> bool) -> Option<&'a T> {
+fn find<T>(rows: &[T], f: impl Fn(&T) -> bool) -> Option<&T> {
     rows.iter().find(|r| f(r))
 }
 
@@ -768,13 +768,13 @@ fn write_results(
         "storage_host": "scripts/storage-host.sh: netns + veth, tbf 1gbit both ways; versitygw v1.8.0 (posix) and qemu-nbd inside",
         "golden": {"image": fx.golden(), "bytes": std::fs::metadata(fx.golden()).map(|m| m.len()).unwrap_or(0), "host_a_import_s": import_s},
         "link_bytes": "host end of the veth (rx = storage -> host), includes TCP/IP and HTTP overhead",
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "env": crate::results::env_json(),
         "trace": {"file": "bench-storm-trace.csv", "summary": trace.summary(), "replay_depth": depth},
     });
     if !guests.is_empty() {
         let meta = serde_json::json!({
             "benchmark": "storm",
-            "command": format!("strata bench storm --guests {guests_arg} --memory {}", o.memory_mib),
+            "command": format!("strata-bench storm --guests {guests_arg} --memory {}", o.memory_mib),
             "method": "N TCG guests (-accel tcg, root on NBD or a qcow2 overlay) launched together; each mounts its clone, reads the boot working set (fixtures/bootset.txt) and prints STRATA-READY; time = launch to the last READY",
             "setup": common,
             "modes": {
@@ -822,7 +822,7 @@ fn write_results(
     }
     let meta = serde_json::json!({
         "benchmark": "storm-replay",
-        "command": format!("strata bench storm --guests {guests_arg}"),
+        "command": format!("strata-bench storm --guests {guests_arg}"),
         "method": "the recorded boot's reads (bench-storm-trace.csv), in order, no think time, `replay_depth` in flight per client; N clients start together, each on its own clone (qemu-nbd: N connections to its one export); time = start to the last client's last reply; connect_s = launching the clients (connect + handshake, which opens the clones and, with prefetch, starts it) to that start",
         "setup": common,
         "modes": {

@@ -1,7 +1,7 @@
-//! `bench save-restore` (paper 000, Figs 2–3), local: per guest size, save and restore time and
+//! `strata-bench save-restore`, local: per guest size, save and restore time and
 //! stored bytes of strata against QEMU's own `exec:` migrations to a file (`cat` + `sync`,
 //! `zstd -1`, `lzop`), then `--vms` guests from one image saved into one store (what dedup and
-//! deltas share). The `--remote` variant lives in `bench_remote_mem.rs`.
+//! deltas share). The `--remote` variant lives in `remote_mem.rs`.
 
 use super::*;
 
@@ -249,11 +249,10 @@ pub(super) fn bench_save_restore(
     let json = serde_json::json!({
         "benchmark": "save-restore",
         "command": format!(
-            "strata bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}{}",
+            "strata-bench save-restore --sizes {} --machine {mach} --vms {vms} --vms-mem {vms_mem}{}",
             sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","),
             if *mix == WorkloadMix::DESKTOP { String::new() } else { format!(" --workload {mix}") }
         ),
-        "paper": "000 Figs 2 and 3",
         "how": "one guest per size; each QEMU baseline: stop, migrate to the URI, wait, then `sync` (save time runs from the stop and includes the sync, as strata's includes its own stop), cont; strata: `vm save` into a fresh local store (durable packs, index and ref). Restores: a fresh QEMU with the same arguments and -incoming defer -S; time from migrate-incoming to completed (strata: the whole `vm restore`, including target checks and verification of every page); strata's restored guest is resumed and its memwork `sum` compared",
         "workloads": workloads,
         "strata_reports": reports.iter().map(|(m, r)| serde_json::json!({"mem_mib": m, "report": r})).collect::<Vec<_>>(),

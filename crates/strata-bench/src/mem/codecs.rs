@@ -1,6 +1,7 @@
-//! `bench codecs` (paper 000, Tables 1–2): the guest's memory captured with QEMU's `exec:cat`,
-//! cut into 64 KiB frames, and every codec's ratio, compress and decompress speeds measured on
-//! them one thread at a time, with the paper's expected speeds Speed × (1 − Rate).
+//! `strata-bench codecs`: the guest's memory captured with QEMU's `exec:cat`, cut into 64 KiB
+//! frames, and every codec's ratio, compress and decompress speeds measured on them one thread
+//! at a time, with the expected transfer speeds Speed × (1 − Rate): the rate at which a
+//! codec removes bytes from the stream.
 
 use super::*;
 
@@ -163,9 +164,9 @@ struct CodecRow {
     ratio: f64,
     comp_mb_s: f64,
     decomp_mb_s: f64,
-    /// Speed_Comp x (1 - Rate): paper Table 2, equation (3).
+    /// Compression speed x (1 - ratio): the save speed the codec can sustain.
     expected_save_mb_s: f64,
-    /// Speed_Decomp x (1 - Rate): equation (4).
+    /// Decompression speed x (1 - ratio): the restore speed the codec can sustain.
     expected_restore_mb_s: f64,
 }
 
@@ -240,14 +241,8 @@ pub(super) fn bench_codecs(
     }
     let json = serde_json::json!({
         "benchmark": "codecs",
-        "command": format!("strata bench codecs --mem {mem} --sample {sample_mib}"),
-        "paper": "000 Tables 1 and 2 (ratio = compressed/raw; expected = speed x (1 - ratio))",
-        "paper_table_1": [
-            {"codec": "quickLZ", "ratio": 0.4571, "comp_mb_s": 76.92, "decomp_mb_s": 76.94},
-            {"codec": "LZO", "ratio": 0.4743, "comp_mb_s": 105.76, "decomp_mb_s": 141.02},
-            {"codec": "huffman", "ratio": 0.6162, "comp_mb_s": 40.29, "decomp_mb_s": 120.88},
-            {"codec": "deflate", "ratio": 0.3349, "comp_mb_s": 13.22, "decomp_mb_s": 120.88}
-        ],
+        "command": format!("strata-bench codecs --mem {mem} --sample {sample_mib}"),
+        "columns": "ratio = compressed/raw; expected_* = speed x (1 - ratio)",
         "data": {
             "guest_mib": mem, "workload": w, "pages": total, "zero_pages": zero, "nonzero_pages": data_pages,
             "distinct_nonzero_pages": distinct, "sampled_bytes": raw, "frame_bytes": 65536,

@@ -1,6 +1,6 @@
-//! `bench live` (paper 002, Tables 1–4): a guest dirtying memory at set rates, checkpointed
+//! `strata-bench live`: a guest dirtying memory at set rates, checkpointed
 //! by every live mode: pause, total time, pages sent, stored and skipped by dedup, plus the
-//! cost of a second (incremental) checkpoint. The `--redis` variant is in `bench_remote_mem.rs`.
+//! cost of a second (incremental) checkpoint. The `--redis` variant is in `remote_mem.rs`.
 
 use super::*;
 
@@ -111,8 +111,7 @@ pub(super) fn bench_live(
     }
     let json = serde_json::json!({
         "benchmark": "live",
-        "command": format!("strata bench live --mem {mem} --rates {}", rates.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
-        "paper": "002 Tables 1-4",
+        "command": format!("strata-bench live --mem {mem} --rates {}", rates.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",")),
         "how": "memwork `dirty RATE 0` rewrites RATE MiB/s of random pages of its regions while the checkpoint runs (started 1 s before). Each method saves into a fresh local store; the '2nd background-snapshot' row is a second checkpoint 5 s later into the first snapshot's store (incremental cost). Pause: STOP->RESUME from QMP events for the live modes, the whole stopped time for stop-and-copy. Stored/deduped count 4 KiB pages",
         "workload": w,
         "env": env_json(),

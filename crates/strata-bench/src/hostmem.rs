@@ -13,18 +13,17 @@
 //! `warm` touches and frees memory just before a timed save or restore, outside its clock and
 //! for every method alike, so the kernel's free lists hold backed pages for whichever process
 //! allocates next. The kernel reports free memory to the hypervisor a share at a time, every
-//! ~2 s, so a warm of N MiB does not keep N MiB backed until the step uses it. Since session
-//! 20 the warm is 4x the guest's RAM (capped at 2 GiB) + 64 MiB: with 1x, the one restore
-//! that followed a save directly (no stream file freed just before it) ran 1.2-1.4x slower
-//! at every size, its target QEMU at 5-10x the system time; with 4x it did not (session 19's
-//! trial, `docs/results/README.md`). `bench save-restore --remote --no-warm` measures
-//! without it.
+//! ~2 s, so a warm of N MiB does not keep N MiB backed until the step uses it: the warm is 4x
+//! the guest's RAM (capped at 2 GiB) + 64 MiB. With only 1x, a restore that follows a save
+//! directly (no stream file freed just before it) runs 1.2-1.4x slower at every size, its
+//! target QEMU at 5-10x the system time; with 4x it does not (`docs/results/README.md`).
+//! `strata-bench save-restore --remote --no-warm` measures without it.
 //!
-//! Since session 45 the warmed memory is a pool held between steps ([`warm_host`] frees it
-//! for a step, [`retake`] takes it back as the step's clock stops). Reporting has a cost of
-//! its own here: while a pass runs, the outer VMM does not serve this VM's disk, and the
-//! passes the warm's freed surplus caused, ~2 s apart until all of it was reported, used to
-//! land in later steps and stall the storage host's fsyncs (see [`QUIET_MS`]).
+//! The warmed memory is a pool held between steps ([`warm_host`] frees it for a step,
+//! [`retake`] takes it back as the step's clock stops). Reporting has a cost of its own here:
+//! while a pass runs, the outer VMM does not serve this VM's disk, and passes caused by freed
+//! surplus, ~2 s apart until all of it is reported, would otherwise land in later steps and
+//! stall the storage host's fsyncs (see [`QUIET_MS`]).
 
 use std::time::{Duration, Instant};
 
@@ -61,27 +60,26 @@ pub fn touch(mib: u32) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// How long the host is left alone after a warm, before the timed step starts. In session 37
-/// a step that began right after its warm (30-70 ms of touching, then the `munmap`) sometimes
-/// found the whole host slow for its first ~15-25 ms: QEMU answered a save's first QMP
-/// queries and the S3 server a listing in 14-18 ms instead of ~2 (128 MiB idle guest, 2 of 5
-/// rounds; never with `--no-warm`). The cause was not pinned down (the kernel's work on the
-/// memory just freed is the suspect); any method could draw it, and in those rounds it was
-/// strata, whose clock starts with those queries. With 150 ms of quiet between the warm and
-/// the step, 6 of 6 rounds had set-ups of 2.8-5.7 ms.
+/// How long the host is left alone after a warm, before the timed step starts. A step that
+/// begins right after its warm (30-70 ms of touching, then the `munmap`) sometimes finds the
+/// whole host slow for its first ~15-25 ms: QEMU answers a save's first QMP queries and the
+/// S3 server a listing in 14-18 ms instead of ~2 (128 MiB idle guest, 2 of 5 rounds; never
+/// with `--no-warm`), probably the kernel's work on the memory just freed. Any method can
+/// draw it; strata's clock starts with those queries. With 150 ms of quiet between the warm
+/// and the step, set-ups take 2.8-5.7 ms.
 pub const SETTLE_MS: u64 = 150;
 
 /// How long the host is left alone, with the warm pool held, before the pool is released for
 /// a timed step. The kernel reports free memory to the hypervisor in passes, the first ~2 s
 /// after a free and then every ~2 s while unreported blocks remain, and while a pass runs the
-/// outer VMM stops serving this VM's disk: measured here (session 45), an fsync of 1 MiB that
-/// takes ~2 ms stalled 100 / 84 / 67 / 33 ms at 1.9 / 4.1 / 6.3 / 8.4 s after 2 GiB was
-/// freed, and 7 / 16 ms after 576 MiB. Until session 45 the warm's surplus (4x the guest's
-/// RAM, freed before every step) and every QEMU that exited left such passes running into
-/// later steps, whichever method they were: in 2 of 5 rounds strata's last objects' fsyncs at
-/// the storage host waited 45-80 ms (not 1-3), its 128 MiB idle save took 0.22-0.26 s
-/// instead of 0.16, and the streams' one fsync per save was seldom caught. Waiting with the
-/// pool held lets any pass that is due run here, off the clock, over little free memory.
+/// outer VMM stops serving this VM's disk: on these hosts an fsync of 1 MiB that takes ~2 ms
+/// stalls 100 / 84 / 67 / 33 ms at 1.9 / 4.1 / 6.3 / 8.4 s after 2 GiB is freed, and 7 / 16
+/// ms after 576 MiB. Memory freed before a step (the warm's surplus, a QEMU that exited)
+/// leaves such passes running into later steps, whichever method they are: strata's last
+/// objects' fsyncs at the storage host then wait 45-80 ms (not 1-3) and its 128 MiB idle
+/// save takes 0.22-0.26 s instead of 0.16, while the streams' one fsync per save is seldom
+/// caught. Waiting with the pool held lets any pass that is due run here, off the clock, over
+/// little free memory.
 pub const QUIET_MS: u64 = 2200;
 
 /// The warmed memory, held between timed steps (see [`warm_host`] and [`retake`]).
