@@ -8,6 +8,7 @@ pub mod backend;
 pub mod boot;
 pub mod codec;
 pub mod disk;
+pub mod endian;
 pub mod fixtures;
 pub mod host;
 pub mod id;

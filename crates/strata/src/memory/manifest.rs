@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::endian;
 use crate::id::ChunkId;
 use crate::memory::stream::{RamBlock, RamSectionHeader, StreamLayout, PAGE_SIZE};
 use crate::store::objects::{Ref, Tree};
@@ -78,7 +79,7 @@ impl SlotTable {
         }
         let mut out = Vec::with_capacity(payload.len() / SLOT_ENTRY_BYTES);
         for e in payload.chunks_exact(SLOT_ENTRY_BYTES) {
-            let i = u16::from_le_bytes([e[0], e[1]]);
+            let i = endian::le16(e, 0);
             let slot = e[2];
             if i as usize >= entries {
                 return Err(format!("slot table names entry {i} of a leaf of {entries}"));
@@ -508,7 +509,7 @@ pub fn parse_tail_tree(t: &Tree) -> Result<(Vec<ChunkId>, u64), ManifestError> {
     if t.payload.len() != 12 || &t.payload[..4] != TAIL_MAGIC {
         return Err(bad("payload is not SVMT + length"));
     }
-    let len = u64::from_le_bytes(t.payload[4..12].try_into().expect("8 bytes"));
+    let len = endian::le64(&t.payload, 4);
     if len == 0 || len > MAX_TAIL {
         return Err(bad("tail length out of range"));
     }
@@ -720,7 +721,7 @@ mod tests {
         assert_eq!(&b[0..4], b"STRT");
         assert_eq!(b.len(), 16 + 4 * 32 + 12);
         assert_eq!(&b[16 + 128..16 + 132], b"SVMT");
-        assert_eq!(u64::from_le_bytes(b[148..156].try_into().unwrap()), 3 * 65536 + 5);
+        assert_eq!(endian::le64(&b, 148), 3 * 65536 + 5);
         let back = Tree::decode(&b).unwrap();
         assert_eq!(parse_tail_tree(&back).unwrap().1, 3 * 65536 + 5);
         let wrong = tail_tree(vec![ChunkId([7; 32]); 3], 3 * 65536 + 5);

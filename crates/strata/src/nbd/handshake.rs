@@ -27,6 +27,7 @@
 //! option data is buffered only up to `MAX_OPTION_LEN`; longer options are skipped without
 //! buffering and answered with `NBD_REP_ERR_TOO_BIG`.
 
+use crate::endian;
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -162,8 +163,7 @@ fn take_string(b: &[u8], at: usize, len: usize) -> Result<String, &'static str> 
 }
 
 fn take_u32(b: &[u8], at: usize) -> Result<u32, &'static str> {
-    let s = b.get(at..at + 4).ok_or("option data too short")?;
-    Ok(u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
+    endian::be32_at(b, at).ok_or("option data too short")
 }
 
 /// Parse `NBD_OPT_INFO`/`NBD_OPT_GO` data: name length, name, count, info types.
@@ -171,13 +171,12 @@ pub fn parse_info_request(data: &[u8]) -> Result<InfoRequest, &'static str> {
     let name_len = take_u32(data, 0)? as usize;
     let name = take_string(data, 4, name_len)?;
     let at = 4 + name_len;
-    let count = data.get(at..at + 2).ok_or("missing information request count")?;
-    let count = u16::from_be_bytes([count[0], count[1]]) as usize;
+    let count = endian::be16_at(data, at).ok_or("missing information request count")? as usize;
     let list = &data[at + 2..];
     if list.len() != count * 2 {
         return Err("information request count does not match the option length");
     }
-    let infos = list.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect();
+    let infos = list.chunks_exact(2).map(|c| endian::be16(c, 0)).collect();
     Ok(InfoRequest { name, infos })
 }
 

@@ -178,8 +178,8 @@ pub fn check_request(r: &Request, l: &Limits) -> Result<Action, Rejection> {
     let fua = r.flags & CMD_FLAG_FUA != 0;
     let len = r.len as u64;
     let in_range = r.offset.checked_add(len).is_some_and(|end| end <= l.size);
-    let aligned =
-        l.min_block <= 1 || (r.offset % l.min_block as u64 == 0 && len % l.min_block as u64 == 0);
+    let aligned = l.min_block <= 1
+        || (r.offset.is_multiple_of(l.min_block as u64) && len.is_multiple_of(l.min_block as u64));
     match r.command {
         Command::Read => {
             if r.len > l.max_block {

@@ -16,6 +16,7 @@
 
 use super::pack::{ChunkKind, PackEntry};
 use crate::codec::Codec;
+use crate::endian;
 use crate::id::{ChunkId, PackId};
 use redb::{Database, Durability, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -71,12 +72,12 @@ pub fn encode_loc(pack: &PackId, e: &PackEntry) -> [u8; 48] {
 }
 
 pub fn decode_loc(id: ChunkId, b: &[u8; 48]) -> Option<(PackId, PackEntry)> {
-    let u32at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u32at = |o: usize| endian::le32(b, o);
     Some((
-        PackId(b[0..16].try_into().unwrap()),
+        PackId(endian::array(b, 0)),
         PackEntry {
             id,
-            frame_off: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            frame_off: endian::le64(b, 16),
             frame_len: u32at(24),
             frame_raw_len: u32at(28),
             off_in_frame: u32at(32),

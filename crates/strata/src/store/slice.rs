@@ -112,9 +112,12 @@ impl Default for SliceCache {
     }
 }
 
+/// The range reads that go to one pack: (request index, location, what to fetch) each.
+type PackGroup = (PackId, Vec<(usize, Loc, Want)>);
+
 /// Whether a chunk of `len` bytes is verified piece by piece.
 pub fn sliceable(len: usize) -> bool {
-    len % PIECE == 0 && (2 * PIECE..=MAX_SLICED).contains(&len)
+    len.is_multiple_of(PIECE) && (2 * PIECE..=MAX_SLICED).contains(&len)
 }
 
 /// The CV of piece `i` of a sliceable chunk.
@@ -280,8 +283,8 @@ impl Store {
             let want = self.want(&r.id, &loc, r.offset, r.buf.len());
             by_pack.entry(pid).or_default().push((i, loc, want));
         }
-        let groups: Vec<(PackId, Vec<(usize, Loc, Want)>)> = by_pack.into_iter().collect();
-        let fetch = |(pid, items): &(PackId, Vec<(usize, Loc, Want)>)| {
+        let groups: Vec<PackGroup> = by_pack.into_iter().collect();
+        let fetch = |(pid, items): &PackGroup| {
             let ranges: Vec<(u64, u64)> = items
                 .iter()
                 .map(|(_, loc, w)| match w {

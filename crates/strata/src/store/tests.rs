@@ -6,6 +6,7 @@ use super::*;
 use crate::backend::fault::FaultBackend;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
+use crate::endian;
 use crate::progress::NoProgress;
 use check::CheckOptions;
 
@@ -432,8 +433,7 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let other =
         Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("other.redb")).unwrap();
     assert_eq!(other.get(&ids[0]).unwrap(), data(1000, 64 << 10));
-    let rep =
-        other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
+    let rep = other.check(CheckOptions { read_data: true }, &NoProgress).unwrap();
     assert!(rep.problems.is_empty() && rep.packs == packs, "{rep:?}");
     drop(other);
     // A local-style backend (not network) keeps one pack for the same data.
@@ -896,8 +896,7 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let packs = mem.list("packs/").unwrap();
     let big = packs.iter().max_by_key(|o| o.size).unwrap();
     let bytes = mem.get(&big.key).unwrap();
-    let trailer_off =
-        u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
+    let trailer_off = endian::le64(&bytes, bytes.len() - 24);
     assert!(
         big.size - trailer_off > crate::store::pack::PACK_TAIL_READ,
         "table of {} bytes fits one read",
@@ -978,10 +977,7 @@ fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
     for (id, c) in &ids {
         assert_eq!(&s.get(id).unwrap(), c);
     }
-    assert!(!s
-        .check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress)
-        .unwrap()
-        .is_damaged());
+    assert!(!s.check(CheckOptions { read_data: true }, &NoProgress).unwrap().is_damaged());
 }
 
 /// `commit_new_ref` writes a new name, and refuses (writing nothing) one that exists.

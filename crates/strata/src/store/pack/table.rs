@@ -10,6 +10,7 @@
 
 use super::super::format::{crc, FResult, FormatError, Wr};
 use super::ENTRY_LEN;
+use crate::endian;
 use std::cell::RefCell;
 
 /// zstd level of entry tables (level 3 saves only ~1% more, at twice the CPU).
@@ -83,7 +84,7 @@ pub(super) fn expand_table(table: &[u8], count: u64, what: &'static str) -> FRes
         });
     }
     let (frame, stored_crc) = table.split_at(table.len() - TABLE_CRC_LEN);
-    if crc(frame) != u32::from_le_bytes(stored_crc.try_into().unwrap_or_default()) {
+    if crc(frame) != endian::le32(stored_crc, 0) {
         return Err(FormatError::Checksum { what });
     }
     if frame[..4] != ZSTD_MAGIC {
