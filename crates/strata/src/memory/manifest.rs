@@ -70,25 +70,22 @@ impl SlotTable {
     /// Parse a leaf's payload; `entries` is the leaf's number of ids. Refuses a length that is
     /// not whole entries, an index outside the leaf or not above the one before, and a slot of
     /// [`RUN_PAGES`] or more.
-    pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, String> {
-        if payload.len() % SLOT_ENTRY_BYTES != 0 {
-            return Err(format!(
-                "slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries",
-                payload.len()
-            ));
+    pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, SlotTableError> {
+        if !payload.len().is_multiple_of(SLOT_ENTRY_BYTES) {
+            return Err(SlotTableError::PartialEntry { len: payload.len() });
         }
         let mut out = Vec::with_capacity(payload.len() / SLOT_ENTRY_BYTES);
         for e in payload.chunks_exact(SLOT_ENTRY_BYTES) {
             let i = endian::le16(e, 0);
             let slot = e[2];
             if i as usize >= entries {
-                return Err(format!("slot table names entry {i} of a leaf of {entries}"));
+                return Err(SlotTableError::OutsideLeaf { index: i, entries });
             }
             if out.last().is_some_and(|&(p, _)| p >= i) {
-                return Err(format!("slot table entry {i} is out of order"));
+                return Err(SlotTableError::OutOfOrder { index: i });
             }
             if slot as usize >= RUN_PAGES {
-                return Err(format!("slot {slot} of entry {i} is not below {RUN_PAGES}"));
+                return Err(SlotTableError::BadSlot { index: i, slot });
             }
             out.push((i, slot));
         }
@@ -144,6 +141,19 @@ pub enum ManifestError {
     Roots { found: usize, expected: usize },
     #[error("Tail tree is malformed: {why}")]
     BadTailTree { why: String },
+}
+
+/// Why a page map leaf's slot table is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SlotTableError {
+    #[error("Slot table of {len} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries")]
+    PartialEntry { len: usize },
+    #[error("Slot table names entry {index} of a leaf of {entries}")]
+    OutsideLeaf { index: u16, entries: usize },
+    #[error("Slot table entry {index} is out of order")]
+    OutOfOrder { index: u16 },
+    #[error("Slot {slot} of entry {index} is not below {RUN_PAGES}")]
+    BadSlot { index: u16, slot: u8 },
 }
 
 /// How the checkpoint was taken.
@@ -586,10 +596,23 @@ mod tests {
         assert_eq!(t.encode(), [3, 0, 0, 0x02, 0x01, 31]);
         assert_eq!(SlotTable::parse(&t.encode(), 2048).unwrap(), t);
         assert_eq!(SlotTable::parse(&[], 0).unwrap(), SlotTable::default());
-        assert!(SlotTable::parse(&[3, 0], 2048).unwrap_err().contains("whole"));
-        assert!(SlotTable::parse(&[3, 0, 0], 3).unwrap_err().contains("entry 3 of a leaf of 3"));
-        assert!(SlotTable::parse(&[3, 0, 0, 3, 0, 1], 2048).unwrap_err().contains("out of order"));
-        assert!(SlotTable::parse(&[3, 0, 32], 2048).unwrap_err().contains("not below 32"));
+        assert_eq!(SlotTable::parse(&[3, 0], 2048), Err(SlotTableError::PartialEntry { len: 2 }));
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 0], 3),
+            Err(SlotTableError::OutsideLeaf { index: 3, entries: 3 })
+        );
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 0, 3, 0, 1], 2048),
+            Err(SlotTableError::OutOfOrder { index: 3 })
+        );
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 32], 2048),
+            Err(SlotTableError::BadSlot { index: 3, slot: 32 })
+        );
+        assert!(SlotTable::parse(&[3, 0, 32], 2048)
+            .unwrap_err()
+            .to_string()
+            .contains("not below 32"));
     }
 
     #[test]

@@ -35,7 +35,7 @@ use std::thread::JoinHandle;
 
 pub enum Job {
     Pack { no: u32, id: PackId, bytes: Arc<Vec<u8>>, entries: Vec<PackEntry> },
-    Flush(mpsc::Sender<std::result::Result<(), String>>),
+    Flush(mpsc::Sender<Result<()>>),
 }
 
 pub(crate) struct WriterHandle {
@@ -90,7 +90,7 @@ impl WriterHandle {
         self.send(Job::Flush(rtx))?;
         match rrx.recv() {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(StoreError::Poisoned { reason }),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(self.gone()),
         }
     }
@@ -385,11 +385,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 while !inflight.is_empty() {
                     reap(&sh, &mut inflight, &mut written);
                 }
-                let r = commit(&sh, &mut written, &meta).map_err(|e| match e {
-                    StoreError::Poisoned { reason } => reason,
-                    other => other.to_string(),
-                });
-                let _ = reply.send(r);
+                let _ = reply.send(commit(&sh, &mut written, &meta));
             }
         }
     }
