@@ -8,7 +8,7 @@
 //! must check clean, and no repair step is needed. The server compacts every 16 MiB of log, so
 //! the kill comes while background compactions run and the log rolls over between files.
 
-#[path = "nbd_common/mod.rs"]
+#[path = "nbd/common.rs"]
 mod common;
 
 use common::*;

@@ -2,9 +2,9 @@
 //! checkpoints stored page by page, restored into a fresh QEMU, and compared page by page with
 //! the source's memory captured independently by QEMU itself (`migrate exec:cat`).
 //!
-//! Run: cargo test -p strata --test memory_roundtrip
+//! Run: cargo test -p strata --test memory roundtrip::
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

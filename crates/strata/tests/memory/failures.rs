@@ -2,9 +2,9 @@
 //! refused capabilities, a QEMU killed mid-save, a flipped byte or a lost pack, a target
 //! QEMU that does not match, and `--launch` from the recorded command line.
 //!
-//! Run: cargo test -p strata --test memory_failures
+//! Run: cargo test -p strata --test memory failures::
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};

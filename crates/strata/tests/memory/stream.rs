@@ -1,8 +1,8 @@
 //! Stream parser + generator against a real qemu-system-x86_64 7.2 (TCG).
 //!
-//! Run: cargo test -p strata --test qemu_stream
+//! Run: cargo test -p strata --test memory stream::
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::Write;

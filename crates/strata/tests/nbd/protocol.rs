@@ -2,8 +2,7 @@
 //! minimal client in `common`: replies, error codes, flags, block status, pipelining,
 //! legacy NBD_OPT_EXPORT_NAME, disconnect and shutdown.
 
-#[path = "nbd_common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
