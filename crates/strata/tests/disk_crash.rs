@@ -112,7 +112,7 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
         }))
         .unwrap_or(false);
         // Liveness under load: compaction back-pressure holds a writer for one fold at most
-        // (~0.5 s here). Writers used to be released one per fold, and a marker waited 12-21 s.
+        // (~0.5 s here); releasing writers one per fold would make a marker wait 12-21 s.
         assert!(
             killed || t.elapsed() < Duration::from_secs(10),
             "marker {k}: write + flush took {:?} under load",

@@ -1,5 +1,5 @@
-//! Redis backend (single node or cluster): objects as Redis strings, for hot memory pages (as in
-//! the NoSQL dirty-page store of paper 002) and small shared stores.
+//! Redis backend (single node or cluster): objects as Redis strings, for hot memory pages (a
+//! NoSQL dirty-page store) and small shared stores.
 //!
 //! Shape, and why:
 //! - One object is one string key (`[PREFIX/]KEY`). `put` is `SET` (atomic: Redis executes one

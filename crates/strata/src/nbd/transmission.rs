@@ -549,8 +549,8 @@ fn read_full<R: Read>(
 /// A connection's byte stream. Write payloads are appended with [`Source::read_append`],
 /// which sockets implement by reading into the buffer's uninitialised capacity (std's
 /// `read_to_end` on a `UnixStream`/`TcpStream` does not zero it first); the default, for any
-/// other reader, zeroes. A zeroed 1 MiB buffer per write was ~3% of all CPU under sustained
-/// 1 MiB writes.
+/// other reader, zeroes. Zeroing a 1 MiB buffer per write costs ~3% of all CPU under
+/// sustained 1 MiB writes.
 pub trait Source: Read {
     /// Append up to `n` bytes to `v`; 0 only at the end of the stream.
     fn read_append(&mut self, v: &mut Vec<u8>, n: usize) -> io::Result<usize> {

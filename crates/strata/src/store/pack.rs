@@ -12,8 +12,8 @@
 //! is what says it is whole. On a network backend an upload is atomic (a listed object is
 //! whole), so the pack is its own index: a host opening the store reads the last
 //! [`PACK_TAIL_READ`] bytes of each pack it does not know ([`parse_pack_tail`]), never whole
-//! packs, and a save sends each table once (index objects were 2% of a memory save's bytes and
-//! half its requests). Index objects written earlier are still read.
+//! packs, and a save sends each table once (index objects would be 2% of a memory save's bytes
+//! and half its requests). Index objects already in such a store are read too.
 //!
 //! Packs and index objects have their own format version ([`PACK_VERSION`]). Version 2 stores
 //! the entry table as one zstd frame (level 1) followed by a CRC-32C of that frame: half of an

@@ -713,7 +713,7 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     let big = s.inner.sh.uploads.pending_bytes();
     assert!(big >= EARLY_SEAL_BUSY_BYTES, "the held upload is {big} bytes");
     // The held pack's put begins on an uploader thread a moment after its seal counts as
-    // pending (a loaded CI host took long enough for the count below to miss it, session 42).
+    // pending (on a loaded CI host, long enough for the count below to miss it).
     let t = std::time::Instant::now();
     while sizes.lock().unwrap().len() < sealed {
         assert!(
@@ -752,7 +752,7 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
 }
 
 /// A pack's buffer comes back for the next open pack as soon as its put finishes, before any
-/// flush makes it durable (a disk fold used to fill ~30 fresh 32 MiB buffers and hold them
+/// flush makes it durable (otherwise a disk fold fills ~30 fresh 32 MiB buffers and holds them
 /// all until its commit); reads of such a pack go to the backend; spares are dropped with
 /// the last session.
 #[test]

@@ -230,10 +230,10 @@ impl Upload {
 }
 
 /// [`UPLOADS`] long-lived upload threads, started with the first pack. A thread spawned per
-/// upload (before session 35) started late on a busy 2-core host: a new thread waits behind
-/// the running ones (the scheduler's start debit), while a sleeping one is woken ahead of
-/// them, and a save's first uploads went out 1-2 ms after their packs were sealed, with the
-/// link idle (debug trace of a 128 MiB save to S3).
+/// upload starts late on a busy 2-core host: a new thread waits behind the running ones (the
+/// scheduler's start debit), while a sleeping one is woken ahead of them, so a save's first
+/// uploads would go out 1-2 ms after their packs are sealed, with the link idle (debug trace
+/// of a 128 MiB save to S3).
 struct Uploaders {
     tx: Option<mpsc::Sender<(PutJob, SyncSender<std::thread::Result<PutResult>>)>>,
     threads: Vec<JoinHandle<()>>,
@@ -294,8 +294,8 @@ fn reap(
                 sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
                 // The put is done, so the pack is readable from the backend: reads go there,
                 // and the buffer serves the next open pack at once instead of fresh memory
-                // (~250 page faults per MiB; a disk fold of 1 GiB used to fill ~30 fresh
-                // 32 MiB buffers and hold them all until its flush). An acknowledged network
+                // (~250 page faults per MiB; without reuse a disk fold of 1 GiB fills ~30 fresh
+                // 32 MiB buffers and holds them all until its flush). An acknowledged network
                 // put is also durable now; a local pack becomes durable at the next flush
                 // (its directory entry is synced there).
                 let mut idx = sh.index.write();
