@@ -19,19 +19,19 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-pub const LOG_MAGIC: &[u8; 8] = b"STRADLOG";
-pub const REC_MAGIC: u32 = 0x5344_4c52; // "SDLR"
-pub const LOG_HEADER_LEN: u64 = 64;
-pub const REC_HEADER_LEN: u64 = 48;
+pub(crate) const LOG_MAGIC: &[u8; 8] = b"STRADLOG";
+pub(crate) const REC_MAGIC: u32 = 0x5344_4c52; // "SDLR"
+pub(crate) const LOG_HEADER_LEN: u64 = 64;
+pub(crate) const REC_HEADER_LEN: u64 = 48;
 /// Log format version written. Version 1 logs (one log per base generation) are still read.
 pub const LOG_VERSION: u16 = 2;
 /// Largest single record (matches the NBD request cap).
-pub const MAX_RECORD: u64 = 32 << 20;
+pub(crate) const MAX_RECORD: u64 = 32 << 20;
 /// The log is zero-filled this far ahead of its end. Appending inside already-written blocks
 /// keeps file size and block allocation out of each guest flush's fdatasync (no journal
 /// commit): measured here, 64 KiB write + fdatasync ran 2.5-6x faster into pre-zeroed space
 /// than as size-extending appends. Recovery stops at the zeros (no valid record magic).
-pub const PREZERO: u64 = 4 << 20;
+pub(crate) const PREZERO: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {

@@ -37,11 +37,11 @@ use super::proto::*;
 /// Largest option payload buffered; longer ones are discarded and refused.
 pub const MAX_OPTION_LEN: u32 = 64 * 1024;
 /// Options accepted on one connection before the server hangs up (denial-of-service guard).
-pub const MAX_OPTIONS: u32 = 4096;
+pub(crate) const MAX_OPTIONS: u32 = 4096;
 /// Largest READ/WRITE payload the server accepts (2^25, the spec's portable limit).
 pub const MAX_REQUEST_LEN: u32 = 32 << 20;
 /// Context id this server assigns to `base:allocation`.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 
 const TARGET: &str = "strata::nbd";
 

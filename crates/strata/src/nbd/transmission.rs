@@ -37,7 +37,7 @@ use super::proto::*;
 const TARGET: &str = "strata::nbd";
 
 /// Most descriptors sent in one block status reply (the spec lets a server send fewer).
-pub const MAX_EXTENTS: usize = 1 << 16;
+pub(crate) const MAX_EXTENTS: usize = 1 << 16;
 
 /// Tuning for one connection's transmission phase.
 #[derive(Clone, Debug)]

@@ -12,7 +12,7 @@ use crate::endian;
 /// The on-disk format version this build writes and the newest it reads, for the store config,
 /// refs, leases and tree chunks. Packs and index objects have their own
 /// (`pack::PACK_VERSION`).
-pub const FORMAT_VERSION: u16 = 1;
+pub(crate) const FORMAT_VERSION: u16 = 1;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FormatError {

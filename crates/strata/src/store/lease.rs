@@ -38,10 +38,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-pub const LEASE_MAGIC: &[u8; 8] = b"STRALEAS";
-pub const LEASE_VERSION: u16 = 1;
-pub const MAX_LEASE_JSON: u64 = 4096;
-pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+pub(crate) const LEASE_MAGIC: &[u8; 8] = b"STRALEAS";
+pub(crate) const LEASE_VERSION: u16 = 1;
+pub(crate) const MAX_LEASE_JSON: u64 = 4096;
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 const CHUNKS: TableDefinition<&[u8; 32], &[u8; 48]> = TableDefinition::new("chunks");
 const PACKS: TableDefinition<&[u8; 16], u64> = TableDefinition::new("packs");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-pub const SCHEMA: u8 = 1;
+pub(crate) const SCHEMA: u8 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetaError {

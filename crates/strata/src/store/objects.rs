@@ -12,14 +12,14 @@ use super::format::{cap, crc, zero, FResult, FormatError, Rd, Wr, FORMAT_VERSION
 use crate::endian;
 use crate::id::ChunkId;
 
-pub const CONFIG_MAGIC: &[u8; 8] = b"STRACONF";
-pub const REF_MAGIC: &[u8; 8] = b"STRAREF\0";
-pub const TREE_MAGIC: &[u8; 4] = b"STRT";
-pub const MAX_REF_ROOTS: u64 = 65_536;
-pub const MAX_REF_PAYLOAD: u64 = 1 << 20;
-pub const MAX_TREE_CHILDREN: u64 = 1 << 18;
-pub const MAX_CONFIG_JSON: u64 = 64 << 10;
-pub const MAX_REF_NAME: usize = 255;
+pub(crate) const CONFIG_MAGIC: &[u8; 8] = b"STRACONF";
+pub(crate) const REF_MAGIC: &[u8; 8] = b"STRAREF\0";
+pub(crate) const TREE_MAGIC: &[u8; 4] = b"STRT";
+pub(crate) const MAX_REF_ROOTS: u64 = 65_536;
+pub(crate) const MAX_REF_PAYLOAD: u64 = 1 << 20;
+pub(crate) const MAX_TREE_CHILDREN: u64 = 1 << 18;
+pub(crate) const MAX_CONFIG_JSON: u64 = 64 << 10;
+pub(crate) const MAX_REF_NAME: usize = 255;
 
 /// Store-wide settings, persisted as the `config` object.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

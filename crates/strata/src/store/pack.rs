@@ -30,22 +30,22 @@ use table::{append_table, expand_table};
 
 mod table;
 
-pub const PACK_MAGIC: &[u8; 8] = b"STRAPACK";
-pub const PACK_END_MAGIC: &[u8; 8] = b"STRAPEND";
-pub const INDEX_MAGIC: &[u8; 8] = b"STRAINDX";
-pub const PACK_HEADER_LEN: usize = 32;
-pub const PACK_FOOTER_LEN: usize = 32;
-pub const ENTRY_LEN: usize = 64;
-pub const INDEX_HEADER_LEN: usize = 48;
+pub(crate) const PACK_MAGIC: &[u8; 8] = b"STRAPACK";
+pub(crate) const PACK_END_MAGIC: &[u8; 8] = b"STRAPEND";
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"STRAINDX";
+pub(crate) const PACK_HEADER_LEN: usize = 32;
+pub(crate) const PACK_FOOTER_LEN: usize = 32;
+pub(crate) const ENTRY_LEN: usize = 64;
+pub(crate) const INDEX_HEADER_LEN: usize = 48;
 /// Format version of packs and index objects this build writes, and the newest it reads:
 /// 2 = entry table compressed (one zstd frame, then its CRC-32C).
-pub const PACK_VERSION: u16 = 2;
+pub(crate) const PACK_VERSION: u16 = 2;
 /// The first version: the entry table is the raw 64-byte entries. Still read, never written.
 pub const PACK_VERSION_RAW: u16 = 1;
 /// Most chunks one pack may hold.
-pub const MAX_ENTRIES: u64 = 1 << 20;
+pub(crate) const MAX_ENTRIES: u64 = 1 << 20;
 /// Largest pack accepted (4 GiB).
-pub const MAX_PACK_SIZE: u64 = 4 << 30;
+pub(crate) const MAX_PACK_SIZE: u64 = 4 << 30;
 
 /// What a chunk holds; trees name other chunks and are followed by GC and `check`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -441,10 +441,10 @@ pub fn parse_pack(b: &[u8]) -> FResult<(PackId, Vec<PackEntry>)> {
 /// and, in one request, the compressed table of packs of up to ~900 chunks (~35 bytes per
 /// entry compressed). The 1 MiB packs of a 128 MiB memory save had 4.5-30 KB tables, a 16 MiB
 /// disk pack of 64 KiB blocks ~10-20 KB. A larger table takes a second, exact read.
-pub const PACK_TAIL_READ: u64 = 32 << 10;
+pub(crate) const PACK_TAIL_READ: u64 = 32 << 10;
 
 /// Largest trailer [`parse_pack_tail`] asks for: raw version-1 entries at [`MAX_ENTRIES`].
-pub const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
+pub(crate) const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
 
 /// What the last bytes of a pack say (see [`parse_pack_tail`]).
 #[derive(Debug, Clone, PartialEq, Eq)]

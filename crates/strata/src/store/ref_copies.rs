@@ -30,13 +30,13 @@ use super::objects::{valid_ref_name, Ref};
 
 const TARGET: &str = "strata::store::ref_copies";
 
-pub const REF_COPY_MAGIC: &[u8; 8] = b"STRARCPY";
+pub(crate) const REF_COPY_MAGIC: &[u8; 8] = b"STRARCPY";
 /// Format version of a ref copy file (separate from the ref's own, which is inside).
-pub const REF_COPY_VERSION: u16 = 1;
+pub(crate) const REF_COPY_VERSION: u16 = 1;
 /// Largest ref kept (the ref object's bytes).
-pub const MAX_REF_BYTES: u64 = 256 << 10;
+pub(crate) const MAX_REF_BYTES: u64 = 256 << 10;
 /// Files kept at most.
-pub const MAX_COPIES: usize = 4096;
+pub(crate) const MAX_COPIES: usize = 4096;
 const HEADER: usize = 28;
 
 /// Encode a copy of ref `name` (`r`), written at `saved_unix_ms`.

@@ -27,25 +27,25 @@ use std::sync::Arc;
 /// 2, 4, 8 MiB), one busy seal at a time, so a save's first uploads overlap instead of going
 /// one at a time (each sealed idle, as the last one's reply comes), which idles the link
 /// ~10-15 ms of the first 40 (`scripts/link-trace.py`, 512 MiB saves).
-pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
+pub(crate) const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// Smallest pack sealed early while nothing is uploading: the link would otherwise idle until
 /// more is ready. 2 MiB: the first upload leaves ~20 ms into a 128 MiB save instead of ~3 ms
 /// at 256 KiB, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
-pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
+pub(crate) const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
 /// The first pack sealed early after a ref commit (the start of a save): the idle-seal size then
 /// doubles per idle seal up to [`EARLY_SEAL_IDLE_BYTES`] (256 KiB, 512 KiB, 1 MiB, 2 MiB), so a
 /// save's first upload leaves a few ms after its first page instead of ~18 ms (a 2 MiB pack),
 /// for three extra small objects. TCP slow start, the other way round.
-pub const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
+pub(crate) const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
-pub const EARLY_SEAL_UPLOADS: usize = 2;
+pub(crate) const EARLY_SEAL_UPLOADS: usize = 2;
 /// [`Session::seal_for_upload`] leaves the open pack alone while this many bytes of sealed packs
 /// are waiting or uploading: ~9 ms of a 1 Gbit/s link, several times the 1-3 ms a save takes
 /// to write its page maps, so the link stays busy meanwhile and the last pages go up with
 /// the maps, in one object.
-pub const EARLY_SEAL_BUSY_BYTES: u64 = 1 << 20;
+pub(crate) const EARLY_SEAL_BUSY_BYTES: u64 = 1 << 20;
 
 /// A frame its caller compressed already (a memory save's codec sample): the ids of the
 /// chunks joined into it, in order, and the stored bytes under the frame's codec (None: the

@@ -34,13 +34,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Bytes per verified piece (4 BLAKE3 chunks).
-pub const PIECE: usize = 4096;
+pub(crate) const PIECE: usize = 4096;
 /// Largest chunk whose piece CVs are kept (256 CVs, 8 KiB).
 const MAX_SLICED: usize = 1 << 20;
 /// Default budget for piece CVs: about 7 GiB of 64 KiB blocks.
-pub const DEFAULT_CV_BYTES: usize = 64 << 20;
+pub(crate) const DEFAULT_CV_BYTES: usize = 64 << 20;
 /// Default budget for decompressed chunk data.
-pub const DEFAULT_DATA_BYTES: usize = 256 << 20;
+pub(crate) const DEFAULT_DATA_BYTES: usize = 256 << 20;
 /// Rough per-entry overhead counted against a budget (map slot, queue slot, Arc header).
 const ENTRY_OVERHEAD: usize = 96;
 

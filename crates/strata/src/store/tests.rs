@@ -2,6 +2,7 @@
 
 use super::objects::{Ref, Tree};
 use super::pack::ChunkKind;
+use super::session::*;
 use super::*;
 use crate::backend::fault::FaultBackend;
 use crate::backend::memory::MemoryBackend;
@@ -1004,7 +1005,7 @@ fn locate_many_matches_locate_across_lock_batches() {
     let ses = s.session();
     // More ids than one lock hold covers, with absent ids in between.
     let mut ids = Vec::new();
-    for i in 0..(crate::store::LOCATE_BATCH as u64 + 100) {
+    for i in 0..(crate::store::read::LOCATE_BATCH as u64 + 100) {
         if i % 97 == 0 {
             ids.push(ChunkId::of(format!("absent {i}").as_bytes()));
         } else {

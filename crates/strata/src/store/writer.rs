@@ -199,9 +199,9 @@ impl UploadMeter {
 /// Pack uploads in flight at once. Several keep a network link busy while requests are being
 /// set up or finished by the server (a serial writer idles the link between PUTs; with two, a
 /// 2 GiB save to S3 over 1 Gbit/s moved only ~60 MB/s), and cost little on a local disk.
-pub const UPLOADS: usize = 4;
+pub(crate) const UPLOADS: usize = 4;
 /// Index objects written at once by a flush (small objects: latency-bound on a remote backend).
-pub const INDEX_PUTS: usize = 8;
+pub(crate) const INDEX_PUTS: usize = 8;
 
 type PutResult = std::result::Result<Written, crate::backend::BackendError>;
 type PutJob = Box<dyn FnOnce() -> PutResult + Send>;

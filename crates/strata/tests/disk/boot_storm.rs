@@ -5,6 +5,7 @@
 //!   pattern over NBD, and the trace becomes the golden image's working set in the bucket;
 //! - host C (own metadata, cold cache) warms its cache with that working set, after which the
 //!   same boot reads from fresh clones cost zero backend bytes; without warming they do not.
+//!
 //! The replayer runs the recorded trace with several clients and must return identical bytes.
 
 use std::path::Path;

@@ -16,8 +16,8 @@ use std::cell::RefCell;
 /// zstd level of entry tables (level 3 saves only ~1% more, at twice the CPU).
 const LEVEL: i32 = 1;
 /// The CRC-32C after the zstd frame.
-pub const TABLE_CRC_LEN: usize = 4;
-pub const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+pub(crate) const TABLE_CRC_LEN: usize = 4;
+pub(crate) const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// Largest raw block of a zstd frame.
 const MAX_BLOCK: usize = 128 << 10;
 
