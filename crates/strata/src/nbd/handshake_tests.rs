@@ -365,10 +365,16 @@ fn block_size_sanitizing() {
 
 #[test]
 fn parsers_reject_without_panicking() {
-    assert!(parse_info_request(&[]).is_err());
-    assert!(parse_info_request(&[0xff, 0xff, 0xff, 0xff, 0, 0]).is_err());
-    assert!(parse_meta_request(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).is_err());
-    assert!(parse_meta_request(&[0, 0, 0, 1, 0, 0, 0, 0, 0]).is_err()); // NUL name
+    assert_eq!(parse_info_request(&[]), Err(OptionDataError::Short));
+    assert_eq!(
+        parse_info_request(&[0xff, 0xff, 0xff, 0xff, 0, 0]),
+        Err(OptionDataError::StringTooLong)
+    );
+    assert_eq!(
+        parse_meta_request(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+        Err(OptionDataError::Short)
+    );
+    assert_eq!(parse_meta_request(&[0, 0, 0, 1, 0, 0, 0, 0, 0]), Err(OptionDataError::StringNul));
     assert_eq!(
         parse_meta_request(&[0, 0, 0, 0, 0, 0, 0, 0]).unwrap(),
         MetaRequest { name: String::new(), queries: vec![] }
