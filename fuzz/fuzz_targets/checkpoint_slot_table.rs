@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 2 {
         return;
     }
-    let entries = u16::from_le_bytes([data[0], data[1]]) as usize % 2049;
+    let entries = strata::endian::le16(&data, 0) as usize % 2049;
     let payload = &data[2..];
     if let Ok(t) = SlotTable::parse(payload, entries) {
         assert_eq!(t.encode(), payload, "a parsed slot table re-encodes to its bytes");

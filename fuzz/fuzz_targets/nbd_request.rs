@@ -15,11 +15,11 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < 16 {
         return;
     }
-    let size = u64::from_be_bytes(data[0..8].try_into().unwrap()) >> (data[8] % 64);
+    let size = strata::endian::be64(&data, 0) >> (data[8] % 64);
     let min_block = 1u32 << (data[11] % 17);
     let limits = Limits {
         size,
-        tflags: u16::from_be_bytes([data[9], data[10]]) | TFLAG_HAS_FLAGS,
+        tflags: strata::endian::be16(&data, 9) | TFLAG_HAS_FLAGS,
         structured: data[12] & 1 != 0,
         base_allocation: data[12] & 2 != 0,
         can_fast_zero: data[12] & 4 != 0,

@@ -22,6 +22,7 @@ pub mod backend;
 pub mod boot;
 pub mod codec;
 pub mod disk;
+pub mod endian;
 pub mod error;
 #[cfg(any(test, feature = "testkit"))]
 pub mod fixtures;

@@ -8,7 +8,7 @@
 //! must check clean, and no repair step is needed. The server compacts every 16 MiB of log, so
 //! the kill comes while background compactions run and the log rolls over between files.
 
-#[path = "nbd_common/mod.rs"]
+#[path = "nbd/common.rs"]
 mod common;
 
 use common::*;
@@ -35,7 +35,26 @@ fn serve_child() {
     }
 }
 
-fn spawn_server(store: &std::path::Path, sock: &std::path::Path) -> Child {
+/// The server child: killed (SIGKILL) and reaped when dropped, so a failed assert leaves no
+/// server or zombie behind.
+struct ServerChild(Child);
+
+impl ServerChild {
+    /// SIGKILL the server and reap it.
+    fn kill(&mut self) {
+        self.0.kill().unwrap();
+        self.0.wait().unwrap();
+    }
+}
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_server(store: &std::path::Path, sock: &std::path::Path) -> ServerChild {
     let _ = std::fs::remove_file(sock);
     let child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "serve_child", "--nocapture"])
@@ -44,6 +63,7 @@ fn spawn_server(store: &std::path::Path, sock: &std::path::Path) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let child = ServerChild(child);
     wait_until(30, "the server socket", || std::os::unix::net::UnixStream::connect(sock).is_ok());
     child
 }
@@ -100,8 +120,7 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
             || t0.elapsed() > Duration::from_secs(30);
         if !killed && due {
             // SIGKILL mid-load: no chance to flush or compact.
-            server.kill().unwrap();
-            server.wait().unwrap();
+            server.kill();
             killed = true;
         }
         // The test client panics on a dead socket; that, like an error reply, ends the run.
@@ -112,7 +131,7 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
         }))
         .unwrap_or(false);
         // Liveness under load: compaction back-pressure holds a writer for one fold at most
-        // (~0.5 s here). Writers used to be released one per fold, and a marker waited 12-21 s.
+        // (~0.5 s here); releasing writers one per fold would make a marker wait 12-21 s.
         assert!(
             killed || t.elapsed() < Duration::from_secs(10),
             "marker {k}: write + flush took {:?} under load",
@@ -161,8 +180,7 @@ fn kill9_under_fio_load_loses_no_acknowledged_write() {
     }
     eprintln!("kill -9 after {acked} acknowledged marker flushes under fio load: all intact");
     drop(c);
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill();
 
     let s = strata::store::Store::open_local(&store_dir).unwrap();
     let rep = s.check(Default::default(), &strata::progress::NoProgress).unwrap();

@@ -2,7 +2,7 @@
 //! server still serves a well-behaved client, that the abused connection was closed (or
 //! correctly answered), and that no connection is left behind.
 
-#[path = "nbd_common/mod.rs"]
+#[path = "nbd/common.rs"]
 mod common;
 
 use std::io::{Read, Write};

@@ -7,7 +7,7 @@
 //! Env: NBD_PERF_SECS (per run, default 10), NBD_PERF_ROUNDS (default 3),
 //! NBD_PERF_WORKERS (server workers per connection, default: the library default).
 
-#[path = "nbd_common/mod.rs"]
+#[path = "nbd/common.rs"]
 mod common;
 
 use std::process::Command;

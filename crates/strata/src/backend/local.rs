@@ -37,7 +37,7 @@ pub struct LocalBackend {
 }
 
 /// Objects at least this big are written with `O_DIRECT`.
-pub const DIRECT_MIN: usize = 1 << 20;
+pub(crate) const DIRECT_MIN: usize = 1 << 20;
 const DIRECT_ALIGN: usize = 4096;
 
 /// A zero-initialised, 4096-byte aligned heap buffer (what `O_DIRECT` needs).

@@ -1,5 +1,5 @@
-//! Redis backend (single node or cluster): objects as Redis strings, for hot memory pages (as in
-//! the NoSQL dirty-page store of paper 002) and small shared stores.
+//! Redis backend (single node or cluster): objects as Redis strings, for hot memory pages (a
+//! NoSQL dirty-page store) and small shared stores.
 //!
 //! Shape, and why:
 //! - One object is one string key (`[PREFIX/]KEY`). `put` is `SET` (atomic: Redis executes one
@@ -38,7 +38,7 @@ const TARGET: &str = "strata::backend::redis";
 /// Pack size the store should use on Redis (see the module comment).
 pub const REDIS_PACK_SIZE: u64 = 8 << 20;
 /// Largest Redis string (default `proto-max-bulk-len`).
-pub const REDIS_MAX_OBJECT: u64 = 512 << 20;
+pub(crate) const REDIS_MAX_OBJECT: u64 = 512 << 20;
 const POOL_IDLE: usize = 16;
 
 /// What `sync` may promise.

@@ -58,7 +58,7 @@ impl AsRef<[u8]> for SharedBuf {
 const TARGET: &str = "strata::backend::s3";
 
 /// Largest single PUT S3 accepts.
-pub const S3_MAX_OBJECT: u64 = 5 << 30;
+pub(crate) const S3_MAX_OBJECT: u64 = 5 << 30;
 /// Pack size the store should use on object storage (see the module comment).
 pub const S3_PACK_SIZE: u64 = 16 << 20;
 

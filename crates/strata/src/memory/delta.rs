@@ -40,6 +40,7 @@ use parking_lot::Mutex;
 use super::error::MemError;
 use super::manifest::{Checkpoint, REF_PREFIX, RUN_BYTES, RUN_PAGES};
 use super::stream::PAGE_SIZE;
+use crate::endian;
 use crate::id::{ChunkId, PackId};
 use crate::store::format::crc;
 use crate::store::objects::Tree;
@@ -139,8 +140,8 @@ pub fn apply(base: &[u8], enc: &[u8]) -> Result<Box<[u8; PAGE_SIZE]>, DeltaError
     let mut next = 0usize;
     while pos < enc.len() {
         let head = enc.get(pos..pos + 4).ok_or_else(|| malformed("truncated run header"))?;
-        let off = u16::from_le_bytes([head[0], head[1]]) as usize;
-        let len = u16::from_le_bytes([head[2], head[3]]) as usize;
+        let off = endian::le16(head, 0) as usize;
+        let len = endian::le16(head, 2) as usize;
         pos += 4;
         if len == 0 || off < next || off + len > PAGE_SIZE {
             return Err(malformed(format!("run {off:#x}+{len} out of order or outside the page")));
@@ -187,7 +188,7 @@ pub fn parse_record(t: &Tree) -> Result<DeltaEntry, DeltaError> {
     if p.len() - 36 > MAX_ENCODED {
         return Err(malformed("delta longer than a page"));
     }
-    let target = ChunkId(p[4..36].try_into().expect("32 bytes"));
+    let target = ChunkId(endian::array(p, 4));
     if target.is_zero() {
         return Err(malformed("zero page id"));
     }
@@ -820,8 +821,8 @@ mod tests {
         // Tree header (16 bytes: STRT, version, flags, 1 child, payload length), the base id,
         // then the payload: SVMP, page id, runs.
         assert_eq!(&b[0..4], b"STRT");
-        assert_eq!(u32::from_le_bytes(b[8..12].try_into().unwrap()), 1);
-        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 4 + 32 + 5);
+        assert_eq!(endian::le32(&b, 8), 1);
+        assert_eq!(endian::le32(&b, 12), 4 + 32 + 5);
         assert_eq!(&b[16..48], &[6; 32]);
         assert_eq!(&b[48..52], b"SVMP");
         assert_eq!(&b[52..84], &[5; 32]);

@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::endian;
 use crate::id::ChunkId;
 use crate::memory::stream::{RamBlock, RamSectionHeader, StreamLayout, PAGE_SIZE};
 use crate::store::objects::{Ref, Tree};
@@ -69,25 +70,22 @@ impl SlotTable {
     /// Parse a leaf's payload; `entries` is the leaf's number of ids. Refuses a length that is
     /// not whole entries, an index outside the leaf or not above the one before, and a slot of
     /// [`RUN_PAGES`] or more.
-    pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, String> {
-        if payload.len() % SLOT_ENTRY_BYTES != 0 {
-            return Err(format!(
-                "slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries",
-                payload.len()
-            ));
+    pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, SlotTableError> {
+        if !payload.len().is_multiple_of(SLOT_ENTRY_BYTES) {
+            return Err(SlotTableError::PartialEntry { len: payload.len() });
         }
         let mut out = Vec::with_capacity(payload.len() / SLOT_ENTRY_BYTES);
         for e in payload.chunks_exact(SLOT_ENTRY_BYTES) {
-            let i = u16::from_le_bytes([e[0], e[1]]);
+            let i = endian::le16(e, 0);
             let slot = e[2];
             if i as usize >= entries {
-                return Err(format!("slot table names entry {i} of a leaf of {entries}"));
+                return Err(SlotTableError::OutsideLeaf { index: i, entries });
             }
             if out.last().is_some_and(|&(p, _)| p >= i) {
-                return Err(format!("slot table entry {i} is out of order"));
+                return Err(SlotTableError::OutOfOrder { index: i });
             }
             if slot as usize >= RUN_PAGES {
-                return Err(format!("slot {slot} of entry {i} is not below {RUN_PAGES}"));
+                return Err(SlotTableError::BadSlot { index: i, slot });
             }
             out.push((i, slot));
         }
@@ -143,6 +141,19 @@ pub enum ManifestError {
     Roots { found: usize, expected: usize },
     #[error("Tail tree is malformed: {why}")]
     BadTailTree { why: String },
+}
+
+/// Why a page map leaf's slot table is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SlotTableError {
+    #[error("Slot table of {len} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries")]
+    PartialEntry { len: usize },
+    #[error("Slot table names entry {index} of a leaf of {entries}")]
+    OutsideLeaf { index: u16, entries: usize },
+    #[error("Slot table entry {index} is out of order")]
+    OutOfOrder { index: u16 },
+    #[error("Slot {slot} of entry {index} is not below {RUN_PAGES}")]
+    BadSlot { index: u16, slot: u8 },
 }
 
 /// How the checkpoint was taken.
@@ -508,7 +519,7 @@ pub fn parse_tail_tree(t: &Tree) -> Result<(Vec<ChunkId>, u64), ManifestError> {
     if t.payload.len() != 12 || &t.payload[..4] != TAIL_MAGIC {
         return Err(bad("payload is not SVMT + length"));
     }
-    let len = u64::from_le_bytes(t.payload[4..12].try_into().expect("8 bytes"));
+    let len = endian::le64(&t.payload, 4);
     if len == 0 || len > MAX_TAIL {
         return Err(bad("tail length out of range"));
     }
@@ -585,10 +596,23 @@ mod tests {
         assert_eq!(t.encode(), [3, 0, 0, 0x02, 0x01, 31]);
         assert_eq!(SlotTable::parse(&t.encode(), 2048).unwrap(), t);
         assert_eq!(SlotTable::parse(&[], 0).unwrap(), SlotTable::default());
-        assert!(SlotTable::parse(&[3, 0], 2048).unwrap_err().contains("whole"));
-        assert!(SlotTable::parse(&[3, 0, 0], 3).unwrap_err().contains("entry 3 of a leaf of 3"));
-        assert!(SlotTable::parse(&[3, 0, 0, 3, 0, 1], 2048).unwrap_err().contains("out of order"));
-        assert!(SlotTable::parse(&[3, 0, 32], 2048).unwrap_err().contains("not below 32"));
+        assert_eq!(SlotTable::parse(&[3, 0], 2048), Err(SlotTableError::PartialEntry { len: 2 }));
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 0], 3),
+            Err(SlotTableError::OutsideLeaf { index: 3, entries: 3 })
+        );
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 0, 3, 0, 1], 2048),
+            Err(SlotTableError::OutOfOrder { index: 3 })
+        );
+        assert_eq!(
+            SlotTable::parse(&[3, 0, 32], 2048),
+            Err(SlotTableError::BadSlot { index: 3, slot: 32 })
+        );
+        assert!(SlotTable::parse(&[3, 0, 32], 2048)
+            .unwrap_err()
+            .to_string()
+            .contains("not below 32"));
     }
 
     #[test]
@@ -720,7 +744,7 @@ mod tests {
         assert_eq!(&b[0..4], b"STRT");
         assert_eq!(b.len(), 16 + 4 * 32 + 12);
         assert_eq!(&b[16 + 128..16 + 132], b"SVMT");
-        assert_eq!(u64::from_le_bytes(b[148..156].try_into().unwrap()), 3 * 65536 + 5);
+        assert_eq!(endian::le64(&b, 148), 3 * 65536 + 5);
         let back = Tree::decode(&b).unwrap();
         assert_eq!(parse_tail_tree(&back).unwrap().1, 3 * 65536 + 5);
         let wrong = tail_tree(vec![ChunkId([7; 32]); 3], 3 * 65536 + 5);

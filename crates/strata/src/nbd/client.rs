@@ -14,6 +14,7 @@ use super::proto::{
     FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT,
     INFO_EXPORT, NBD_MAGIC, OPTION_REPLY_HEADER_LEN, OPT_GO, REP_ACK, REP_INFO, SIMPLE_REPLY_LEN,
 };
+use crate::endian;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -119,14 +120,12 @@ impl Client {
     fn handshake(&mut self, export: &str) -> Result<()> {
         let mut g = [0u8; 18];
         self.r.read_exact(&mut g).map_err(io_err("greeting"))?;
-        if u64::from_be_bytes(g[0..8].try_into().expect("8")) != NBD_MAGIC
-            || u64::from_be_bytes(g[8..16].try_into().expect("8")) != IHAVEOPT
-        {
+        if endian::be64(&g, 0) != NBD_MAGIC || endian::be64(&g, 8) != IHAVEOPT {
             return Err(ClientError::Protocol(
                 "not a fixed-newstyle NBD server (bad greeting magic)".into(),
             ));
         }
-        let hflags = u16::from_be_bytes([g[16], g[17]]);
+        let hflags = endian::be16(&g, 16);
         if hflags & FLAG_FIXED_NEWSTYLE == 0 {
             return Err(ClientError::Protocol("server does not speak fixed newstyle".into()));
         }
@@ -153,9 +152,9 @@ impl Client {
             self.r.read_exact(&mut d).map_err(io_err("handshake"))?;
             match rep.reply {
                 REP_ACK => break,
-                REP_INFO if d.len() >= 12 && u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT => {
-                    self.size = u64::from_be_bytes(d[2..10].try_into().expect("8"));
-                    self.tflags = u16::from_be_bytes([d[10], d[11]]);
+                REP_INFO if d.len() >= 12 && endian::be16(&d, 0) == INFO_EXPORT => {
+                    self.size = endian::be64(&d, 2);
+                    self.tflags = endian::be16(&d, 10);
                 }
                 REP_INFO => {}
                 r if r & 0x8000_0000 != 0 => {

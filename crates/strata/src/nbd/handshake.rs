@@ -27,6 +27,7 @@
 //! option data is buffered only up to `MAX_OPTION_LEN`; longer options are skipped without
 //! buffering and answered with `NBD_REP_ERR_TOO_BIG`.
 
+use crate::endian;
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -36,11 +37,11 @@ use super::proto::*;
 /// Largest option payload buffered; longer ones are discarded and refused.
 pub const MAX_OPTION_LEN: u32 = 64 * 1024;
 /// Options accepted on one connection before the server hangs up (denial-of-service guard).
-pub const MAX_OPTIONS: u32 = 4096;
+pub(crate) const MAX_OPTIONS: u32 = 4096;
 /// Largest READ/WRITE payload the server accepts (2^25, the spec's portable limit).
 pub const MAX_REQUEST_LEN: u32 = 32 << 20;
 /// Context id this server assigns to `base:allocation`.
-pub const BASE_ALLOCATION_ID: u32 = 1;
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 
 const TARGET: &str = "strata::nbd";
 
@@ -149,40 +150,60 @@ pub struct MetaRequest {
     pub queries: Vec<String>,
 }
 
-fn take_string(b: &[u8], at: usize, len: usize) -> Result<String, &'static str> {
-    if len > MAX_STRING_LEN {
-        return Err("string longer than 4096 bytes");
-    }
-    let end = at.checked_add(len).ok_or("length overflows")?;
-    let s = b.get(at..end).ok_or("string runs past the option data")?;
-    if s.contains(&0) {
-        return Err("string contains NUL");
-    }
-    String::from_utf8(s.to_vec()).map_err(|_| "string is not UTF-8")
+/// Why the data of an option naming an export is refused (the client is told, in an
+/// `NBD_REP_ERR_INVALID` reply).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OptionDataError {
+    #[error("String longer than {MAX_STRING_LEN} bytes")]
+    StringTooLong,
+    #[error("String runs past the option data")]
+    StringPastEnd,
+    #[error("String contains NUL")]
+    StringNul,
+    #[error("String is not UTF-8")]
+    StringNotUtf8,
+    #[error("Option data too short")]
+    Short,
+    #[error("Missing information request count")]
+    NoInfoCount,
+    #[error("Information request count does not match the option length")]
+    InfoCount,
+    #[error("Trailing bytes after the last query")]
+    Trailing,
 }
 
-fn take_u32(b: &[u8], at: usize) -> Result<u32, &'static str> {
-    let s = b.get(at..at + 4).ok_or("option data too short")?;
-    Ok(u32::from_be_bytes([s[0], s[1], s[2], s[3]]))
+fn take_string(b: &[u8], at: usize, len: usize) -> Result<String, OptionDataError> {
+    if len > MAX_STRING_LEN {
+        return Err(OptionDataError::StringTooLong);
+    }
+    let end = at.checked_add(len).ok_or(OptionDataError::StringPastEnd)?;
+    let s = b.get(at..end).ok_or(OptionDataError::StringPastEnd)?;
+    if s.contains(&0) {
+        return Err(OptionDataError::StringNul);
+    }
+    String::from_utf8(s.to_vec()).map_err(|_| OptionDataError::StringNotUtf8)
+}
+
+fn take_u32(b: &[u8], at: usize) -> Result<u32, OptionDataError> {
+    endian::be32_at(b, at).ok_or(OptionDataError::Short)
 }
 
 /// Parse `NBD_OPT_INFO`/`NBD_OPT_GO` data: name length, name, count, info types.
-pub fn parse_info_request(data: &[u8]) -> Result<InfoRequest, &'static str> {
+pub fn parse_info_request(data: &[u8]) -> Result<InfoRequest, OptionDataError> {
     let name_len = take_u32(data, 0)? as usize;
     let name = take_string(data, 4, name_len)?;
     let at = 4 + name_len;
-    let count = data.get(at..at + 2).ok_or("missing information request count")?;
-    let count = u16::from_be_bytes([count[0], count[1]]) as usize;
+    let count = endian::be16_at(data, at).ok_or(OptionDataError::NoInfoCount)? as usize;
     let list = &data[at + 2..];
     if list.len() != count * 2 {
-        return Err("information request count does not match the option length");
+        return Err(OptionDataError::InfoCount);
     }
-    let infos = list.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect();
+    let infos = list.chunks_exact(2).map(|c| endian::be16(c, 0)).collect();
     Ok(InfoRequest { name, infos })
 }
 
 /// Parse meta-context option data: name length, name, query count, (length, query)*.
-pub fn parse_meta_request(data: &[u8]) -> Result<MetaRequest, &'static str> {
+pub fn parse_meta_request(data: &[u8]) -> Result<MetaRequest, OptionDataError> {
     let name_len = take_u32(data, 0)? as usize;
     let name = take_string(data, 4, name_len)?;
     let mut at = 4 + name_len;
@@ -196,7 +217,7 @@ pub fn parse_meta_request(data: &[u8]) -> Result<MetaRequest, &'static str> {
         at += qlen;
     }
     if at != data.len() {
-        return Err("trailing bytes after the last query");
+        return Err(OptionDataError::Trailing);
     }
     Ok(MetaRequest { name, queries })
 }

@@ -123,11 +123,8 @@ fn go_with_structured_replies_and_meta_context() {
     h.receive(&opt(OPT_GO, &info_data("a", &[INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION])))
         .unwrap();
     let r = replies(&h.take_output());
-    let kinds: Vec<u16> = r
-        .iter()
-        .filter(|x| x.1 == REP_INFO)
-        .map(|x| u16::from_be_bytes([x.2[0], x.2[1]]))
-        .collect();
+    let kinds: Vec<u16> =
+        r.iter().filter(|x| x.1 == REP_INFO).map(|x| endian::be16(&x.2, 0)).collect();
     assert_eq!(kinds, vec![INFO_EXPORT, INFO_BLOCK_SIZE, INFO_NAME, INFO_DESCRIPTION]);
     let tflags = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
@@ -195,7 +192,7 @@ fn info_then_list_then_go_default_export() {
     let mut h = started(1);
     h.receive(&opt(OPT_INFO, &info_data("ro", &[]))).unwrap();
     let r = replies(&h.take_output());
-    let ro_flags = u16::from_be_bytes([r[0].2[10], r[0].2[11]]);
+    let ro_flags = endian::be16(&r[0].2, 10);
     assert_ne!(ro_flags & TFLAG_READ_ONLY, 0);
     assert_eq!(ro_flags & (TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES), 0);
     assert_eq!(h.phase(), Phase::Negotiating);
@@ -368,10 +365,16 @@ fn block_size_sanitizing() {
 
 #[test]
 fn parsers_reject_without_panicking() {
-    assert!(parse_info_request(&[]).is_err());
-    assert!(parse_info_request(&[0xff, 0xff, 0xff, 0xff, 0, 0]).is_err());
-    assert!(parse_meta_request(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]).is_err());
-    assert!(parse_meta_request(&[0, 0, 0, 1, 0, 0, 0, 0, 0]).is_err()); // NUL name
+    assert_eq!(parse_info_request(&[]), Err(OptionDataError::Short));
+    assert_eq!(
+        parse_info_request(&[0xff, 0xff, 0xff, 0xff, 0, 0]),
+        Err(OptionDataError::StringTooLong)
+    );
+    assert_eq!(
+        parse_meta_request(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+        Err(OptionDataError::Short)
+    );
+    assert_eq!(parse_meta_request(&[0, 0, 0, 1, 0, 0, 0, 0, 0]), Err(OptionDataError::StringNul));
     assert_eq!(
         parse_meta_request(&[0, 0, 0, 0, 0, 0, 0, 0]).unwrap(),
         MetaRequest { name: String::new(), queries: vec![] }

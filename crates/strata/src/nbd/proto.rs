@@ -7,6 +7,7 @@
 //! arrays so a header is built without allocating; payloads are appended by the caller.
 //! The unit tests at the bottom pin every header byte by byte.
 
+use crate::endian::{be16, be32, be64};
 use std::fmt;
 
 /// `NBDMAGIC`, the first 8 bytes the server sends.
@@ -187,18 +188,6 @@ pub enum ProtoError {
     BadRequestMagic { magic: u32 },
     #[error("Bad option magic {magic:#018x}, expected IHAVEOPT")]
     BadOptionMagic { magic: u64 },
-}
-
-fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([b[at], b[at + 1]])
-}
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-fn be64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_be_bytes(a)
 }
 
 fn need(what: &'static str, b: &[u8], n: usize) -> Result<(), ProtoError> {
@@ -512,7 +501,7 @@ pub fn encode_block_status_payload(context_id: u32, descriptors: &[Descriptor]) 
 
 /// Parse a block status payload (clients and tests). `None` if the length is not 4 + 8n.
 pub fn parse_block_status_payload(b: &[u8]) -> Option<(u32, Vec<Descriptor>)> {
-    if b.len() < 4 || (b.len() - 4) % 8 != 0 {
+    if b.len() < 4 || !(b.len() - 4).is_multiple_of(8) {
         return None;
     }
     let id = be32(b, 0);
@@ -671,7 +660,7 @@ mod tests {
         assert_eq!(e, [0, 0, 0, 22, 0, 3, b'b', b'a', b'd']);
         let long = "é".repeat(3000); // 6000 bytes, cut on a char boundary
         let e = encode_error_payload(NbdErrno::Io, &long);
-        assert_eq!(u16::from_be_bytes([e[4], e[5]]) as usize, 4096);
+        assert_eq!(be16(&e, 4) as usize, 4096);
         assert!(std::str::from_utf8(&e[6..]).is_ok());
         let d = [
             Descriptor { len: 4096, flags: STATE_HOLE | STATE_ZERO },

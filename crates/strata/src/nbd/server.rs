@@ -31,7 +31,7 @@ use super::transmission::{serve_transmission, Stats, TransmissionConfig};
 const TARGET: &str = "strata::nbd";
 
 /// The IANA port for NBD, used by `bind_tcp_loopback(None)`.
-pub const NBD_DEFAULT_PORT: u16 = 10809;
+pub(crate) const NBD_DEFAULT_PORT: u16 = 10809;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

@@ -77,7 +77,7 @@ struct Pipelined {
 
 impl QmpClient {
     /// Timeout for a reply when none is set.
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+    pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
     /// Connect, read the greeting and negotiate capabilities.
     pub fn connect(path: impl AsRef<Path>) -> Result<Self, QmpError> {

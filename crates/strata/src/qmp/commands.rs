@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::caps::{check_capabilities_with, CapabilityPolicy, MigrationCapability};
 use super::client::QmpClient;
-use super::error::QmpError;
+use super::error::{QmpError, RamBlockListError};
 
 /// `query-status`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -333,16 +333,13 @@ impl QmpClient {
     /// The ramblocks of the running VM (HMP `info ramblock`).
     pub fn ram_blocks(&mut self) -> Result<Vec<RamBlockInfo>, QmpError> {
         let text = self.human_monitor_command("info ramblock")?;
-        parse_info_ramblock(&text).map_err(|why| QmpError::BadReply {
-            cmd: "human-monitor-command info ramblock".into(),
-            why,
-        })
+        parse_info_ramblock(&text).map_err(QmpError::RamBlocks)
     }
 }
 
 /// Parse HMP `info ramblock` output:
 /// `NAME  PSIZE UNIT  0xOFFSET 0xUSED 0xTOTAL` per line after a header line.
-pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, String> {
+pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, RamBlockListError> {
     let mut out = Vec::new();
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
         if line.starts_with("Block Name") {
@@ -350,22 +347,23 @@ pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, String> {
         }
         let t: Vec<&str> = line.split_whitespace().collect();
         if t.len() < 6 {
-            return Err(format!("unexpected line '{line}'"));
+            return Err(RamBlockListError::Line { line: line.into() });
         }
         let n = t.len();
         let hex = |s: &str| {
             s.strip_prefix("0x")
                 .and_then(|h| u64::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("bad number '{s}' in '{line}'"))
+                .ok_or_else(|| RamBlockListError::Number { field: s.into(), line: line.into() })
         };
         let unit = match t[n - 4] {
             "B" => 1,
             "KiB" => 1 << 10,
             "MiB" => 1 << 20,
             "GiB" => 1 << 30,
-            u => return Err(format!("bad page-size unit '{u}' in '{line}'")),
+            u => return Err(RamBlockListError::Unit { unit: u.into(), line: line.into() }),
         };
-        let size: u64 = t[n - 5].parse().map_err(|_| format!("bad page size in '{line}'"))?;
+        let size: u64 =
+            t[n - 5].parse().map_err(|_| RamBlockListError::PageSize { line: line.into() })?;
         out.push(RamBlockInfo {
             name: t[..n - 5].join(" "),
             page_size: size * unit,
@@ -375,7 +373,7 @@ pub fn parse_info_ramblock(text: &str) -> Result<Vec<RamBlockInfo>, String> {
         });
     }
     if out.is_empty() {
-        return Err("no ramblocks listed".into());
+        return Err(RamBlockListError::Empty);
     }
     Ok(out)
 }
@@ -406,8 +404,11 @@ mod tests {
         assert_eq!(b[1].name, "/rom@etc/acpi/tables");
         assert_eq!(b[1].used, 0x20000);
         assert_eq!(b[1].total, 0x200000);
-        assert!(parse_info_ramblock("").is_err());
-        assert!(parse_info_ramblock("pc.ram 4 KiB 0x0 zz 0x0").is_err());
+        assert_eq!(parse_info_ramblock(""), Err(RamBlockListError::Empty));
+        assert!(matches!(
+            parse_info_ramblock("pc.ram 4 KiB 0x0 zz 0x0"),
+            Err(RamBlockListError::Number { .. })
+        ));
     }
 
     #[test]

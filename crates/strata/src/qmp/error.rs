@@ -55,6 +55,9 @@ pub enum QmpError {
     #[error("Unexpected reply to {cmd}: {why}")]
     BadReply { cmd: String, why: String },
 
+    #[error("Unexpected reply to human-monitor-command info ramblock: {0}")]
+    RamBlocks(RamBlockListError),
+
     #[error("Migration ended with status '{status}': {desc}")]
     MigrationFailed { status: String, desc: String },
 
@@ -67,4 +70,19 @@ pub enum QmpError {
 
     #[error(transparent)]
     Unsupported(#[from] Unsupported),
+}
+
+/// Why an HMP `info ramblock` listing is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RamBlockListError {
+    #[error("Unexpected line '{line}'")]
+    Line { line: String },
+    #[error("Bad number '{field}' in '{line}'")]
+    Number { field: String, line: String },
+    #[error("Bad page-size unit '{unit}' in '{line}'")]
+    Unit { unit: String, line: String },
+    #[error("Bad page size in '{line}'")]
+    PageSize { line: String },
+    #[error("No ramblocks listed")]
+    Empty,
 }

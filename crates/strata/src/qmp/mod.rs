@@ -23,4 +23,4 @@ pub use commands::{
     MemorySizeSummary, MigrateParameters, MigrationInfo, MigrationRam, RamBlockInfo, Request,
     RunStatus,
 };
-pub use error::QmpError;
+pub use error::{QmpError, RamBlockListError};

@@ -26,7 +26,7 @@ use crate::backend::{BResult, Backend};
 use crate::id::PackId;
 
 /// Concurrent reads of index objects or pack tails.
-pub const READERS: usize = 8;
+pub(crate) const READERS: usize = 8;
 
 /// Where a pack's entries are read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

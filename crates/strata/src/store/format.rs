@@ -7,10 +7,12 @@
 //! allocate unbounded memory. `docs/format-store.md` has the byte tables; the unit tests in
 //! each format file pin the offsets.
 
+use crate::endian;
+
 /// The on-disk format version this build writes and the newest it reads, for the store config,
 /// refs, leases and tree chunks. Packs and index objects have their own
 /// (`pack::PACK_VERSION`).
-pub const FORMAT_VERSION: u16 = 1;
+pub(crate) const FORMAT_VERSION: u16 = 1;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FormatError {
@@ -34,46 +36,40 @@ pub fn crc(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
 }
 
-/// A bounds-checked little-endian reader over a byte slice.
+/// A bounds-checked little-endian reader over a store object: [`endian::Reader`] with the
+/// object's name, so a short read reports which object is truncated.
 pub struct Rd<'a> {
-    buf: &'a [u8],
-    pos: usize,
+    r: endian::Reader<'a>,
     what: &'static str,
 }
 
 impl<'a> Rd<'a> {
     pub fn new(buf: &'a [u8], what: &'static str) -> Self {
-        Rd { buf, pos: 0, what }
+        Rd { r: endian::Reader::new(buf), what }
     }
     pub fn pos(&self) -> usize {
-        self.pos
+        self.r.pos()
+    }
+    fn short(&self, e: endian::Short) -> FormatError {
+        FormatError::Truncated { what: self.what, needed: e.needed, have: e.have }
     }
     pub fn bytes(&mut self, n: usize) -> FResult<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(
-            FormatError::Truncated {
-                what: self.what,
-                needed: (self.pos as u64).saturating_add(n as u64),
-                have: self.buf.len() as u64,
-            },
-        )?;
-        let s = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(s)
+        self.r.bytes(n).map_err(|e| self.short(e))
     }
     pub fn u8(&mut self) -> FResult<u8> {
-        Ok(self.bytes(1)?[0])
+        self.r.u8().map_err(|e| self.short(e))
     }
     pub fn u16(&mut self) -> FResult<u16> {
-        Ok(u16::from_le_bytes(self.bytes(2)?.try_into().unwrap()))
+        self.r.u16_le().map_err(|e| self.short(e))
     }
     pub fn u32(&mut self) -> FResult<u32> {
-        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().unwrap()))
+        self.r.u32_le().map_err(|e| self.short(e))
     }
     pub fn u64(&mut self) -> FResult<u64> {
-        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().unwrap()))
+        self.r.u64_le().map_err(|e| self.short(e))
     }
     pub fn arr<const N: usize>(&mut self) -> FResult<[u8; N]> {
-        Ok(self.bytes(N)?.try_into().unwrap())
+        self.r.array().map_err(|e| self.short(e))
     }
     /// Check the magic and the version (older or equal versions are accepted).
     pub fn magic_version(&mut self, magic: &'static [u8; 8]) -> FResult<u16> {

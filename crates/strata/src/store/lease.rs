@@ -38,10 +38,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-pub const LEASE_MAGIC: &[u8; 8] = b"STRALEAS";
-pub const LEASE_VERSION: u16 = 1;
-pub const MAX_LEASE_JSON: u64 = 4096;
-pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+pub(crate) const LEASE_MAGIC: &[u8; 8] = b"STRALEAS";
+pub(crate) const LEASE_VERSION: u16 = 1;
+pub(crate) const MAX_LEASE_JSON: u64 = 4096;
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -558,6 +558,7 @@ impl Drop for LeaseGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endian;
 
     fn rec() -> LeaseRecord {
         LeaseRecord {
@@ -577,12 +578,12 @@ mod tests {
     fn layout_is_pinned() {
         let b = rec().encode();
         assert_eq!(&b[0..8], b"STRALEAS");
-        assert_eq!(u16::from_le_bytes([b[8], b[9]]), 1);
-        assert_eq!(u16::from_le_bytes([b[10], b[11]]), 0);
-        let len = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+        assert_eq!(endian::le16(&b, 8), 1);
+        assert_eq!(endian::le16(&b, 10), 0);
+        let len = endian::le32(&b, 12) as usize;
         assert_eq!(b.len(), 16 + len + 4);
         assert_eq!(b[16], b'{');
-        assert_eq!(u32::from_le_bytes(b[16 + len..].try_into().unwrap()), crc(&b[..16 + len]));
+        assert_eq!(endian::le32(&b, 16 + len), crc(&b[..16 + len]));
         assert_eq!(LeaseRecord::decode(&b).unwrap(), rec());
     }
 

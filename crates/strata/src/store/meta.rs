@@ -16,6 +16,7 @@
 
 use super::pack::{ChunkKind, PackEntry};
 use crate::codec::Codec;
+use crate::endian;
 use crate::id::{ChunkId, PackId};
 use redb::{Database, Durability, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::path::{Path, PathBuf};
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 const CHUNKS: TableDefinition<&[u8; 32], &[u8; 48]> = TableDefinition::new("chunks");
 const PACKS: TableDefinition<&[u8; 16], u64> = TableDefinition::new("packs");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-pub const SCHEMA: u8 = 1;
+pub(crate) const SCHEMA: u8 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetaError {
@@ -71,12 +72,12 @@ pub fn encode_loc(pack: &PackId, e: &PackEntry) -> [u8; 48] {
 }
 
 pub fn decode_loc(id: ChunkId, b: &[u8; 48]) -> Option<(PackId, PackEntry)> {
-    let u32at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u32at = |o: usize| endian::le32(b, o);
     Some((
-        PackId(b[0..16].try_into().unwrap()),
+        PackId(endian::array(b, 0)),
         PackEntry {
             id,
-            frame_off: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            frame_off: endian::le64(b, 16),
             frame_len: u32at(24),
             frame_raw_len: u32at(28),
             off_in_frame: u32at(32),

@@ -52,11 +52,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub(crate) use read::decode_chunk;
-pub use read::LOCATE_BATCH;
-pub use session::{
-    Precompressed, Session, EARLY_SEAL_BUSY_BYTES, EARLY_SEAL_BYTES, EARLY_SEAL_FIRST_BYTES,
-    EARLY_SEAL_IDLE_BYTES, EARLY_SEAL_UPLOADS,
-};
+pub use session::{Precompressed, Session};
 pub use writer::Job;
 
 #[derive(Debug, thiserror::Error)]
@@ -349,8 +345,8 @@ impl Store {
                 open: Mutex::new(OpenPack {
                     builder: None,
                     no: u32::MAX,
-                    idle_seal_at: EARLY_SEAL_FIRST_BYTES,
-                    busy_seal_at: 2 * EARLY_SEAL_FIRST_BYTES,
+                    idle_seal_at: session::EARLY_SEAL_FIRST_BYTES,
+                    busy_seal_at: 2 * session::EARLY_SEAL_FIRST_BYTES,
                 }),
                 sealing: RwLock::new(()),
                 writer,

@@ -9,16 +9,17 @@
 //!   ids; the all-zero id is a hole. GC and `check` follow trees; everything else is data.
 
 use super::format::{cap, crc, zero, FResult, FormatError, Rd, Wr, FORMAT_VERSION};
+use crate::endian;
 use crate::id::ChunkId;
 
-pub const CONFIG_MAGIC: &[u8; 8] = b"STRACONF";
-pub const REF_MAGIC: &[u8; 8] = b"STRAREF\0";
-pub const TREE_MAGIC: &[u8; 4] = b"STRT";
-pub const MAX_REF_ROOTS: u64 = 65_536;
-pub const MAX_REF_PAYLOAD: u64 = 1 << 20;
-pub const MAX_TREE_CHILDREN: u64 = 1 << 18;
-pub const MAX_CONFIG_JSON: u64 = 64 << 10;
-pub const MAX_REF_NAME: usize = 255;
+pub(crate) const CONFIG_MAGIC: &[u8; 8] = b"STRACONF";
+pub(crate) const REF_MAGIC: &[u8; 8] = b"STRAREF\0";
+pub(crate) const TREE_MAGIC: &[u8; 4] = b"STRT";
+pub(crate) const MAX_REF_ROOTS: u64 = 65_536;
+pub(crate) const MAX_REF_PAYLOAD: u64 = 1 << 20;
+pub(crate) const MAX_TREE_CHILDREN: u64 = 1 << 18;
+pub(crate) const MAX_CONFIG_JSON: u64 = 64 << 10;
+pub(crate) const MAX_REF_NAME: usize = 255;
 
 /// Store-wide settings, persisted as the `config` object.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -176,7 +177,7 @@ impl Tree {
         cap(what, "children", n, MAX_TREE_CHILDREN)?;
         cap(what, "payload_len", plen, crate::codec::MAX_FRAME_RAW as u64)?;
         let ids = rd.bytes(n as usize * 32)?;
-        let children = ids.chunks_exact(32).map(|c| ChunkId(c.try_into().unwrap())).collect();
+        let children = ids.chunks_exact(32).map(|c| ChunkId(endian::array(c, 0))).collect();
         let payload = rd.bytes(plen as usize)?.to_vec();
         if rd.pos() != b.len() {
             return Err(FormatError::Malformed { what, detail: "trailing bytes".into() });
@@ -194,10 +195,10 @@ mod tests {
         let r = Ref { roots: vec![ChunkId([9; 32])], payload: b"{}".to_vec(), generation: 5 };
         let b = r.encode();
         assert_eq!(&b[0..8], b"STRAREF\0");
-        assert_eq!(u16::from_le_bytes([b[8], b[9]]), 1);
-        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 1, "root count at 12");
-        assert_eq!(u32::from_le_bytes(b[16..20].try_into().unwrap()), 2, "payload len at 16");
-        assert_eq!(u64::from_le_bytes(b[20..28].try_into().unwrap()), 5, "generation at 20");
+        assert_eq!(endian::le16(&b, 8), 1);
+        assert_eq!(endian::le32(&b, 12), 1, "root count at 12");
+        assert_eq!(endian::le32(&b, 16), 2, "payload len at 16");
+        assert_eq!(endian::le64(&b, 20), 5, "generation at 20");
         assert_eq!(&b[32..64], &[9u8; 32], "roots start at 32");
         assert_eq!(&b[64..66], b"{}");
         assert_eq!(b.len(), 70);
@@ -215,8 +216,8 @@ mod tests {
         let t = Tree { children: vec![ChunkId::ZERO, ChunkId([1; 32])], payload: vec![4, 5] };
         let b = t.encode();
         assert_eq!(&b[0..4], b"STRT");
-        assert_eq!(u32::from_le_bytes(b[8..12].try_into().unwrap()), 2);
-        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), 2);
+        assert_eq!(endian::le32(&b, 8), 2);
+        assert_eq!(endian::le32(&b, 12), 2);
         assert_eq!(&b[48..80], &[1u8; 32]);
         assert_eq!(Tree::decode(&b).unwrap(), t);
 

@@ -12,8 +12,8 @@
 //! is what says it is whole. On a network backend an upload is atomic (a listed object is
 //! whole), so the pack is its own index: a host opening the store reads the last
 //! [`PACK_TAIL_READ`] bytes of each pack it does not know ([`parse_pack_tail`]), never whole
-//! packs, and a save sends each table once (index objects were 2% of a memory save's bytes and
-//! half its requests). Index objects written earlier are still read.
+//! packs, and a save sends each table once (index objects would be 2% of a memory save's bytes
+//! and half its requests). Index objects already in such a store are read too.
 //!
 //! Packs and index objects have their own format version ([`PACK_VERSION`]). Version 2 stores
 //! the entry table as one zstd frame (level 1) followed by a CRC-32C of that frame: half of an
@@ -30,22 +30,22 @@ use table::{append_table, expand_table};
 
 mod table;
 
-pub const PACK_MAGIC: &[u8; 8] = b"STRAPACK";
-pub const PACK_END_MAGIC: &[u8; 8] = b"STRAPEND";
-pub const INDEX_MAGIC: &[u8; 8] = b"STRAINDX";
-pub const PACK_HEADER_LEN: usize = 32;
-pub const PACK_FOOTER_LEN: usize = 32;
-pub const ENTRY_LEN: usize = 64;
-pub const INDEX_HEADER_LEN: usize = 48;
+pub(crate) const PACK_MAGIC: &[u8; 8] = b"STRAPACK";
+pub(crate) const PACK_END_MAGIC: &[u8; 8] = b"STRAPEND";
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"STRAINDX";
+pub(crate) const PACK_HEADER_LEN: usize = 32;
+pub(crate) const PACK_FOOTER_LEN: usize = 32;
+pub(crate) const ENTRY_LEN: usize = 64;
+pub(crate) const INDEX_HEADER_LEN: usize = 48;
 /// Format version of packs and index objects this build writes, and the newest it reads:
 /// 2 = entry table compressed (one zstd frame, then its CRC-32C).
-pub const PACK_VERSION: u16 = 2;
+pub(crate) const PACK_VERSION: u16 = 2;
 /// The first version: the entry table is the raw 64-byte entries. Still read, never written.
 pub const PACK_VERSION_RAW: u16 = 1;
 /// Most chunks one pack may hold.
-pub const MAX_ENTRIES: u64 = 1 << 20;
+pub(crate) const MAX_ENTRIES: u64 = 1 << 20;
 /// Largest pack accepted (4 GiB).
-pub const MAX_PACK_SIZE: u64 = 4 << 30;
+pub(crate) const MAX_PACK_SIZE: u64 = 4 << 30;
 
 /// What a chunk holds; trees name other chunks and are followed by GC and `check`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -441,10 +441,10 @@ pub fn parse_pack(b: &[u8]) -> FResult<(PackId, Vec<PackEntry>)> {
 /// and, in one request, the compressed table of packs of up to ~900 chunks (~35 bytes per
 /// entry compressed). The 1 MiB packs of a 128 MiB memory save had 4.5-30 KB tables, a 16 MiB
 /// disk pack of 64 KiB blocks ~10-20 KB. A larger table takes a second, exact read.
-pub const PACK_TAIL_READ: u64 = 32 << 10;
+pub(crate) const PACK_TAIL_READ: u64 = 32 << 10;
 
 /// Largest trailer [`parse_pack_tail`] asks for: raw version-1 entries at [`MAX_ENTRIES`].
-pub const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
+pub(crate) const MAX_TRAILER_LEN: u64 = MAX_ENTRIES * ENTRY_LEN as u64;
 
 /// What the last bytes of a pack say (see [`parse_pack_tail`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -600,6 +600,7 @@ impl IndexObject {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endian;
 
     #[test]
     fn frame_from_parts_is_the_joined_raw_frame() {
@@ -636,20 +637,20 @@ mod tests {
     /// Where a pack's trailer is: (trailer offset, footer offset).
     fn trailer_of(bytes: &[u8]) -> (usize, usize) {
         let n = bytes.len();
-        (u64::from_le_bytes(bytes[n - 24..n - 16].try_into().unwrap()) as usize, n - 32)
+        (endian::le64(bytes, n - 24) as usize, n - 32)
     }
 
     #[test]
     fn pack_layout_is_pinned() {
         let (bytes, entries) = sample_pack();
         assert_eq!(&bytes[0..8], b"STRAPACK");
-        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), 2, "format version at offset 8");
+        assert_eq!(endian::le16(&bytes, 8), 2, "format version at offset 8");
         assert_eq!(&bytes[12..28], &[7u8; 16], "pack id at offset 12");
-        assert_eq!(u32::from_le_bytes(bytes[28..32].try_into().unwrap()), crc(&bytes[..28]));
+        assert_eq!(endian::le32(&bytes, 28), crc(&bytes[..28]));
         assert_eq!(entries[0].frame_off, 32, "first frame follows the 32-byte header");
         let n = bytes.len();
         assert_eq!(&bytes[n - 8..], b"STRAPEND");
-        let count = u64::from_le_bytes(bytes[n - 32..n - 24].try_into().unwrap());
+        let count = endian::le64(&bytes, n - 32);
         let (trailer, footer) = trailer_of(&bytes);
         assert_eq!(count, 3);
         assert_eq!(
@@ -660,29 +661,22 @@ mod tests {
         // Trailer: one zstd frame of the 64-byte entries, then the CRC-32C of that frame.
         let frame = &bytes[trailer..footer - 4];
         assert_eq!(&frame[..4], &[0x28, 0xb5, 0x2f, 0xfd], "zstd magic");
-        assert_eq!(u32::from_le_bytes(bytes[footer - 4..footer].try_into().unwrap()), crc(frame));
+        assert_eq!(endian::le32(&bytes, footer - 4), crc(frame));
         let raw = zstd::bulk::decompress(frame, 1 << 20).unwrap();
         assert_eq!(raw.len(), 3 * 64);
-        assert_eq!(
-            u32::from_le_bytes(bytes[n - 16..n - 12].try_into().unwrap()),
-            crc(&raw),
-            "CRC of the raw entries"
-        );
-        assert_eq!(
-            u32::from_le_bytes(bytes[n - 12..n - 8].try_into().unwrap()),
-            crc(&bytes[n - 32..n - 12])
-        );
+        assert_eq!(endian::le32(&bytes, n - 16), crc(&raw), "CRC of the raw entries");
+        assert_eq!(endian::le32(&bytes, n - 12), crc(&bytes[n - 32..n - 12]));
         // Entry layout: id 0..32, frame_off 32..40, frame_len 40..44, frame_raw 44..48,
         // off_in_frame 48..52, raw_len 52..56, codec 56, level 57, kind 58, crc 60..64.
         let e2 = &raw[128..192];
         assert_eq!(&e2[0..32], entries[2].id.as_bytes());
-        assert_eq!(u64::from_le_bytes(e2[32..40].try_into().unwrap()), 32 + 4096);
-        assert_eq!(u32::from_le_bytes(e2[40..44].try_into().unwrap()), entries[2].frame_len);
-        assert_eq!(u32::from_le_bytes(e2[44..48].try_into().unwrap()), 8192);
-        assert_eq!(u32::from_le_bytes(e2[48..52].try_into().unwrap()), 4096);
-        assert_eq!(u32::from_le_bytes(e2[52..56].try_into().unwrap()), 4096);
+        assert_eq!(endian::le64(e2, 32), 32 + 4096);
+        assert_eq!(endian::le32(e2, 40), entries[2].frame_len);
+        assert_eq!(endian::le32(e2, 44), 8192);
+        assert_eq!(endian::le32(e2, 48), 4096);
+        assert_eq!(endian::le32(e2, 52), 4096);
         assert_eq!((e2[56], e2[57], e2[58], e2[59]), (1, 0, 1, 0), "lz4, level 0, tree, reserved");
-        assert_eq!(u32::from_le_bytes(e2[60..64].try_into().unwrap()), entries[2].frame_crc);
+        assert_eq!(endian::le32(e2, 60), entries[2].frame_crc);
         let (id, parsed) = parse_pack(&bytes).unwrap();
         assert_eq!(id, PackId([7; 16]));
         assert_eq!(parsed, entries);
@@ -699,17 +693,17 @@ mod tests {
         let idx = IndexObject { pack: PackId([7; 16]), pack_size: bytes.len() as u64, entries };
         let enc = idx.encode();
         assert_eq!(&enc[0..8], b"STRAINDX");
-        assert_eq!(u16::from_le_bytes([enc[8], enc[9]]), 2, "format version at offset 8");
+        assert_eq!(endian::le16(&enc, 8), 2, "format version at offset 8");
         assert_eq!(&enc[12..28], &[7u8; 16]);
-        assert_eq!(u64::from_le_bytes(enc[28..36].try_into().unwrap()), bytes.len() as u64);
-        assert_eq!(u32::from_le_bytes(enc[36..40].try_into().unwrap()), 3);
+        assert_eq!(endian::le64(&enc, 28), bytes.len() as u64);
+        assert_eq!(endian::le32(&enc, 36), 3);
         let n = bytes.len();
         assert_eq!(
             &enc[40..44],
             &bytes[n - 16..n - 12],
             "CRC of the raw entries, as in the pack footer"
         );
-        assert_eq!(u32::from_le_bytes(enc[44..48].try_into().unwrap()), crc(&enc[..44]));
+        assert_eq!(endian::le32(&enc, 44), crc(&enc[..44]));
         // The body is the pack's trailer byte for byte.
         let (trailer, footer) = trailer_of(&bytes);
         assert_eq!(&enc[48..], &bytes[trailer..footer]);

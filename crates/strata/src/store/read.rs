@@ -12,7 +12,7 @@ use crate::id::{ChunkId, PackId};
 
 /// Ids located per hold of the index lock by [`Store::locate_many`]: a writer (a save
 /// sealing a pack) waits at most this many lookups (~0.2 ms).
-pub const LOCATE_BATCH: usize = 4096;
+pub(crate) const LOCATE_BATCH: usize = 4096;
 
 impl Store {
     pub fn contains(&self, id: &ChunkId) -> bool {

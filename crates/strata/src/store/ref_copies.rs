@@ -30,13 +30,13 @@ use super::objects::{valid_ref_name, Ref};
 
 const TARGET: &str = "strata::store::ref_copies";
 
-pub const REF_COPY_MAGIC: &[u8; 8] = b"STRARCPY";
+pub(crate) const REF_COPY_MAGIC: &[u8; 8] = b"STRARCPY";
 /// Format version of a ref copy file (separate from the ref's own, which is inside).
-pub const REF_COPY_VERSION: u16 = 1;
+pub(crate) const REF_COPY_VERSION: u16 = 1;
 /// Largest ref kept (the ref object's bytes).
-pub const MAX_REF_BYTES: u64 = 256 << 10;
+pub(crate) const MAX_REF_BYTES: u64 = 256 << 10;
 /// Files kept at most.
-pub const MAX_COPIES: usize = 4096;
+pub(crate) const MAX_COPIES: usize = 4096;
 const HEADER: usize = 28;
 
 /// Encode a copy of ref `name` (`r`), written at `saved_unix_ms`.
@@ -198,6 +198,7 @@ impl RefCopies {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endian;
     use crate::id::ChunkId;
 
     fn a_ref(g: u64) -> Ref {
@@ -209,28 +210,17 @@ mod tests {
         let r = a_ref(3);
         let b = encode("vm/a", &r, 0x1122_3344_5566);
         assert_eq!(&b[0..8], b"STRARCPY");
-        assert_eq!(u16::from_le_bytes([b[8], b[9]]), 1, "version at 8");
-        assert_eq!(u16::from_le_bytes([b[10], b[11]]), 0, "flags at 10");
-        assert_eq!(u16::from_le_bytes([b[12], b[13]]), 4, "name length at 12");
-        assert_eq!(u16::from_le_bytes([b[14], b[15]]), 0, "reserved at 14");
+        assert_eq!(endian::le16(&b, 8), 1, "version at 8");
+        assert_eq!(endian::le16(&b, 10), 0, "flags at 10");
+        assert_eq!(endian::le16(&b, 12), 4, "name length at 12");
+        assert_eq!(endian::le16(&b, 14), 0, "reserved at 14");
         let body = r.encode();
-        assert_eq!(
-            u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize,
-            body.len(),
-            "ref length at 16"
-        );
-        assert_eq!(
-            u64::from_le_bytes(b[20..28].try_into().unwrap()),
-            0x1122_3344_5566,
-            "saved at 20"
-        );
+        assert_eq!(endian::le32(&b, 16) as usize, body.len(), "ref length at 16");
+        assert_eq!(endian::le64(&b, 20), 0x1122_3344_5566, "saved at 20");
         assert_eq!(&b[28..32], b"vm/a", "name at 28");
         assert_eq!(&b[32..32 + body.len()], &body[..], "the ref verbatim after the name");
         assert_eq!(b.len(), 32 + body.len() + 4);
-        assert_eq!(
-            u32::from_le_bytes(b[b.len() - 4..].try_into().unwrap()),
-            crc(&b[..b.len() - 4])
-        );
+        assert_eq!(endian::le32(&b, b.len() - 4), crc(&b[..b.len() - 4]));
         assert_eq!(decode(&b).unwrap(), ("vm/a".to_string(), r, 0x1122_3344_5566));
         for cut in 0..b.len() {
             assert!(decode(&b[..cut]).is_err(), "cut at {cut}");

@@ -17,36 +17,35 @@ use std::sync::Arc;
 /// Smallest pack sealed early while one pack is waiting or uploading, on a network backend:
 /// a second upload starts once this much is ready, so the link has two in flight and one
 /// request's latency is hidden behind the other. While both are in flight packs grow, so a
-/// large save does not pay a request per pack-let. History: 1 MiB from session 5 (4 MiB then
-/// left a 128 MiB save one upload at a time for its first 100 ms); 8 MiB since session 11,
-/// when a 128 MiB save made ~45 objects of ~0.5 MB and the server's per-object work (request,
-/// file, fsync) was what the 2-core host ran short of: over 12 alternating rounds each
-/// (`bench save-restore --remote --sizes 128`), 2 MiB / 8 MiB made 11–17 objects instead of 33–50, cut
-/// versitygw's CPU per restore from 0.12–0.18 to 0.07–0.13 s, and the median save from 0.40
-/// to 0.355 s; restores were within the noise (docs/results/README.md, session 11). Since
-/// session 34 a burst reaches it by doubling from twice [`EARLY_SEAL_FIRST_BYTES`] (512 KiB,
-/// 1, 2, 4, 8 MiB), one busy seal at a time: before, a save's first uploads went one at a
-/// time (each sealed idle, as the last one's reply came), and the link idled ~10-15 ms of the
-/// first 40 (`scripts/link-trace.py`, 512 MiB saves).
-pub const EARLY_SEAL_BYTES: u64 = 8 << 20;
+/// large save does not pay a request per pack-let. 8 MiB because the server's per-object work
+/// (request, file, fsync) is what a 2-core host runs short of: over 12 alternating rounds
+/// each (`bench save-restore --remote --sizes 128`), 2 MiB / 8 MiB make 11–17 objects of a
+/// 128 MiB save instead of 33–50 at 1 MiB, cut versitygw's CPU per restore from 0.12–0.18 to
+/// 0.07–0.13 s and the median save from 0.40 to 0.355 s, with restores within the noise
+/// (docs/results/README.md); 4 MiB leaves a 128 MiB save one upload at a time for its first
+/// 100 ms. A burst reaches it by doubling from twice [`EARLY_SEAL_FIRST_BYTES`] (512 KiB, 1,
+/// 2, 4, 8 MiB), one busy seal at a time, so a save's first uploads overlap instead of going
+/// one at a time (each sealed idle, as the last one's reply comes), which idles the link
+/// ~10-15 ms of the first 40 (`scripts/link-trace.py`, 512 MiB saves).
+pub(crate) const EARLY_SEAL_BYTES: u64 = 8 << 20;
 /// Smallest pack sealed early while nothing is uploading: the link would otherwise idle until
-/// more is ready. 2 MiB (was 256 KiB): the first upload leaves ~20 ms into a 128 MiB save
-/// instead of ~3 ms, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
-pub const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
+/// more is ready. 2 MiB: the first upload leaves ~20 ms into a 128 MiB save instead of ~3 ms
+/// at 256 KiB, for a third of the objects (see [`EARLY_SEAL_BYTES`]).
+pub(crate) const EARLY_SEAL_IDLE_BYTES: u64 = 2 << 20;
 /// The first pack sealed early after a ref commit (the start of a save): the idle-seal size then
 /// doubles per idle seal up to [`EARLY_SEAL_IDLE_BYTES`] (256 KiB, 512 KiB, 1 MiB, 2 MiB), so a
 /// save's first upload leaves a few ms after its first page instead of ~18 ms (a 2 MiB pack),
 /// for three extra small objects. TCP slow start, the other way round.
-pub const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
+pub(crate) const EARLY_SEAL_FIRST_BYTES: u64 = 256 << 10;
 /// A network backend's open pack is sealed early while fewer packs than this are waiting or
 /// uploading: two small uploads in flight hide a request's latency, one would leave the link
 /// idle between them (measured: ~60 MB/s of a 1 Gbit/s link with one).
-pub const EARLY_SEAL_UPLOADS: usize = 2;
+pub(crate) const EARLY_SEAL_UPLOADS: usize = 2;
 /// [`Session::seal_for_upload`] leaves the open pack alone while this many bytes of sealed packs
 /// are waiting or uploading: ~9 ms of a 1 Gbit/s link, several times the 1-3 ms a save takes
 /// to write its page maps, so the link stays busy meanwhile and the last pages go up with
 /// the maps, in one object.
-pub const EARLY_SEAL_BUSY_BYTES: u64 = 1 << 20;
+pub(crate) const EARLY_SEAL_BUSY_BYTES: u64 = 1 << 20;
 
 /// A frame its caller compressed already (a memory save's codec sample): the ids of the
 /// chunks joined into it, in order, and the stored bytes under the frame's codec (None: the
@@ -94,10 +93,10 @@ impl Store {
     /// while [`EARLY_SEAL_UPLOADS`] packs are already waiting or uploading: the link then stays
     /// busy while the maps are written (1-3 ms), so the last pages wait for them and go up in
     /// the same pack, one object fewer at the end of the save (one request, and one sync on a
-    /// durable server, session 36). Likewise while [`EARLY_SEAL_BUSY_BYTES`] or more of sealed
-    /// packs are waiting or uploading (session 40): a 4 MiB pack sealed just before the
-    /// stream's end keeps the link busy for tens of ms, and an early seal then only added a
-    /// pack, and a sync at the end, to the save.
+    /// durable server). Likewise while [`EARLY_SEAL_BUSY_BYTES`] or more of sealed packs are
+    /// waiting or uploading: a 4 MiB pack sealed just before the stream's end keeps the link
+    /// busy for tens of ms, and an early seal would only add a pack, and a sync at the end, to
+    /// the save.
     pub fn seal_for_upload(&self) -> Result<()> {
         let uploads = &self.inner.sh.uploads;
         if !self.inner.early_seal

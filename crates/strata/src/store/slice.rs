@@ -34,13 +34,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Bytes per verified piece (4 BLAKE3 chunks).
-pub const PIECE: usize = 4096;
+pub(crate) const PIECE: usize = 4096;
 /// Largest chunk whose piece CVs are kept (256 CVs, 8 KiB).
 const MAX_SLICED: usize = 1 << 20;
 /// Default budget for piece CVs: about 7 GiB of 64 KiB blocks.
-pub const DEFAULT_CV_BYTES: usize = 64 << 20;
+pub(crate) const DEFAULT_CV_BYTES: usize = 64 << 20;
 /// Default budget for decompressed chunk data.
-pub const DEFAULT_DATA_BYTES: usize = 256 << 20;
+pub(crate) const DEFAULT_DATA_BYTES: usize = 256 << 20;
 /// Rough per-entry overhead counted against a budget (map slot, queue slot, Arc header).
 const ENTRY_OVERHEAD: usize = 96;
 
@@ -112,9 +112,12 @@ impl Default for SliceCache {
     }
 }
 
+/// The range reads that go to one pack: (request index, location, what to fetch) each.
+type PackGroup = (PackId, Vec<(usize, Loc, Want)>);
+
 /// Whether a chunk of `len` bytes is verified piece by piece.
 pub fn sliceable(len: usize) -> bool {
-    len % PIECE == 0 && (2 * PIECE..=MAX_SLICED).contains(&len)
+    len.is_multiple_of(PIECE) && (2 * PIECE..=MAX_SLICED).contains(&len)
 }
 
 /// The CV of piece `i` of a sliceable chunk.
@@ -280,8 +283,8 @@ impl Store {
             let want = self.want(&r.id, &loc, r.offset, r.buf.len());
             by_pack.entry(pid).or_default().push((i, loc, want));
         }
-        let groups: Vec<(PackId, Vec<(usize, Loc, Want)>)> = by_pack.into_iter().collect();
-        let fetch = |(pid, items): &(PackId, Vec<(usize, Loc, Want)>)| {
+        let groups: Vec<PackGroup> = by_pack.into_iter().collect();
+        let fetch = |(pid, items): &PackGroup| {
             let ranges: Vec<(u64, u64)> = items
                 .iter()
                 .map(|(_, loc, w)| match w {

@@ -2,10 +2,12 @@
 
 use super::objects::{Ref, Tree};
 use super::pack::ChunkKind;
+use super::session::*;
 use super::*;
 use crate::backend::fault::FaultBackend;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
+use crate::endian;
 use crate::progress::NoProgress;
 use check::CheckOptions;
 
@@ -432,8 +434,7 @@ fn network_backend_seals_early_and_each_pack_indexes_itself() {
     let other =
         Store::open(Arc::new(SlowNetwork::new(mem.clone())), &d.path().join("other.redb")).unwrap();
     assert_eq!(other.get(&ids[0]).unwrap(), data(1000, 64 << 10));
-    let rep =
-        other.check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress).unwrap();
+    let rep = other.check(CheckOptions { read_data: true }, &NoProgress).unwrap();
     assert!(rep.problems.is_empty() && rep.packs == packs, "{rep:?}");
     drop(other);
     // A local-style backend (not network) keeps one pack for the same data.
@@ -713,7 +714,7 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
     let big = s.inner.sh.uploads.pending_bytes();
     assert!(big >= EARLY_SEAL_BUSY_BYTES, "the held upload is {big} bytes");
     // The held pack's put begins on an uploader thread a moment after its seal counts as
-    // pending (a loaded CI host took long enough for the count below to miss it, session 42).
+    // pending (on a loaded CI host, long enough for the count below to miss it).
     let t = std::time::Instant::now();
     while sizes.lock().unwrap().len() < sealed {
         assert!(
@@ -752,7 +753,7 @@ fn seal_for_upload_leaves_the_open_pack_while_a_big_upload_is_running() {
 }
 
 /// A pack's buffer comes back for the next open pack as soon as its put finishes, before any
-/// flush makes it durable (a disk fold used to fill ~30 fresh 32 MiB buffers and hold them
+/// flush makes it durable (otherwise a disk fold fills ~30 fresh 32 MiB buffers and holds them
 /// all until its commit); reads of such a pack go to the backend; spares are dropped with
 /// the last session.
 #[test]
@@ -896,8 +897,7 @@ fn network_store_reads_big_pack_tables_and_reports_damaged_tails() {
     let packs = mem.list("packs/").unwrap();
     let big = packs.iter().max_by_key(|o| o.size).unwrap();
     let bytes = mem.get(&big.key).unwrap();
-    let trailer_off =
-        u64::from_le_bytes(bytes[bytes.len() - 24..bytes.len() - 16].try_into().unwrap());
+    let trailer_off = endian::le64(&bytes, bytes.len() - 24);
     assert!(
         big.size - trailer_off > crate::store::pack::PACK_TAIL_READ,
         "table of {} bytes fits one read",
@@ -978,10 +978,7 @@ fn network_pack_buffers_return_when_the_upload_is_acknowledged() {
     for (id, c) in &ids {
         assert_eq!(&s.get(id).unwrap(), c);
     }
-    assert!(!s
-        .check(CheckOptions { read_data: true, ..Default::default() }, &NoProgress)
-        .unwrap()
-        .is_damaged());
+    assert!(!s.check(CheckOptions { read_data: true }, &NoProgress).unwrap().is_damaged());
 }
 
 /// `commit_new_ref` writes a new name, and refuses (writing nothing) one that exists.
@@ -1008,7 +1005,7 @@ fn locate_many_matches_locate_across_lock_batches() {
     let ses = s.session();
     // More ids than one lock hold covers, with absent ids in between.
     let mut ids = Vec::new();
-    for i in 0..(crate::store::LOCATE_BATCH as u64 + 100) {
+    for i in 0..(crate::store::read::LOCATE_BATCH as u64 + 100) {
         if i % 97 == 0 {
             ids.push(ChunkId::of(format!("absent {i}").as_bytes()));
         } else {

@@ -30,7 +30,7 @@ use crate::id::ChunkId;
 const TARGET: &str = "strata::store::tree_cache";
 
 /// Cap on the bytes kept.
-pub const TREE_CACHE_BYTES: u64 = 256 << 20;
+pub(crate) const TREE_CACHE_BYTES: u64 = 256 << 20;
 /// Largest tree chunk kept (a leaf of 2048 ids is 64 KiB plus a header).
 const MAX_ENTRY: usize = 1 << 20;
 

@@ -35,7 +35,7 @@ use std::thread::JoinHandle;
 
 pub enum Job {
     Pack { no: u32, id: PackId, bytes: Arc<Vec<u8>>, entries: Vec<PackEntry> },
-    Flush(mpsc::Sender<std::result::Result<(), String>>),
+    Flush(mpsc::Sender<Result<()>>),
 }
 
 pub(crate) struct WriterHandle {
@@ -90,7 +90,7 @@ impl WriterHandle {
         self.send(Job::Flush(rtx))?;
         match rrx.recv() {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(reason)) => Err(StoreError::Poisoned { reason }),
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(self.gone()),
         }
     }
@@ -199,9 +199,9 @@ impl UploadMeter {
 /// Pack uploads in flight at once. Several keep a network link busy while requests are being
 /// set up or finished by the server (a serial writer idles the link between PUTs; with two, a
 /// 2 GiB save to S3 over 1 Gbit/s moved only ~60 MB/s), and cost little on a local disk.
-pub const UPLOADS: usize = 4;
+pub(crate) const UPLOADS: usize = 4;
 /// Index objects written at once by a flush (small objects: latency-bound on a remote backend).
-pub const INDEX_PUTS: usize = 8;
+pub(crate) const INDEX_PUTS: usize = 8;
 
 type PutResult = std::result::Result<Written, crate::backend::BackendError>;
 type PutJob = Box<dyn FnOnce() -> PutResult + Send>;
@@ -230,10 +230,10 @@ impl Upload {
 }
 
 /// [`UPLOADS`] long-lived upload threads, started with the first pack. A thread spawned per
-/// upload (before session 35) started late on a busy 2-core host: a new thread waits behind
-/// the running ones (the scheduler's start debit), while a sleeping one is woken ahead of
-/// them, and a save's first uploads went out 1-2 ms after their packs were sealed, with the
-/// link idle (debug trace of a 128 MiB save to S3).
+/// upload starts late on a busy 2-core host: a new thread waits behind the running ones (the
+/// scheduler's start debit), while a sleeping one is woken ahead of them, so a save's first
+/// uploads would go out 1-2 ms after their packs are sealed, with the link idle (debug trace
+/// of a 128 MiB save to S3).
 struct Uploaders {
     tx: Option<mpsc::Sender<(PutJob, SyncSender<std::thread::Result<PutResult>>)>>,
     threads: Vec<JoinHandle<()>>,
@@ -294,8 +294,8 @@ fn reap(
                 sh.stats.packs_written.fetch_add(1, Ordering::Relaxed);
                 // The put is done, so the pack is readable from the backend: reads go there,
                 // and the buffer serves the next open pack at once instead of fresh memory
-                // (~250 page faults per MiB; a disk fold of 1 GiB used to fill ~30 fresh
-                // 32 MiB buffers and hold them all until its flush). An acknowledged network
+                // (~250 page faults per MiB; without reuse a disk fold of 1 GiB fills ~30 fresh
+                // 32 MiB buffers and holds them all until its flush). An acknowledged network
                 // put is also durable now; a local pack becomes durable at the next flush
                 // (its directory entry is synced there).
                 let mut idx = sh.index.write();
@@ -385,11 +385,7 @@ fn run(sh: Arc<Shared>, rx: Receiver<Job>, meta: mpsc::Sender<MetaRows>) {
                 while !inflight.is_empty() {
                     reap(&sh, &mut inflight, &mut written);
                 }
-                let r = commit(&sh, &mut written, &meta).map_err(|e| match e {
-                    StoreError::Poisoned { reason } => reason,
-                    other => other.to_string(),
-                });
-                let _ = reply.send(r);
+                let _ = reply.send(commit(&sh, &mut written, &meta));
             }
         }
     }

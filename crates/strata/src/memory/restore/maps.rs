@@ -219,7 +219,7 @@ pub(crate) fn read_maps(
                                     key: format!("chunk {leaf}"),
                                     source: crate::store::format::FormatError::Malformed {
                                         what: "page map slot table",
-                                        detail,
+                                        detail: detail.to_string(),
                                     },
                                 },
                             )

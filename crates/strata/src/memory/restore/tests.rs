@@ -78,7 +78,7 @@ fn map_reads_return_slot_tables() {
     let (i, e) = read_maps(&store, &[root, bad_root], 2).unwrap_err();
     assert_eq!(i, 1);
     assert!(
-        crate::error::error_chain(&e).contains("slot table names entry 200 of a leaf of 100"),
+        crate::error::error_chain(&e).contains("Slot table names entry 200 of a leaf of 100"),
         "{}",
         crate::error::error_chain(&e)
     );

@@ -133,19 +133,8 @@ pub fn record_word(addr: u64, kind: RecordKind, cont: bool) -> [u8; 8] {
     ((addr & PAGE_MASK) | flag | c).to_be_bytes()
 }
 
-/// Read a big-endian u32 at `at` (the caller checked the length).
-#[inline]
-pub fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-/// Read a big-endian u64 at `at` (the caller checked the length).
-#[inline]
-pub fn be64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_be_bytes(a)
-}
+/// Big-endian reads at a fixed offset, for callers that checked the length.
+pub use crate::endian::{be32, be64};
 
 /// Append an idstr (u8 length + bytes). Names longer than 255 bytes cannot be encoded.
 pub fn put_idstr(out: &mut Vec<u8>, name: &str) -> Result<(), usize> {

@@ -10,13 +10,14 @@
 
 use super::super::format::{crc, FResult, FormatError, Wr};
 use super::ENTRY_LEN;
+use crate::endian;
 use std::cell::RefCell;
 
 /// zstd level of entry tables (level 3 saves only ~1% more, at twice the CPU).
 const LEVEL: i32 = 1;
 /// The CRC-32C after the zstd frame.
-pub const TABLE_CRC_LEN: usize = 4;
-pub const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+pub(crate) const TABLE_CRC_LEN: usize = 4;
+pub(crate) const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
 /// Largest raw block of a zstd frame.
 const MAX_BLOCK: usize = 128 << 10;
 
@@ -83,7 +84,7 @@ pub(super) fn expand_table(table: &[u8], count: u64, what: &'static str) -> FRes
         });
     }
     let (frame, stored_crc) = table.split_at(table.len() - TABLE_CRC_LEN);
-    if crc(frame) != u32::from_le_bytes(stored_crc.try_into().unwrap_or_default()) {
+    if crc(frame) != endian::le32(stored_crc, 0) {
         return Err(FormatError::Checksum { what });
     }
     if frame[..4] != ZSTD_MAGIC {

@@ -4,7 +4,7 @@
 //! their pages in the store (each freshly booted Linux guest still differs from its twin in
 //! about 15 MB of kernel state: slab objects, timestamps, page tables).
 //!
-//! Run: cargo test -p strata --test memory_guest (builds target/fixtures on first use).
+//! Run: cargo test -p strata --test guest memory:: (builds target/fixtures on first use).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

@@ -1,4 +1,4 @@
-//! The conformance checks against real NBD clients, shared by `nbd_peers.rs` (a sparse file
+//! The conformance checks against real NBD clients, shared by `file_peers.rs` (a sparse file
 //! export) and `disk_peers.rs` (a copy-on-write strata disk): qemu-img, qemu-io, nbdinfo,
 //! nbdcopy, fio's nbd engine, nbdfuse + losetup + mkfs.ext4 + fsck, and QEMU's block layer.
 //! Every check reads the data back, not just exit codes. Each test takes the suite's server

@@ -467,7 +467,7 @@ pub fn read_exact(s: &mut impl Read, n: usize) -> io::Result<Vec<u8>> {
 }
 
 fn be32(b: &[u8]) -> u32 {
-    u32::from_be_bytes(b[..4].try_into().unwrap())
+    strata::endian::be32(b, 0)
 }
 
 impl Client {
@@ -521,10 +521,10 @@ impl Client {
         }
         for (rep, data) in &replies {
             if *rep == REP_INFO {
-                match u16::from_be_bytes([data[0], data[1]]) {
+                match strata::endian::be16(data, 0) {
                     INFO_EXPORT => {
-                        c.size = u64::from_be_bytes(data[2..10].try_into().unwrap());
-                        c.tflags = u16::from_be_bytes([data[10], data[11]]);
+                        c.size = strata::endian::be64(data, 2);
+                        c.tflags = strata::endian::be16(data, 10);
                     }
                     INFO_BLOCK_SIZE => {
                         c.block = (be32(&data[2..]), be32(&data[6..]), be32(&data[10..]))
@@ -619,7 +619,7 @@ impl Client {
                 REPLY_TYPE_NONE => assert_eq!(c.len, 0),
                 REPLY_TYPE_OFFSET_DATA => {
                     let (base, len) = read.expect("data chunk for a non-read");
-                    let off = u64::from_be_bytes(payload[..8].try_into().unwrap());
+                    let off = strata::endian::be64(&payload, 0);
                     let n = payload.len() as u64 - 8;
                     assert!(
                         n > 0 && off >= base && off + n <= base + len as u64,
@@ -631,7 +631,7 @@ impl Client {
                 }
                 REPLY_TYPE_OFFSET_HOLE => {
                     let (base, len) = read.expect("hole chunk for a non-read");
-                    let off = u64::from_be_bytes(payload[..8].try_into().unwrap());
+                    let off = strata::endian::be64(&payload, 0);
                     let n = be32(&payload[8..]) as u64;
                     assert!(n > 0 && off >= base && off + n <= base + len as u64);
                     covered += n;
@@ -645,7 +645,7 @@ impl Client {
                 }
                 REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
                     let errno = be32(&payload);
-                    let mlen = u16::from_be_bytes([payload[4], payload[5]]) as usize;
+                    let mlen = strata::endian::be16(&payload, 4) as usize;
                     assert!(errno != 0 && 6 + mlen <= payload.len());
                     result = Some(Reply::Error(
                         errno,

@@ -1,8 +1,8 @@
 //! Stream parser + generator against a real qemu-system-x86_64 7.2 (TCG).
 //!
-//! Run: cargo test -p strata --test qemu_stream
+//! Run: cargo test -p strata --test memory stream::
 
-mod common;
+use crate::common;
 
 use std::fs;
 use std::io::Write;
@@ -73,7 +73,7 @@ fn roundtrip(tag: &str, machine: &str, mem: u32, with_guest: bool, via_socket: b
         let expect = (mem as u64 - 5) * 256 * 3 / 4;
         assert!(nonzero > expect, "only {nonzero} non-zero pages, expected > {expect}");
     }
-    let counter = u32::from_le_bytes(img.data[0][0x1004..0x1008].try_into().unwrap());
+    let counter = strata::endian::le32(&img.data[0], 0x1004);
     src.quit();
 
     // The same stream parsed whole and in 1-byte pieces gives the same summary.

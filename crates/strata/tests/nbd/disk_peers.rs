@@ -1,16 +1,13 @@
-//! strata DISKS over NBD against real clients: the same checks as `nbd_peers.rs` (qemu-img,
+//! strata DISKS over NBD against real clients: the same checks as `file_peers.rs` (qemu-img,
 //! qemu-io, nbdinfo, nbdcopy, fio's nbd engine, nbdfuse + losetup + mkfs.ext4 + fsck, QEMU's
-//! block layer; shared in `nbd_common/peers.rs`), but the export is a copy-on-write strata
+//! block layer; shared in `peers.rs`), but the export is a copy-on-write strata
 //! disk (`strata::serve::DiskExports`) instead of a plain file. "Reading the disk directly"
 //! means: flush and close every open volume (folding its log into the block map), then read
 //! the disk through a freshly opened `Volume`, so each check also covers compaction and
 //! reopening.
 
-#[path = "nbd_common/mod.rs"]
-mod common;
-#[path = "nbd_common/peers.rs"]
-#[macro_use]
-mod peers;
+use crate::common;
+use crate::peers;
 
 use std::sync::Arc;
 

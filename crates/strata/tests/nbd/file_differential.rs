@@ -1,11 +1,9 @@
 //! Differential test of the NBD server on a sparse file against `qemu-nbd` on a raw file:
-//! the shared body is `nbd_common/differential.rs` (also run on strata disks by
+//! the shared body is `differential.rs` (also run on strata disks by
 //! `disk_differential.rs`).
 
-#[path = "nbd_common/mod.rs"]
-mod common;
-#[path = "nbd_common/differential.rs"]
-mod differential;
+use crate::common;
+use crate::differential;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -10,9 +10,9 @@
 //!   anything;
 //! * `--no-delta` and `--base NAME` do what they say.
 //!
-//! Run: cargo test -p strata --test memory_delta
+//! Run: cargo test -p strata --test memory delta::
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -13,8 +13,7 @@
 //! - every byte equals the last acknowledged-flush value, or a value written after it;
 //! - `check` finds no damage, and nothing needed repair (opening is the whole recovery).
 
-#[path = "nbd_common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::*;
 use parking_lot::Mutex;

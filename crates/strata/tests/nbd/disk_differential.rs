@@ -1,12 +1,10 @@
 //! Differential test for strata DISKS: a copy-on-write disk served by
 //! `strata::serve::DiskExports` (imported from the same initial image, with log compactions at
 //! random points) against `qemu-nbd` on a raw file; the shared body is
-//! `nbd_common/differential.rs` (also run on a file export by `nbd_differential.rs`).
+//! `differential.rs` (also run on a file export by `file_differential.rs`).
 
-#[path = "nbd_common/mod.rs"]
-mod common;
-#[path = "nbd_common/differential.rs"]
-mod differential;
+use crate::common;
+use crate::differential;
 
 use std::path::Path;
 

@@ -2,8 +2,7 @@
 //! minimal client in `common`: replies, error codes, flags, block status, pipelining,
 //! legacy NBD_OPT_EXPORT_NAME, disconnect and shutdown.
 
-#[path = "nbd_common/mod.rs"]
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -265,7 +264,7 @@ fn legacy_export_name() {
         o.extend_from_slice(b"disk");
         sock.write_all(&o).unwrap();
         let r = read_exact(&mut sock, if no_zeroes { 10 } else { 134 }).unwrap();
-        assert_eq!(u64::from_be_bytes(r[..8].try_into().unwrap()), 1 << 20);
+        assert_eq!(strata::endian::be64(&r, 0), 1 << 20);
         let req = Request { flags: 0, command: Command::Read, handle: 99, offset: 0, len: 16 };
         sock.write_all(&req.to_bytes()).unwrap();
         let rep = read_exact(&mut sock, 32).unwrap();
@@ -299,7 +298,7 @@ fn go_to_unknown_export_can_retry() {
             break;
         }
         assert_eq!(h.reply, REP_SERVER);
-        let n = u32::from_be_bytes(d[..4].try_into().unwrap()) as usize;
+        let n = strata::endian::be32(&d, 0) as usize;
         names.push(String::from_utf8(d[4..4 + n].to_vec()).unwrap());
     }
     assert_eq!(names, vec!["disk", "mem"]);

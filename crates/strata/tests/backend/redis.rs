@@ -1,9 +1,8 @@
 //! The Redis backend against Debian's redis-server, single node and a 3-master cluster, each
 //! started on free loopback ports and killed by the test.
 
-#[path = "backend_common/mod.rs"]
-mod backend_common;
-use backend_common::CrashRun;
+use crate::common;
+use common::CrashRun;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use strata::backend::redis::{Durability, RedisBackend, RedisConfig, RedisError, REDIS_PACK_SIZE};
@@ -20,7 +19,7 @@ fn open(url: &str) -> RedisBackend {
 }
 
 fn chunk(i: u64, len: usize) -> Vec<u8> {
-    backend_common::chunk(i, len, 5)
+    common::chunk(i, len, 5)
 }
 
 #[test]
@@ -169,7 +168,7 @@ fn killing_redis_mid_write_loses_nothing_acknowledged() {
     .unwrap();
     let run = CrashRun { chunks: 32, chunk_len: 8192, alphabet: 5, jitter_ms: 20 };
     let killer = s.clone();
-    backend_common::kill_mid_write(
+    common::kill_mid_write(
         store,
         &run,
         move || killer.lock().unwrap().kill(),

@@ -1,8 +1,8 @@
 //! QMP client against a real qemu-system-x86_64 7.2.
 //!
-//! Run: cargo test -p strata --test qmp
+//! Run: cargo test -p strata --test memory qmp::
 
-mod common;
+use crate::common;
 
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};

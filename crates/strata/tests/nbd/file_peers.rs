@@ -1,14 +1,11 @@
 //! The NBD server against real clients: qemu-img, qemu-io, nbdinfo, nbdcopy, fio's nbd
 //! engine, nbdfuse + losetup + mkfs.ext4 + fsck, and QEMU's block layer, on a sparse file
-//! export. The checks live in `nbd_common/peers.rs` (shared with `disk_peers.rs`); every test
+//! export. The checks live in `peers.rs` (shared with `disk_peers.rs`); every test
 //! checks data, not just exit codes. Needs qemu-utils, libnbd-bin, fio, nbdfuse, e2fsprogs
 //! (and root for losetup/mount).
 
-#[path = "nbd_common/mod.rs"]
-mod common;
-#[path = "nbd_common/peers.rs"]
-#[macro_use]
-mod peers;
+use crate::common;
+use crate::peers;
 
 use std::sync::Arc;
 

@@ -2,9 +2,9 @@
 //! refused capabilities, a QEMU killed mid-save, a flipped byte or a lost pack, a target
 //! QEMU that does not match, and `--launch` from the recorded command line.
 //!
-//! Run: cargo test -p strata --test memory_failures
+//! Run: cargo test -p strata --test memory failures::
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,7 +99,7 @@ fn killed_qemu_leaves_no_checkpoint() {
 
 /// One writer per checkpoint name: while another store instance (another host, in effect)
 /// holds the name's lease, a save of that name fails, at its commit since the lease is taken
-/// beside the set-up (session 29), with nothing visible and the guest running again; once the
+/// beside the set-up, with nothing visible and the guest running again; once the
 /// lease is released the same save succeeds.
 #[test]
 fn a_name_another_instance_is_writing_is_not_saved() {

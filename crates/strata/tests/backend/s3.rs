@@ -1,9 +1,8 @@
 //! The S3 backend against a real S3 server: versitygw v1.8.0 (posix backend) on loopback,
 //! started and killed by each test. Needs `versitygw` (scripts/setup.sh installs it).
 
-#[path = "backend_common/mod.rs"]
-mod backend_common;
-use backend_common::CrashRun;
+use crate::common;
+use common::CrashRun;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use strata::backend::cache::{CacheBackend, CacheOptions};
@@ -26,7 +25,7 @@ fn server(dir: &std::path::Path) -> S3Server {
 use strata::error_chain as chain;
 
 fn chunk(i: u64, len: usize) -> Vec<u8> {
-    backend_common::chunk(i, len, 7) // compressible, like real disk data
+    common::chunk(i, len, 7) // compressible, like real disk data
 }
 
 #[test]
@@ -165,7 +164,7 @@ fn killing_the_server_mid_write_loses_nothing_acknowledged() {
     .unwrap();
     let run = CrashRun { chunks: 40, chunk_len: 16384, alphabet: 7, jitter_ms: 40 };
     let killer = s.clone();
-    backend_common::kill_mid_write(
+    common::kill_mid_write(
         store,
         &run,
         move || killer.lock().unwrap().kill(),

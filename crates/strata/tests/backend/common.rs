@@ -1,4 +1,4 @@
-//! Test support shared by the remote backends' tests (`backend_s3.rs`, `backend_redis.rs`).
+//! Test support shared by the remote backends' tests (`s3.rs`, `redis.rs`).
 //!
 //! [`kill_mid_write`] is the crash check every remote backend must pass: a store commits
 //! checkpoints in a loop while another thread kills the server at a moment the test does not

@@ -1,4 +1,4 @@
-//! Differential test, shared by `nbd_differential.rs` (this server on a sparse file) and
+//! Differential test, shared by `file_differential.rs` (this server on a sparse file) and
 //! `disk_differential.rs` (a strata disk imported from the same image, with log compactions
 //! at random points): the same seeded random sequence of NBD operations goes to our server
 //! and to `qemu-nbd` (serving a raw file), and both are checked

@@ -2,9 +2,9 @@
 //! checkpoints stored page by page, restored into a fresh QEMU, and compared page by page with
 //! the source's memory captured independently by QEMU itself (`migrate exec:cat`).
 //!
-//! Run: cargo test -p strata --test memory_roundtrip
+//! Run: cargo test -p strata --test memory roundtrip::
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -243,7 +243,7 @@ fn live(tag: &str, machine: &str, mem: u32, mode: Mode) {
     let got = capture(&mut dst, &dir.join("dst.bin"));
     let (bad, first) = diff_images(&later, &got, &guest_dirty);
     assert_eq!((bad, first), (0, None), "checkpoint differs from the guest beyond its dirty words");
-    let restored_counter = u32::from_le_bytes(got.data[0][0x1004..0x1008].try_into().unwrap());
+    let restored_counter = strata::endian::le32(&got.data[0], 0x1004);
     assert!(
         restored_counter >= c0 && restored_counter <= c1,
         "checkpoint counter {restored_counter} not within [{c0}, {c1}]"

@@ -7,9 +7,9 @@
 //! Also: a host restores from its own copy of a checkpoint's ref while it fetches the ref, and
 //! notices when another host has replaced or deleted the checkpoint since.
 //!
-//! Run: cargo test -p strata --test memory_s3
+//! Run: cargo test -p strata --test memory s3::
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
