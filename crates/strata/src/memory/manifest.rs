@@ -70,7 +70,7 @@ impl SlotTable {
     /// not whole entries, an index outside the leaf or not above the one before, and a slot of
     /// [`RUN_PAGES`] or more.
     pub fn parse(payload: &[u8], entries: usize) -> Result<SlotTable, String> {
-        if payload.len() % SLOT_ENTRY_BYTES != 0 {
+        if !payload.len().is_multiple_of(SLOT_ENTRY_BYTES) {
             return Err(format!(
                 "slot table of {} bytes is not whole {SLOT_ENTRY_BYTES}-byte entries",
                 payload.len()

@@ -112,11 +112,14 @@ fn gc_concurrent_with_writers_loses_nothing() {
     assert_eq!(rep.refs, 10);
 }
 
+/// Run once, when the backend call its key names happens.
+type Hook = Box<dyn FnOnce() + Send>;
+
 /// A memory backend that runs a hook once: before the first listing of a prefix
 /// (`list:packs/`) or after the first read of a key (`get:refs/a`); and can fail one read.
 struct HookBackend {
     inner: MemoryBackend,
-    hook: parking_lot::Mutex<Option<(String, Box<dyn FnOnce() + Send>)>>,
+    hook: parking_lot::Mutex<Option<(String, Hook)>>,
     fail_next_get: parking_lot::Mutex<Option<String>>,
 }
 

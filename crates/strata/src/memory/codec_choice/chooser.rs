@@ -173,7 +173,7 @@ impl Chooser {
             return n < WARMUP_SAMPLES * WARMUP_SPREAD && n % WARMUP_SPREAD == WARMUP_SPREAD - 1
                 || n.is_multiple_of(SAMPLE_EVERY) && n >= WARMUP_SAMPLES * WARMUP_SPREAD;
         }
-        n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0
+        n < WARMUP_SAMPLES || n.is_multiple_of(SAMPLE_EVERY)
     }
 
     /// The codec for the next frame. When `sample` holds the frame's new (not yet stored)

@@ -61,7 +61,7 @@ fn find_runs(
     let mut sorted: Vec<ChunkId> = Vec::with_capacity(RUN_PAGES);
     while i + RUN_PAGES <= n {
         let (b0, p0, _) = batch.pages[i];
-        if p0 as usize % RUN_PAGES != 0 {
+        if !(p0 as usize).is_multiple_of(RUN_PAGES) {
             i += 1;
             continue;
         }
