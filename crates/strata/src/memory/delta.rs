@@ -348,9 +348,9 @@ pub const READ_PER_SAVED: u64 = 2;
 
 /// Frames of base chunks, decompressed, the last [`BASE_FRAMES`] read. A live checkpoint's
 /// dirtied pages lie side by side, and so do their base pages in the base's frames (32 pages
-/// each): read through `Store::get`, every base page fetched and decompressed its whole frame
-/// again, so a second checkpoint read back from Redis about three times the bytes it stored
-/// (`bench live --redis`, session 23).
+/// each): read through `Store::get`, every base page would fetch and decompress its whole
+/// frame again, and a second checkpoint would read back from Redis about three times the
+/// bytes it stores (`bench live --redis`).
 #[derive(Default)]
 struct BaseFrames {
     map: HashMap<(PackId, u64), Arc<Vec<u8>>>,
@@ -421,9 +421,9 @@ impl<'a> DeltaSink<'a> {
 
     /// Limit what base reads may cost: `allowance` bytes of frames, plus [`READ_PER_SAVED`]
     /// per byte saved. For network backends, where a base read is a round trip and a frame
-    /// (~56 KB for 32 pages) over the link: a guest that rewrites its pages with new data
-    /// made a second live checkpoint read 48 MB from Redis for 73 delta pages (~0.3 MB
-    /// saved; `bench live --redis`, session 25). Base chunks in frames already read cost
+    /// (~56 KB for 32 pages) over the link: without a budget, a guest that rewrites its pages
+    /// with new data makes a second live checkpoint read 48 MB from Redis for 73 delta pages
+    /// (~0.3 MB saved; `bench live --redis`). Base chunks in frames already read cost
     /// nothing and are always used.
     pub fn with_read_budget(mut self, allowance: u64) -> Self {
         self.allowance = Some(allowance);

@@ -237,9 +237,10 @@ fn gc_re_marks_a_ref_rewritten_during_its_mark_even_with_the_same_generation() {
 }
 
 /// GC's orphan sweep deletes packs no index object names. A pack this process opens and puts
-/// while GC runs has no index object until the next flush: GC must know it is ours. (It once
-/// read its list of known packs before listing the backend, and deleted such a pack under
-/// live chunks; `gc_concurrent_with_writers_loses_nothing` hit that about one run in 50.)
+/// while GC runs has no index object until the next flush: GC must know it is ours, so it
+/// reads its list of known packs after listing the backend (read before, it would delete such
+/// a pack under live chunks, which `gc_concurrent_with_writers_loses_nothing` hits about one
+/// run in 50).
 #[test]
 fn gc_keeps_packs_put_while_it_lists_orphans() {
     let d = tempfile::tempdir().unwrap();

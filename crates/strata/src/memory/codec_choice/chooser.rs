@@ -111,11 +111,10 @@ impl Chooser {
     /// No warm-up: sample only one frame in [`SAMPLE_EVERY`], from frame `SAMPLE_EVERY - 1`,
     /// the start codec meanwhile. For a stop-and-copy save to a network backend, bound by the
     /// CPU it shares with QEMU and the storage server: a sample compresses its frame with
-    /// every candidate (~2.6 ms of CPU per 256 KiB frame), and the six warm-up samples fell in
-    /// the save's first ~30 ms, when the link waits for the first packs. With 256 KiB zstd:2
-    /// frames and the warm-up, idle-guest saves were slower than before (session 39, pool E);
-    /// without it, faster (pool G: 0.180 / 0.186 s against 0.186 / 0.204 s by median at
-    /// 128 / 512 MiB, `docs/results/README.md`).
+    /// every candidate (~2.6 ms of CPU per 256 KiB frame), and six warm-up samples would fall
+    /// in the save's first ~30 ms, when the link waits for the first packs. Without the
+    /// warm-up, idle-guest saves on 256 KiB frames take 0.180 / 0.186 s against 0.186 /
+    /// 0.204 s with it, by median at 128 / 512 MiB (`docs/results/README.md`).
     pub fn without_warmup(mut self) -> Chooser {
         self.warmup = false;
         self

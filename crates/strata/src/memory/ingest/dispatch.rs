@@ -220,7 +220,7 @@ impl StreamSink for Dispatch<'_, '_> {
                     // A held-back version is superseded by this zero page. Only a page sent
                     // before can be held back: a first-time zero page (most of an idle guest's
                     // RAM, ~100k records at 512 MiB) skips the hash lookup (~2 ms of the parse
-                    // thread's ~25 ms per such save, `perf`, session 38).
+                    // thread's ~25 ms per such save, `perf`).
                     if seen_before
                         && !self.hot.is_empty()
                         && self.hot.remove(&(block.0, page)).is_some()

@@ -242,7 +242,7 @@ pub(crate) fn read_maps(
     }
     // The copies are written on a thread of their own, after the maps are whole: on a host
     // without the maps the plan waits on them, and writing a 512 MiB guest's 62 leaves one file
-    // at a time took ~12 ms there (session 27). Best effort, as the cache is: a copy not
+    // at a time takes ~12 ms. Best effort, as the cache is: a copy not
     // written only costs the next restore here a fetch.
     if !fetched_trees.is_empty() {
         let store = store.clone();

@@ -9,9 +9,9 @@
 //!   chunk is reported with its checkpoint, ramblock and page while QEMU is still untouched.
 //!   A delta record (`delta.rs`) is located like a page; its base page is read (and found
 //!   missing, if it is) by the worker that rebuilds it, so a lost base aborts the stream.
-//! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
-//!   them one `get` at a time would decompress each frame 16 times and open the pack once per
-//!   page. Instead the plan locates every page under a few holds of the index lock
+//! * **Read by frame, not by page.** Pages are stored up to 64 to a compressed frame, so
+//!   reading them one `get` at a time would decompress each frame once per page and open the
+//!   pack once per page. Instead the plan locates every page under a few holds of the index lock
 //!   ([`Store::locate_many`]), sorts the pages by their place in the packs (which also groups
 //!   the pages sharing a chunk: one chunk, one place), coalesces nearby frames into reads of
 //!   1–8 MiB (sequential within a pack; smaller for a small checkpoint) and orders the reads
@@ -33,8 +33,8 @@
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
 //!   frames finish, zero pages as ZERO records first, the tail last. A page id used at several
 //!   addresses is written at its first with its frame and at the others spread over the rest
-//!   of the stream (`spread.rs`: written all at once they were a burst of faults in QEMU's
-//!   loader that stalled the link). The generator checks that every page was written.
+//!   of the stream (`spread.rs`: written all at once they would be a burst of faults in
+//!   QEMU's loader that stalls the link). The generator checks that every page was written.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::io::Write;
@@ -90,9 +90,9 @@ pub struct RestoreOptions {
     /// Largest single read from a pack (small checkpoints use smaller ones, see [`read_size`]).
     /// Reads run ahead of the target QEMU when it loads slower than the link delivers, and
     /// every read in flight or queued is memory this process holds meanwhile (~20 reads, and
-    /// their decoded pages): with 8 MiB reads a 1 GiB restore held ~200 MB and its target
-    /// QEMU spent 2.1 s of system time loading (4.6 s restores); with 2 MiB, 0.4 s (2.5 s)
-    /// (`bench save-restore --remote`, session 13).
+    /// their decoded pages): with 8 MiB reads a 1 GiB restore holds ~200 MB and its target
+    /// QEMU spends 2.1 s of system time loading (4.6 s restores); with 2 MiB, 0.4 s (2.5 s)
+    /// (`bench save-restore --remote`).
     pub read_bytes: u64,
     /// How long QEMU may take to finish loading after the last byte.
     pub load_timeout: Duration,
