@@ -48,14 +48,14 @@ use crate::store::{Session, Store, StoreError};
 
 const TARGET: &str = "strata::memory";
 /// Magic at the start of a delta record's payload.
-pub const RECORD_MAGIC: &[u8; 4] = b"SVMP";
+pub(crate) const RECORD_MAGIC: &[u8; 4] = b"SVMP";
 /// Delta records written together in one compressed frame.
-pub const RECORDS_PER_FRAME: usize = 16;
+pub(crate) const RECORDS_PER_FRAME: usize = 16;
 /// Longest encoded delta a save keeps: beyond this the page is stored whole.
-pub const MAX_KEPT: usize = 2048;
+pub(crate) const MAX_KEPT: usize = 2048;
 /// Deltas up to this many bytes are always kept; longer ones only when at most half the size
 /// of the page compressed on its own (lz4), i.e. when the delta is much smaller.
-pub const ALWAYS_KEPT: usize = 256;
+pub(crate) const ALWAYS_KEPT: usize = 256;
 
 /// Is a delta of `enc_len` bytes worth keeping instead of `page`?
 pub fn pays(enc_len: usize, page: &[u8]) -> bool {
@@ -69,7 +69,7 @@ pub fn pays(enc_len: usize, page: &[u8]) -> bool {
     enc_len * 2 <= alone
 }
 /// Most batches a pool worker skips after batches where deltas did not pay.
-pub const MAX_BACK_OFF: u32 = 8;
+pub(crate) const MAX_BACK_OFF: u32 = 8;
 /// Longest encoded delta a reader accepts (one run covering the page).
 pub const MAX_ENCODED: usize = PAGE_SIZE + 4;
 
@@ -342,9 +342,9 @@ pub struct DeltaSink<'a> {
 
 /// Bytes of base frames a save on a network backend may read before its deltas have saved
 /// anything (about 70 frames of pages).
-pub const READ_ALLOWANCE: u64 = 4 << 20;
+pub(crate) const READ_ALLOWANCE: u64 = 4 << 20;
 /// Past the allowance, base reads may cost this many bytes per byte the deltas saved.
-pub const READ_PER_SAVED: u64 = 2;
+pub(crate) const READ_PER_SAVED: u64 = 2;
 
 /// Frames of base chunks, decompressed, the last [`BASE_FRAMES`] read. A live checkpoint's
 /// dirtied pages lie side by side, and so do their base pages in the base's frames (32 pages
@@ -358,7 +358,7 @@ struct BaseFrames {
 }
 
 /// Base frames kept (at most 128 KiB each decompressed: 8 MiB).
-pub const BASE_FRAMES: usize = 64;
+pub(crate) const BASE_FRAMES: usize = 64;
 
 /// Base chunks read for deltas, and what they cost.
 #[derive(Default)]

@@ -61,19 +61,15 @@ mod tests;
 pub use chooser::Chooser;
 pub(crate) use measure::thread_cpu_ns;
 pub use measure::{measure_keep, measure_once, usable_cores};
-pub use model::{
-    decide, decide_keeping, decide_with, Decision, Model, CPU_HEADROOM, RESTORE_READS,
-    SWITCH_MARGIN,
-};
-pub use speed::{
-    metered_speed, probe_backend, remember_speed, remembered_speed, Meter, DEFAULT_NETWORK_BPS,
-    METER_MIN_BYTES, PROBE_BYTES, REMEMBER_SECS, SPEED_FILE,
-};
+pub use model::{decide, decide_keeping, decide_with, Decision, Model};
+pub use speed::{metered_speed, probe_backend, remember_speed, remembered_speed, Meter};
+pub(crate) use speed::{DEFAULT_NETWORK_BPS, PROBE_BYTES};
 
 /// Codecs tried by `auto`, besides storing raw.
-pub const CANDIDATES: [Codec; 4] = [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(2), Codec::Zstd(3)];
+pub(crate) const CANDIDATES: [Codec; 4] =
+    [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(2), Codec::Zstd(3)];
 /// The start-up codec of a live checkpoint to a network backend ([`Chooser::with_start`]).
-pub const NETWORK_START: Codec = Codec::Zstd(1);
+pub(crate) const NETWORK_START: Codec = Codec::Zstd(1);
 /// The start-up codec of a stop-and-copy save to a network backend. Such a save is bound by
 /// the link whenever its memory does not deduplicate, and the guest is stopped, so the pool
 /// has the cores. It writes 256 KiB frames
@@ -88,7 +84,7 @@ pub const NETWORK_START: Codec = Codec::Zstd(1);
 /// MiB, save time over `zstd -1`'s by median): zstd:2 1.010 / 1.014, zstd:3 1.013 / 1.001,
 /// zstd:4 1.070 / 1.073; zstd:4 stores 1.6% less but the save is bound by the 2 cores it
 /// shares with QEMU and the storage server.
-pub const SAVE_NETWORK_START: Codec = Codec::Zstd(1);
+pub(crate) const SAVE_NETWORK_START: Codec = Codec::Zstd(1);
 /// Bytes stored and not yet acknowledged by the backend (`Store::unsent_bytes`).
 pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
 /// A frame the chooser gives [`ADAPT_FROM`] is compressed with [`ADAPT_TO`] instead while
@@ -106,26 +102,26 @@ pub type Backlog = Box<dyn Fn() -> u64 + Send + Sync>;
 /// 128 MiB save is 0.85 of the best stream by median (5 rounds, none slower) and the 512 MiB
 /// save is unchanged (two alternating pairs of 3 rounds: 1.118 / 1.081 s against 1.156 /
 /// 1.091 s with zstd:1 throughout).
-pub const ADAPT_QUEUED_SECS: f64 = 0.03;
+pub(crate) const ADAPT_QUEUED_SECS: f64 = 0.03;
 /// The level raised when the link is behind, and what it is raised to.
-pub const ADAPT_FROM: Codec = Codec::Zstd(1);
-pub const ADAPT_TO: Codec = Codec::Zstd(2);
+pub(crate) const ADAPT_FROM: Codec = Codec::Zstd(1);
+pub(crate) const ADAPT_TO: Codec = Codec::Zstd(2);
 /// Frames sampled unconditionally at the start of a save.
-pub const WARMUP_SAMPLES: u64 = 6;
+pub(crate) const WARMUP_SAMPLES: u64 = 6;
 /// With a start codec kept ([`Chooser::with_start`]), the warm-up samples one frame in this
 /// many (frames 7, 15, ... 47) instead of the first six. A sample costs ~1.3 ms of CPU per
 /// 128 KiB frame (every candidate, against ~0.25 ms for zstd:1 alone): six on the first
 /// frames would be ~8 ms of the ~10 ms before a 128 MiB save's first pack can leave, with the
 /// link idle (debug trace).
-pub const WARMUP_SPREAD: u64 = 8;
+pub(crate) const WARMUP_SPREAD: u64 = 8;
 /// After the warm-up, one frame in this many is sampled (16 MiB of 128 KiB frames). A sample
 /// compresses its frame with every candidate, ~3.4x the work of zstd:1 alone (zstd:3 is
 /// ~2.2x); at one in 64 that is ~8% of a 128 MiB save's compressing CPU (`perf`), which on
 /// a 2-core host is the save's bottleneck. The sample's output for the chosen codec is also
 /// what the store keeps ([`Chooser::codec_for_frame`]), not compressed again.
-pub const SAMPLE_EVERY: u64 = 128;
+pub(crate) const SAMPLE_EVERY: u64 = 128;
 /// Samples per codec kept in the sliding window.
-pub const WINDOW: usize = 24;
+pub(crate) const WINDOW: usize = 24;
 
 /// What `--codec` asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,14 +20,14 @@ pub struct Decision {
 /// on every frame made that save CPU-bound; at 1.5 it took lz4 for 100+ frames whenever
 /// zstd:1's sampled speed dipped below ~400 MB/s, and sent up to 30% more bytes
 /// (`docs/memory.md`).
-pub const CPU_HEADROOM: f64 = 1.2;
+pub(crate) const CPU_HEADROOM: f64 = 1.2;
 
 /// In the overlapped (network) model, how many times each stored byte is expected to come
 /// back over the link: a saved desktop is restored at least once, and a restore reads every
 /// stored byte through the same link while decompression is cheap. Counting only the save
 /// lets a dip of zstd:1's sampled speed hand whole 128 MiB saves to lz4 once lz4 gets faster:
 /// 28% more bytes, a save no faster, and a restore ~20% slower than zstd:1's.
-pub const RESTORE_READS: f64 = 1.0;
+pub(crate) const RESTORE_READS: f64 = 1.0;
 
 /// How compression and the transfer share the save's time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,7 +70,7 @@ pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) ->
 /// 128 MiB save to S3 whose zstd:1 and the link sit within a few percent of each other
 /// switches to lz4 or zstd:3 for 200-800 of its 1230 frames in about one run in five, and
 /// those runs are 5-17% slower (`bench save-restore --remote`).
-pub const SWITCH_MARGIN: f64 = 0.15;
+pub(crate) const SWITCH_MARGIN: f64 = 0.15;
 
 /// Choose a codec under `model`: among the codecs that pay, the smallest expected time per
 /// byte; none paying means raw.

@@ -1,6 +1,7 @@
 //! Tests of the decision model (on the paper's numbers), the chooser's sampling and
 //! switching, the remembered and metered speeds, and the backend probe.
 
+use super::speed::METER_MIN_BYTES;
 use super::*;
 
 fn m(mb_s: f64, rate: f64) -> Measure {

@@ -51,12 +51,12 @@ const READ_BYTES: usize = 1 << 20;
 /// frames for a single worker, while the other waits for the next batch.
 const RAMP_BATCHES: u64 = 4;
 /// Batches queued between the parse thread and the pool, in bytes (the default).
-pub const QUEUE_BYTES: usize = 32 << 20;
+pub(crate) const QUEUE_BYTES: usize = 32 << 20;
 /// The queue of a stop-and-copy save ([`IngestOptions::queue_bytes`]): with 2 workers, 4
 /// batches queued and 2 in progress. A 128 MiB save to S3 takes ~10% fewer page faults with
 /// 4 MiB than with 8 MiB (4 rounds each: 9.5k / 5.0k / 6.6k / 2.2k against 10.5k / 6.6k /
 /// 7.1k / 2.5k), each one fresh memory the host is slow to hand out.
-pub const SAVE_QUEUE_BYTES: usize = 4 << 20;
+pub(crate) const SAVE_QUEUE_BYTES: usize = 4 << 20;
 
 /// Pages per compressed frame by default (128 KiB). zstd -1 compresses and decompresses
 /// 64 KiB blocks ~20% slower than 128 KiB ones on these hosts (`zstd -b1 -B64K` against
@@ -64,7 +64,7 @@ pub const SAVE_QUEUE_BYTES: usize = 4 << 20;
 /// against 0.35 s with 16-page frames, its restore 0.224 s against 0.229 s (10 rounds each,
 /// `bench save-restore --remote`). Bigger frames make a single page's read (a
 /// delta's base) decode more, so the gain stops here.
-pub const FRAME_PAGES: usize = 32;
+pub(crate) const FRAME_PAGES: usize = 32;
 /// Pages per frame of a stop-and-copy save to a network backend (256 KiB), with
 /// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) (zstd:1 with a minimum
 /// match of 5 on these frames, raised to zstd:2 while uploads queue). On a captured idle
@@ -76,9 +76,9 @@ pub const FRAME_PAGES: usize = 32;
 /// rounds (`docs/results/README.md`). zstd:3 on 256 KiB frames stores 2.6% less but costs
 /// more CPU, and is slower. Live checkpoints keep [`FRAME_PAGES`]: their delta
 /// pages read single pages of a base, which decode whole frames.
-pub const SAVE_NETWORK_FRAME_PAGES: usize = 64;
+pub(crate) const SAVE_NETWORK_FRAME_PAGES: usize = 64;
 /// Largest frame a save writes (256 KiB).
-pub const MAX_FRAME_PAGES: usize = 64;
+pub(crate) const MAX_FRAME_PAGES: usize = 64;
 
 mod dispatch;
 mod pool;

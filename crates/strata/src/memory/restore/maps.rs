@@ -5,7 +5,7 @@ use super::*;
 
 /// Concurrent reads while planning: page-map leaves and pack checks are small objects, so on
 /// a remote backend their cost is round trips, not bytes (a 2 GiB guest's maps are 256 leaves).
-pub const MAP_READERS: usize = 16;
+pub(crate) const MAP_READERS: usize = 16;
 
 /// Apply `f` to every item on up to `threads` threads; results in input order, or the first
 /// error (with the index of the item that failed).

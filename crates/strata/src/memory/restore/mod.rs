@@ -73,10 +73,10 @@ mod tests;
 use head::*;
 pub(crate) use maps::par_map;
 pub(crate) use maps::read_maps;
-pub use maps::MAP_READERS;
+pub(crate) use maps::MAP_READERS;
 pub use pipeline::{prepare, stream, write_stream, Prepared};
 use plan::*;
-pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
+pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS};
 use spread::{Spread, MAX_SLOTS};
 
 /// How to restore.

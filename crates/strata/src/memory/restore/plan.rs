@@ -139,7 +139,7 @@ pub const DEFAULT_READ_BYTES: u64 = 2 << 20;
 /// one read's end and the next one's first byte.
 pub const FETCHERS: usize = 4;
 /// Smallest planned read (a request's fixed cost stays small against its transfer).
-pub const MIN_READ: u64 = 1 << 20;
+pub(crate) const MIN_READ: u64 = 1 << 20;
 /// A checkpoint is cut into at least this many reads per fetcher (up to `read_bytes` each), so
 /// that the last reads, whose decoding cannot overlap the transfer, are a small part of it.
 pub(super) const READS_PER_FETCHER: u64 = 8;
