@@ -390,7 +390,7 @@ pub struct DeltaOutcome {
 pub struct DeltaReads {
     /// Base chunks read (pages and delta records).
     pub chunks: u64,
-    /// Of those, found in a frame read before ([`BASE_FRAMES`]).
+    /// Of those, found in a frame read before (`BASE_FRAMES`).
     pub frame_hits: u64,
     /// Frames read from the backend, and their stored bytes.
     pub frames_read: u64,
@@ -419,7 +419,7 @@ impl<'a> DeltaSink<'a> {
         }
     }
 
-    /// Limit what base reads may cost: `allowance` bytes of frames, plus [`READ_PER_SAVED`]
+    /// Limit what base reads may cost: `allowance` bytes of frames, plus `READ_PER_SAVED`
     /// per byte saved. For network backends, where a base read is a round trip and a frame
     /// (~56 KB for 32 pages) over the link: without a budget, a guest that rewrites its pages
     /// with new data makes a second live checkpoint read 48 MB from Redis for 73 delta pages
@@ -438,7 +438,7 @@ impl<'a> DeltaSink<'a> {
     }
 
     /// Base chunk `id` (a page or a delta record), verified against its id. Its frame is read
-    /// once while it stays among the last [`BASE_FRAMES`]; anything unusual (a chunk not in
+    /// once while it stays among the last `BASE_FRAMES`; anything unusual (a chunk not in
     /// the index or not in a durable pack, a failed read, a checksum or hash mismatch) goes
     /// through `Store::get`, which refreshes, follows GC and reports damage.
     /// `Ok(None)`: not read, because the read budget is spent ([`DeltaSink::with_read_budget`]).
@@ -729,7 +729,7 @@ impl DeltaWorker {
         rid
     }
 
-    /// Store the pending records, [`RECORDS_PER_FRAME`] to a compressed frame. Called at the
+    /// Store the pending records, `RECORDS_PER_FRAME` to a compressed frame. Called at the
     /// end of every batch, before the batch's page map entries are set.
     pub fn flush(&mut self, sink: &DeltaSink<'_>, ses: &Session) -> Result<(), StoreError> {
         let codec = ses.store().default_codec();

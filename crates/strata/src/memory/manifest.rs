@@ -95,7 +95,7 @@ impl SlotTable {
     }
 }
 
-/// Whether the store holds `id` as a run chunk (a data chunk of [`RUN_BYTES`]), as the index
+/// Whether the store holds `id` as a run chunk (a data chunk of `RUN_BYTES`), as the index
 /// tells it: a page map entry naming one is a slot of it.
 pub fn is_run_chunk(store: &crate::store::Store, id: &ChunkId) -> bool {
     store.chunk_info(id).is_some_and(|(len, kind)| {

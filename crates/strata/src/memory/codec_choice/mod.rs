@@ -18,24 +18,24 @@
 //! All three inputs are measured, not configured:
 //! * Speed_Transfer from the save's own pack uploads (the store's upload meter: bytes over
 //!   the wall time uploads were running), re-read at every decision once
-//!   [`METER_MIN_BYTES`] went up. Before that a prior is used: the speed this host measured
-//!   on the same backend within [`REMEMBER_SECS`] (a small file in the store's local
+//!   `METER_MIN_BYTES` went up. Before that a prior is used: the speed this host measured
+//!   on the same backend within `REMEMBER_SECS` (a small file in the store's local
 //!   directory, written after each save), else, on a network backend, 1 Gbit/s
-//!   ([`DEFAULT_NETWORK_BPS`]: the first frames get a cheap codec; a 16 MiB probe would cost
+//!   (`DEFAULT_NETWORK_BPS`: the first frames get a cheap codec; a 16 MiB probe would cost
 //!   a small save more time and link bytes than it saves), else [`probe_backend`]: one timed
 //!   `put` of incompressible bytes (a local disk: cheap, and its first pack is large);
 //! * Speed_Comp and Rate on the frames actually arriving: workers compress a sample of
-//!   frames (the first few, then one in [`SAMPLE_EVERY`]) with every candidate, timed with the
+//!   frames (the first few, then one in `SAMPLE_EVERY`) with every candidate, timed with the
 //!   thread's CPU clock (so a worker preempted by QEMU does not look slow), and the pool's
 //!   speed is that per-core speed × the cores compression can really use: all cores minus one
 //!   when the source QEMU runs on this host, because its migration thread keeps one core busy
 //!   for the whole transfer. On a 2-core host that is one core, which is why a fast local disk
 //!   usually gets raw pages. A stop-and-copy save to a network backend counts every core (the
 //!   caller passes them): there QEMU's sender blocks whenever the pool falls behind, and the
-//!   link is the bottleneck, so it starts at [`SAVE_NETWORK_START`] on 256 KiB frames (kept
+//!   link is the bottleneck, so it starts at `SAVE_NETWORK_START` on 256 KiB frames (kept
 //!   by [`Chooser::with_start`] unless a later decision finds another codec clearly better; a
-//!   live checkpoint, whose guest keeps running, starts at [`NETWORK_START`]); a frame given
-//!   zstd:1 is raised to zstd:2 while uploads queue up ([`ADAPT_QUEUED_SECS`]).
+//!   live checkpoint, whose guest keeps running, starts at `NETWORK_START`); a frame given
+//!   zstd:1 is raised to zstd:2 while uploads queue up (`ADAPT_QUEUED_SECS`).
 //!
 //! The decision is re-evaluated after every sample over a sliding window, so a save that
 //! moves from code pages to random data switches codec per batch. [`decide`] is a pure

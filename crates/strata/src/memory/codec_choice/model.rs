@@ -41,8 +41,8 @@ pub enum Model {
     /// strata's pipeline on a network backend: the pool compresses while earlier packs are
     /// uploading, and an upload costs this host little CPU, so the save runs at the slower
     /// stage's speed, `max(h/Speed_Comp, Rate/Speed_Transfer)` per byte with
-    /// h = [`CPU_HEADROOM`]. The restore reads the stored bytes back over the same link,
-    /// [`RESTORE_READS`] x `Rate/Speed_Transfer` more; a codec pays when the sum beats raw's
+    /// h = `CPU_HEADROOM`. The restore reads the stored bytes back over the same link,
+    /// `RESTORE_READS` x `Rate/Speed_Transfer` more; a codec pays when the sum beats raw's
     /// `(1 + RESTORE_READS) / Speed_Transfer`. On 1 Gbit/s with one usable core the serial
     /// model sat on its threshold (lz4 123 MB/s x (1 - Rate) against the link's 125) and
     /// stored a 128 MiB save's frames raw for hundreds of frames, 1.5x slower.
@@ -84,7 +84,7 @@ pub fn decide_with(
 }
 
 /// [`decide_with`], but `current` (the codec in use) is kept while it pays and its expected
-/// time per byte is within [`SWITCH_MARGIN`] of the best.
+/// time per byte is within `SWITCH_MARGIN` of the best.
 pub fn decide_keeping(
     model: Model,
     backend_bps: f64,

@@ -13,7 +13,7 @@
 //!   batch buffer (recycled) and never hashes or compresses, so it keeps up with QEMU.
 //! * A pool of `workers` threads (all cores by default) does the CPU work. Pages are grouped
 //!   into frames of up to 32 consecutive pages (128 KiB of codec context; 64 in a
-//!   stop-and-copy save to a network backend, [`SAVE_NETWORK_FRAME_PAGES`]) for `put_frame`,
+//!   stop-and-copy save to a network backend, `SAVE_NETWORK_FRAME_PAGES`) for `put_frame`,
 //!   which still deduplicates per 4 KiB page, so a page seen before in this stream, in an
 //!   earlier checkpoint or in another VM costs nothing but its id.
 //! * Precopy sends pages several times and workers finish batches out of order, so every
@@ -97,7 +97,7 @@ pub struct IngestOptions {
     pub workers: usize,
     /// Pages per batch handed to a worker.
     pub batch_pages: usize,
-    /// Pages per compressed frame (at most [`MAX_FRAME_PAGES`]).
+    /// Pages per compressed frame (at most `MAX_FRAME_PAGES`).
     pub frame_pages: usize,
     /// Bytes of re-sent (hot) pages held back until the stream ends, so precopy's
     /// intermediate versions of a page are not stored (0 disables).
@@ -110,7 +110,7 @@ pub struct IngestOptions {
     /// (the guest runs meanwhile). A stop-and-copy save gains nothing from QEMU finishing
     /// early, and every queued batch beyond the few in flight is fresh memory: 32 MiB of
     /// batches cost a 128 MiB save ~6,000 page faults, so `save` queues
-    /// [`SAVE_QUEUE_BYTES`].
+    /// `SAVE_QUEUE_BYTES`.
     pub queue_bytes: usize,
     pub limits: Limits,
     /// Base checkpoint for delta pages (`delta`); None stores every new page whole.

@@ -21,9 +21,9 @@
 //!   against its BLAKE3 id. (Reads sharing a link end together: with a dozen in flight a small
 //!   checkpoint's pages all arrived at the end, and their decoding came after the last byte.)
 //!   Planning reads the page maps' leaves in ranged GETs of neighbouring leaves
-//!   ([`maps::get_chunks`]) and checks the packs [`MAP_READERS`] at a time: on a remote backend
+//!   (`get_chunks`) and checks the packs `MAP_READERS` at a time: on a remote backend
 //!   those are round trips, not bytes. The first reads start as soon as they are planned,
-//!   while the packs are checked ([`prefetch`]).
+//!   while the packs are checked (`prefetch`).
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
