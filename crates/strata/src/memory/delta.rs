@@ -49,14 +49,14 @@ use crate::store::{Session, Store, StoreError};
 
 const TARGET: &str = "strata::memory";
 /// Magic at the start of a delta record's payload.
-pub const RECORD_MAGIC: &[u8; 4] = b"SVMP";
+pub(crate) const RECORD_MAGIC: &[u8; 4] = b"SVMP";
 /// Delta records written together in one compressed frame.
-pub const RECORDS_PER_FRAME: usize = 16;
+pub(crate) const RECORDS_PER_FRAME: usize = 16;
 /// Longest encoded delta a save keeps: beyond this the page is stored whole.
-pub const MAX_KEPT: usize = 2048;
+pub(crate) const MAX_KEPT: usize = 2048;
 /// Deltas up to this many bytes are always kept; longer ones only when at most half the size
 /// of the page compressed on its own (lz4), i.e. when the delta is much smaller.
-pub const ALWAYS_KEPT: usize = 256;
+pub(crate) const ALWAYS_KEPT: usize = 256;
 
 /// Is a delta of `enc_len` bytes worth keeping instead of `page`?
 pub fn pays(enc_len: usize, page: &[u8]) -> bool {
@@ -70,7 +70,7 @@ pub fn pays(enc_len: usize, page: &[u8]) -> bool {
     enc_len * 2 <= alone
 }
 /// Most batches a pool worker skips after batches where deltas did not pay.
-pub const MAX_BACK_OFF: u32 = 8;
+pub(crate) const MAX_BACK_OFF: u32 = 8;
 /// Longest encoded delta a reader accepts (one run covering the page).
 pub const MAX_ENCODED: usize = PAGE_SIZE + 4;
 
@@ -343,15 +343,15 @@ pub struct DeltaSink<'a> {
 
 /// Bytes of base frames a save on a network backend may read before its deltas have saved
 /// anything (about 70 frames of pages).
-pub const READ_ALLOWANCE: u64 = 4 << 20;
+pub(crate) const READ_ALLOWANCE: u64 = 4 << 20;
 /// Past the allowance, base reads may cost this many bytes per byte the deltas saved.
-pub const READ_PER_SAVED: u64 = 2;
+pub(crate) const READ_PER_SAVED: u64 = 2;
 
 /// Frames of base chunks, decompressed, the last [`BASE_FRAMES`] read. A live checkpoint's
 /// dirtied pages lie side by side, and so do their base pages in the base's frames (32 pages
-/// each): read through `Store::get`, every base page fetched and decompressed its whole frame
-/// again, so a second checkpoint read back from Redis about three times the bytes it stored
-/// (`bench live --redis`, session 23).
+/// each): read through `Store::get`, every base page would fetch and decompress its whole
+/// frame again, and a second checkpoint would read back from Redis about three times the
+/// bytes it stores (`bench live --redis`).
 #[derive(Default)]
 struct BaseFrames {
     map: HashMap<(PackId, u64), Arc<Vec<u8>>>,
@@ -359,7 +359,7 @@ struct BaseFrames {
 }
 
 /// Base frames kept (at most 128 KiB each decompressed: 8 MiB).
-pub const BASE_FRAMES: usize = 64;
+pub(crate) const BASE_FRAMES: usize = 64;
 
 /// Base chunks read for deltas, and what they cost.
 #[derive(Default)]
@@ -391,7 +391,7 @@ pub struct DeltaOutcome {
 pub struct DeltaReads {
     /// Base chunks read (pages and delta records).
     pub chunks: u64,
-    /// Of those, found in a frame read before ([`BASE_FRAMES`]).
+    /// Of those, found in a frame read before (`BASE_FRAMES`).
     pub frame_hits: u64,
     /// Frames read from the backend, and their stored bytes.
     pub frames_read: u64,
@@ -420,11 +420,11 @@ impl<'a> DeltaSink<'a> {
         }
     }
 
-    /// Limit what base reads may cost: `allowance` bytes of frames, plus [`READ_PER_SAVED`]
+    /// Limit what base reads may cost: `allowance` bytes of frames, plus `READ_PER_SAVED`
     /// per byte saved. For network backends, where a base read is a round trip and a frame
-    /// (~56 KB for 32 pages) over the link: a guest that rewrites its pages with new data
-    /// made a second live checkpoint read 48 MB from Redis for 73 delta pages (~0.3 MB
-    /// saved; `bench live --redis`, session 25). Base chunks in frames already read cost
+    /// (~56 KB for 32 pages) over the link: without a budget, a guest that rewrites its pages
+    /// with new data makes a second live checkpoint read 48 MB from Redis for 73 delta pages
+    /// (~0.3 MB saved; `bench live --redis`). Base chunks in frames already read cost
     /// nothing and are always used.
     pub fn with_read_budget(mut self, allowance: u64) -> Self {
         self.allowance = Some(allowance);
@@ -439,7 +439,7 @@ impl<'a> DeltaSink<'a> {
     }
 
     /// Base chunk `id` (a page or a delta record), verified against its id. Its frame is read
-    /// once while it stays among the last [`BASE_FRAMES`]; anything unusual (a chunk not in
+    /// once while it stays among the last `BASE_FRAMES`; anything unusual (a chunk not in
     /// the index or not in a durable pack, a failed read, a checksum or hash mismatch) goes
     /// through `Store::get`, which refreshes, follows GC and reports damage.
     /// `Ok(None)`: not read, because the read budget is spent ([`DeltaSink::with_read_budget`]).
@@ -730,7 +730,7 @@ impl DeltaWorker {
         rid
     }
 
-    /// Store the pending records, [`RECORDS_PER_FRAME`] to a compressed frame. Called at the
+    /// Store the pending records, `RECORDS_PER_FRAME` to a compressed frame. Called at the
     /// end of every batch, before the batch's page map entries are set.
     pub fn flush(&mut self, sink: &DeltaSink<'_>, ses: &Session) -> Result<(), StoreError> {
         let codec = ses.store().default_codec();

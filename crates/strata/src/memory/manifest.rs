@@ -27,7 +27,7 @@ use crate::memory::stream::{RamBlock, RamSectionHeader, StreamLayout, PAGE_SIZE}
 use crate::store::objects::{Ref, Tree};
 
 /// `format` field of every checkpoint manifest.
-pub const FORMAT: &str = "strata-vm-checkpoint";
+pub(crate) const FORMAT: &str = "strata-vm-checkpoint";
 /// Newest manifest version this code writes and reads; readers accept 1..=VERSION. Version 2
 /// added delta pages (`delta`, and page map entries that are delta records, see `delta.rs`);
 /// a version-1 manifest reads as one without deltas. Version 3 added run chunks (page map
@@ -35,20 +35,20 @@ pub const FORMAT: &str = "strata-vm-checkpoint";
 /// writes 2, so older readers keep reading it. Version 4 added slot tables: a page map leaf
 /// may name, for some of its entries, which slot of a run chunk the page is ([`SlotTable`]);
 /// a save whose maps have none writes 3 (or 2).
-pub const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 4;
 /// Version a save with run chunks but no slot table writes.
-pub const VERSION_RUNS: u32 = 3;
+pub(crate) const VERSION_RUNS: u32 = 3;
 /// Version a save without run chunks writes.
-pub const VERSION_NO_RUNS: u32 = 2;
+pub(crate) const VERSION_NO_RUNS: u32 = 2;
 /// Pages of a run chunk (version 3): a data chunk of `RUN_PAGES * 4096` bytes holding an
 /// aligned group of a ramblock's pages; a page map entry naming it means the page's slot,
 /// its page number modulo `RUN_PAGES` (`docs/format-checkpoint.md`).
 pub const RUN_PAGES: usize = 32;
 /// Bytes of a run chunk.
-pub const RUN_BYTES: usize = RUN_PAGES * PAGE_SIZE;
+pub(crate) const RUN_BYTES: usize = RUN_PAGES * PAGE_SIZE;
 
 /// Bytes of one slot-table entry: le16 index in the leaf, u8 slot.
-pub const SLOT_ENTRY_BYTES: usize = 3;
+pub(crate) const SLOT_ENTRY_BYTES: usize = 3;
 
 /// A page map leaf's slot table (version 4, the leaf tree's payload): for the entries it
 /// lists, the page is slot `slot` of the run chunk the entry names, instead of slot
@@ -93,7 +93,7 @@ impl SlotTable {
     }
 }
 
-/// Whether the store holds `id` as a run chunk (a data chunk of [`RUN_BYTES`]), as the index
+/// Whether the store holds `id` as a run chunk (a data chunk of `RUN_BYTES`), as the index
 /// tells it: a page map entry naming one is a slot of it.
 pub fn is_run_chunk(store: &crate::store::Store, id: &ChunkId) -> bool {
     store.chunk_info(id).is_some_and(|(len, kind)| {
@@ -104,23 +104,23 @@ pub fn is_run_chunk(store: &crate::store::Store, id: &ChunkId) -> bool {
 /// as uniform, i.e. a run candidate (`memory/ingest/pool.rs`). 1 KiB of uniform random bytes
 /// measures ~7.8 (a finite sample's histogram is never flat; 7.73-7.87 over 10,000 pages in
 /// the unit test, ~0.02 bits of standard deviation), text and code 4-6.5.
-pub const RUN_UNIFORM_BITS: f64 = 7.6;
+pub(crate) const RUN_UNIFORM_BITS: f64 = 7.6;
 /// Refs of checkpoints live under this prefix.
-pub const REF_PREFIX: &str = "vm/";
+pub(crate) const REF_PREFIX: &str = "vm/";
 /// Longest checkpoint name (the ref name adds `vm/`).
-pub const MAX_NAME: usize = 200;
+pub(crate) const MAX_NAME: usize = 200;
 /// Most ramblocks in a checkpoint.
-pub const MAX_BLOCKS: usize = 1024;
+pub(crate) const MAX_BLOCKS: usize = 1024;
 /// Most QEMU command-line arguments kept.
-pub const MAX_CMDLINE_ARGS: usize = 4096;
+pub(crate) const MAX_CMDLINE_ARGS: usize = 4096;
 /// Largest manifest accepted (the store caps ref payloads at 1 MiB).
-pub const MAX_MANIFEST: usize = 1 << 20;
+pub(crate) const MAX_MANIFEST: usize = 1 << 20;
 /// Size of one stored piece of the device-state tail.
-pub const TAIL_CHUNK: usize = 64 << 10;
+pub(crate) const TAIL_CHUNK: usize = 64 << 10;
 /// Magic at the start of the tail tree's payload.
-pub const TAIL_MAGIC: &[u8; 4] = b"SVMT";
+pub(crate) const TAIL_MAGIC: &[u8; 4] = b"SVMT";
 /// Largest tail accepted (QEMU 7.2 x86 tails are 100–400 KB).
-pub const MAX_TAIL: u64 = 64 << 20;
+pub(crate) const MAX_TAIL: u64 = 64 << 20;
 
 /// Why a stored checkpoint was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -1,9 +1,10 @@
 //! GC tests: sweeping what refs and sessions no longer reach, never what they do, while
-//! writers run, and the races found so far, each pinned by a backend hook that lands a
-//! writer's step at the exact point where GC once went wrong.
+//! writers run; each race between GC and a writer is pinned by a backend hook that lands the
+//! writer's step at the exact point where GC would go wrong without its guard; and the sweep
+//! plan's partition of packs, without a backend.
 
 use super::objects::{Ref, Tree};
-use super::pack::ChunkKind;
+use super::pack::{ChunkKind, PackEntry};
 use super::tests::{data, mem_store};
 use super::*;
 use crate::backend::memory::MemoryBackend;
@@ -112,11 +113,14 @@ fn gc_concurrent_with_writers_loses_nothing() {
     assert_eq!(rep.refs, 10);
 }
 
+/// Run once, when the backend call its key names happens.
+type Hook = Box<dyn FnOnce() + Send>;
+
 /// A memory backend that runs a hook once: before the first listing of a prefix
 /// (`list:packs/`) or after the first read of a key (`get:refs/a`); and can fail one read.
 struct HookBackend {
     inner: MemoryBackend,
-    hook: parking_lot::Mutex<Option<(String, Box<dyn FnOnce() + Send>)>>,
+    hook: parking_lot::Mutex<Option<(String, Hook)>>,
     fail_next_get: parking_lot::Mutex<Option<String>>,
 }
 
@@ -233,9 +237,10 @@ fn gc_re_marks_a_ref_rewritten_during_its_mark_even_with_the_same_generation() {
 }
 
 /// GC's orphan sweep deletes packs no index object names. A pack this process opens and puts
-/// while GC runs has no index object until the next flush: GC must know it is ours. (It once
-/// read its list of known packs before listing the backend, and deleted such a pack under
-/// live chunks; `gc_concurrent_with_writers_loses_nothing` hit that about one run in 50.)
+/// while GC runs has no index object until the next flush: GC must know it is ours, so it
+/// reads its list of known packs after listing the backend (read before, it would delete such
+/// a pack under live chunks, which `gc_concurrent_with_writers_loses_nothing` hits about one
+/// run in 50).
 #[test]
 fn gc_keeps_packs_put_while_it_lists_orphans() {
     let d = tempfile::tempdir().unwrap();
@@ -319,4 +324,80 @@ fn gc_learns_packs_written_by_other_instances_first() {
         assert_eq!(fresh.get(id).unwrap(), data(i as u64, 8192));
     }
     assert!(!fresh.check(CheckOptions::default(), &NoProgress).unwrap().is_damaged());
+}
+
+fn gc_entry(n: u8, raw_len: u32) -> PackEntry {
+    PackEntry {
+        id: ChunkId([n; 32]),
+        frame_off: n as u64 * 100,
+        frame_len: 100,
+        frame_raw_len: raw_len,
+        off_in_frame: 0,
+        raw_len,
+        codec: crate::codec::Codec::None,
+        kind: ChunkKind::Data,
+        frame_crc: 0,
+    }
+}
+
+/// A pack with nothing live is deleted; one at least a quarter dead (by raw bytes) is
+/// repacked; a mostly live one is kept.
+#[test]
+fn a_packs_fate_follows_its_dead_fraction() {
+    let (a, b, c, d) = (gc_entry(1, 100), gc_entry(2, 100), gc_entry(3, 100), gc_entry(4, 100));
+    assert_eq!(super::gc::fate(&[], &[a]), super::gc::Fate::Delete);
+    assert_eq!(super::gc::fate(&[a, b, c], &[d]), super::gc::Fate::Repack);
+    assert_eq!(super::gc::fate(&[a, b, c], &[gc_entry(4, 99)]), super::gc::Fate::Keep);
+    assert_eq!(super::gc::fate(&[gc_entry(1, 10)], &[gc_entry(2, 4000)]), super::gc::Fate::Repack);
+}
+
+/// The sweep plan partitions durable packs by fate, counts and unlinks only the dead entries
+/// of doomed and repacked packs, forgets doomed packs' slots, and leaves packs that are not
+/// durable yet alone.
+#[test]
+fn the_sweep_partitions_packs_and_unlinks_only_dead_entries() {
+    use super::gc::{plan_sweep, Doomed};
+    let mut idx = super::Index::default();
+    let pack = |n: u8, durable: bool| super::PackSlot {
+        id: PackId([n; 16]),
+        size: 1000 + n as u64,
+        mem: None,
+        durable,
+    };
+    let dead_pack = idx.add_slot(pack(1, true));
+    let mixed = idx.add_slot(pack(2, true));
+    let live_pack = idx.add_slot(pack(3, true));
+    let fresh = idx.add_slot(pack(4, false));
+    let mut put = |no: u32, n: u8| {
+        idx.chunks.insert(ChunkId([n; 32]), super::Loc { pack: no, entry: gc_entry(n, 100) });
+    };
+    put(dead_pack, 10);
+    put(dead_pack, 11);
+    put(mixed, 20);
+    put(mixed, 21);
+    put(live_pack, 30);
+    put(fresh, 40);
+    let marked: HashSet<ChunkId> = [20u8, 30].iter().map(|&n| ChunkId([n; 32])).collect();
+    let sweep = plan_sweep(&idx, &marked);
+    assert_eq!(sweep.dead_chunks, 3);
+    assert_eq!(sweep.doomed.len(), 1);
+    let mut doomed: Doomed = sweep.doomed[0].clone();
+    doomed.chunks.sort();
+    assert_eq!(
+        doomed,
+        Doomed {
+            pack: PackId([1; 16]),
+            size: 1001,
+            chunks: vec![ChunkId([10; 32]), ChunkId([11; 32])]
+        }
+    );
+    assert_eq!(sweep.repack.len(), 1);
+    assert_eq!(sweep.repack[0].pack, PackId([2; 16]));
+    assert_eq!(sweep.repack[0].live, vec![gc_entry(20, 100)]);
+    sweep.unlink(&mut idx);
+    let mut left: Vec<u8> = idx.chunks.keys().map(|id| id.0[0]).collect();
+    left.sort();
+    assert_eq!(left, vec![20, 30, 40], "the unmarked chunk of a pack not yet durable stays");
+    assert!(idx.slot(dead_pack).is_none() && !idx.by_id.contains_key(&PackId([1; 16])));
+    assert!(idx.slot(mixed).is_some(), "a repacked pack keeps its slot until its copy is durable");
 }

@@ -85,8 +85,8 @@ impl Chooser {
         self
     }
 
-    /// Let the link's backlog raise [`ADAPT_FROM`] to [`ADAPT_TO`] per frame
-    /// ([`ADAPT_QUEUED_SECS`]). Only the `auto` policy uses it.
+    /// Let the link's backlog raise `ADAPT_FROM` to `ADAPT_TO` per frame
+    /// (`ADAPT_QUEUED_SECS`). Only the `auto` policy uses it.
     pub fn with_backlog(mut self, backlog: Backlog) -> Chooser {
         self.backlog = Some(backlog);
         self
@@ -108,23 +108,22 @@ impl Chooser {
         self
     }
 
-    /// No warm-up: sample only one frame in [`SAMPLE_EVERY`], from frame `SAMPLE_EVERY - 1`,
+    /// No warm-up: sample only one frame in `SAMPLE_EVERY`, from frame `SAMPLE_EVERY - 1`,
     /// the start codec meanwhile. For a stop-and-copy save to a network backend, bound by the
     /// CPU it shares with QEMU and the storage server: a sample compresses its frame with
-    /// every candidate (~2.6 ms of CPU per 256 KiB frame), and the six warm-up samples fell in
-    /// the save's first ~30 ms, when the link waits for the first packs. With 256 KiB zstd:2
-    /// frames and the warm-up, idle-guest saves were slower than before (session 39, pool E);
-    /// without it, faster (pool G: 0.180 / 0.186 s against 0.186 / 0.204 s by median at
-    /// 128 / 512 MiB, `docs/results/README.md`).
+    /// every candidate (~2.6 ms of CPU per 256 KiB frame), and six warm-up samples would fall
+    /// in the save's first ~30 ms, when the link waits for the first packs. Without the
+    /// warm-up, idle-guest saves on 256 KiB frames take 0.180 / 0.186 s against 0.186 /
+    /// 0.204 s with it, by median at 128 / 512 MiB (`docs/results/README.md`).
     pub fn without_warmup(mut self) -> Chooser {
         self.warmup = false;
         self
     }
 
-    /// Start with `codec` (one of [`CANDIDATES`]) instead of the cheapest, and let the first
-    /// decision keep it while its expected time per byte is within [`SWITCH_MARGIN`] of the
+    /// Start with `codec` (one of `CANDIDATES`) instead of the cheapest, and let the first
+    /// decision keep it while its expected time per byte is within `SWITCH_MARGIN` of the
     /// best, as every later decision keeps the codec in use. A network save starts with
-    /// [`SAVE_NETWORK_START`](super::SAVE_NETWORK_START) (stop-and-copy) or [`NETWORK_START`]
+    /// `SAVE_NETWORK_START` (stop-and-copy) or `NETWORK_START`
     /// (live checkpoints): single 128 KiB samples on a busy host are noise, and replacing the
     /// start-up codec outright let the first decision pick zstd:3 (a few % better by the
     /// model, more CPU, not faster) or lz4 (28% more bytes, slower both ways) on a sample's
@@ -173,7 +172,7 @@ impl Chooser {
             return n < WARMUP_SAMPLES * WARMUP_SPREAD && n % WARMUP_SPREAD == WARMUP_SPREAD - 1
                 || n.is_multiple_of(SAMPLE_EVERY) && n >= WARMUP_SAMPLES * WARMUP_SPREAD;
         }
-        n < WARMUP_SAMPLES || n % SAMPLE_EVERY == 0
+        n < WARMUP_SAMPLES || n.is_multiple_of(SAMPLE_EVERY)
     }
 
     /// The codec for the next frame. When `sample` holds the frame's new (not yet stored)

@@ -20,14 +20,14 @@ pub struct Decision {
 /// on every frame made that save CPU-bound; at 1.5 it took lz4 for 100+ frames whenever
 /// zstd:1's sampled speed dipped below ~400 MB/s, and sent up to 30% more bytes
 /// (`docs/memory.md`).
-pub const CPU_HEADROOM: f64 = 1.2;
+pub(crate) const CPU_HEADROOM: f64 = 1.2;
 
 /// In the overlapped (network) model, how many times each stored byte is expected to come
 /// back over the link: a saved desktop is restored at least once, and a restore reads every
 /// stored byte through the same link while decompression is cheap. Counting only the save
-/// let a dip of zstd:1's sampled speed hand whole 128 MiB saves to lz4 once lz4 got faster:
-/// 28% more bytes, a save no faster, and a restore ~20% slower than zstd:1's (session 7).
-pub const RESTORE_READS: f64 = 1.0;
+/// lets a dip of zstd:1's sampled speed hand whole 128 MiB saves to lz4 once lz4 gets faster:
+/// 28% more bytes, a save no faster, and a restore ~20% slower than zstd:1's.
+pub(crate) const RESTORE_READS: f64 = 1.0;
 
 /// How compression and the transfer share the save's time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,8 +41,8 @@ pub enum Model {
     /// strata's pipeline on a network backend: the pool compresses while earlier packs are
     /// uploading, and an upload costs this host little CPU, so the save runs at the slower
     /// stage's speed, `max(h/Speed_Comp, Rate/Speed_Transfer)` per byte with
-    /// h = [`CPU_HEADROOM`]. The restore reads the stored bytes back over the same link,
-    /// [`RESTORE_READS`] x `Rate/Speed_Transfer` more; a codec pays when the sum beats raw's
+    /// h = `CPU_HEADROOM`. The restore reads the stored bytes back over the same link,
+    /// `RESTORE_READS` x `Rate/Speed_Transfer` more; a codec pays when the sum beats raw's
     /// `(1 + RESTORE_READS) / Speed_Transfer`. On 1 Gbit/s with one usable core the serial
     /// model sat on its threshold (lz4 123 MB/s x (1 - Rate) against the link's 125) and
     /// stored a 128 MiB save's frames raw for hundreds of frames, 1.5x slower.
@@ -67,10 +67,10 @@ pub fn decide(backend_bps: f64, parallel: f64, measures: &[(Codec, Measure)]) ->
 
 /// A codec in use is kept while its expected time per byte is within this fraction of the
 /// best codec's. Samples are single 64 KiB frames timed on a busy host: with no margin, a
-/// 128 MiB save to S3 whose zstd:1 and the link sat within a few percent of each other
-/// switched to lz4 or zstd:3 for 200-800 of its 1230 frames in about one run in five, and
-/// those runs were 5-17% slower (`bench save-restore --remote`, session 6).
-pub const SWITCH_MARGIN: f64 = 0.15;
+/// 128 MiB save to S3 whose zstd:1 and the link sit within a few percent of each other
+/// switches to lz4 or zstd:3 for 200-800 of its 1230 frames in about one run in five, and
+/// those runs are 5-17% slower (`bench save-restore --remote`).
+pub(crate) const SWITCH_MARGIN: f64 = 0.15;
 
 /// Choose a codec under `model`: among the codecs that pay, the smallest expected time per
 /// byte; none paying means raw.
@@ -84,7 +84,7 @@ pub fn decide_with(
 }
 
 /// [`decide_with`], but `current` (the codec in use) is kept while it pays and its expected
-/// time per byte is within [`SWITCH_MARGIN`] of the best.
+/// time per byte is within `SWITCH_MARGIN` of the best.
 pub fn decide_keeping(
     model: Model,
     backend_bps: f64,

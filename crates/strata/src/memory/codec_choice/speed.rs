@@ -5,19 +5,19 @@
 use super::*;
 
 /// Bytes written by the backend probe (non-network backends without a remembered speed).
-pub const PROBE_BYTES: usize = 16 << 20;
+pub(crate) const PROBE_BYTES: usize = 16 << 20;
 /// Speed_Transfer assumed for a network backend until its uploads are measured: 1 Gbit/s.
-pub const DEFAULT_NETWORK_BPS: f64 = 125e6;
+pub(crate) const DEFAULT_NETWORK_BPS: f64 = 125e6;
 /// Uploaded bytes before the measured speed replaces the prior.
 /// 4 MiB: a shaped link lets its first burst (`tbf` burst 256 KiB here, a switch's buffers
 /// in general) through at wire speed, so a small first upload measures a link several times
 /// faster than it is, and the chooser then picked lz4 for up to 130 frames of a 128 MiB save
 /// (+1 MB stored) before the measurement settled.
-pub const METER_MIN_BYTES: u64 = 4 << 20;
+pub(crate) const METER_MIN_BYTES: u64 = 4 << 20;
 /// How long a speed measured by an earlier save is trusted as the prior.
-pub const REMEMBER_SECS: u64 = 7 * 24 * 3600;
+pub(crate) const REMEMBER_SECS: u64 = 7 * 24 * 3600;
 /// File in the store's local directory holding the last measured speed.
-pub const SPEED_FILE: &str = "backend-speed.json";
+pub(crate) const SPEED_FILE: &str = "backend-speed.json";
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Remembered {

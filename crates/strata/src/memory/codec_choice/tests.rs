@@ -1,6 +1,7 @@
 //! Tests of the decision model (on the paper's numbers), the chooser's sampling and
 //! switching, the remembered and metered speeds, and the backend probe.
 
+use super::speed::METER_MIN_BYTES;
 use super::*;
 
 fn m(mb_s: f64, rate: f64) -> Measure {
@@ -148,7 +149,7 @@ fn overlapped_model_keeps_compressing_through_incompressible_samples() {
 
 #[test]
 fn a_chosen_start_codec_is_kept_unless_another_is_clearly_better() {
-    // Samples of the 128 MiB save to S3 (session 21), per core, two cores, 109 MB/s: by the
+    // Samples of a 128 MiB save to S3, per core, two cores, 109 MB/s: by the
     // model (max(1.2 / comp, rate / 109) + rate / 109, s/GB) lz4 11.47, zstd:1 9.52,
     // zstd:2 8.84, zstd:3 8.73. zstd:3 is best by 1%, within the margin of both zstd:1 and
     // zstd:2; lz4 is not close.

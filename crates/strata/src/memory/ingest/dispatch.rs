@@ -10,8 +10,8 @@ type HeldPage = (u64, Box<[u8; PAGE_SIZE]>);
 
 /// Pages a batch can hold: [`Dispatch::push`] ends one at `batch_pages` pages, or up to
 /// [`RUN_PAGES`] later at the end of an aligned group. Allocated whole, so a fresh buffer never
-/// grows (a 1 MiB buffer grown to 2 MiB copied itself and faulted in another 1.1 MiB: ~8 fresh
-/// buffers a save, before session 38).
+/// grows (a 1 MiB buffer grown to 2 MiB copies itself and faults in another 1.1 MiB, for ~8
+/// fresh buffers a save).
 pub(super) fn batch_capacity(batch_pages: usize) -> usize {
     batch_pages + RUN_PAGES
 }
@@ -41,7 +41,37 @@ pub(super) struct Dispatch<'a, 'p> {
 #[error("The storing pipeline stopped")]
 struct PipelineStopped;
 
-impl Dispatch<'_, '_> {
+impl<'a, 'p> Dispatch<'a, 'p> {
+    /// The dispatcher of a new stream, sending batches of `batch_pages` on `tx`.
+    pub(super) fn new(
+        sh: &'a Shared<'a>,
+        tx: SyncSender<Batch>,
+        free: &'a Receiver<Vec<u8>>,
+        batch_pages: usize,
+        hot_cap: usize,
+        progress: &'p dyn Progress,
+    ) -> Dispatch<'a, 'p> {
+        Dispatch {
+            sh,
+            tx,
+            free,
+            cur: Batch {
+                data: Vec::with_capacity(batch_capacity(batch_pages) * PAGE_SIZE),
+                pages: Vec::with_capacity(batch_capacity(batch_pages)),
+            },
+            zeros: Vec::new(),
+            rec: 0,
+            batch_pages,
+            sent: 0,
+            progress,
+            pending_progress: 0,
+            seen: Vec::new(),
+            hot: std::collections::HashMap::new(),
+            hot_cap,
+            superseded: 0,
+        }
+    }
+
     fn new_buffer(&self) -> Vec<u8> {
         match self.free.try_recv() {
             Ok(mut v) => {
@@ -190,7 +220,7 @@ impl StreamSink for Dispatch<'_, '_> {
                     // A held-back version is superseded by this zero page. Only a page sent
                     // before can be held back: a first-time zero page (most of an idle guest's
                     // RAM, ~100k records at 512 MiB) skips the hash lookup (~2 ms of the parse
-                    // thread's ~25 ms per such save, `perf`, session 38).
+                    // thread's ~25 ms per such save, `perf`).
                     if seen_before
                         && !self.hot.is_empty()
                         && self.hot.remove(&(block.0, page)).is_some()

@@ -13,7 +13,7 @@
 //!   batch buffer (recycled) and never hashes or compresses, so it keeps up with QEMU.
 //! * A pool of `workers` threads (all cores by default) does the CPU work. Pages are grouped
 //!   into frames of up to 32 consecutive pages (128 KiB of codec context; 64 in a
-//!   stop-and-copy save to a network backend, [`SAVE_NETWORK_FRAME_PAGES`]) for `put_frame`,
+//!   stop-and-copy save to a network backend, `SAVE_NETWORK_FRAME_PAGES`) for `put_frame`,
 //!   which still deduplicates per 4 KiB page, so a page seen before in this stream, in an
 //!   earlier checkpoint or in another VM costs nothing but its id.
 //! * Precopy sends pages several times and workers finish batches out of order, so every
@@ -51,35 +51,34 @@ const READ_BYTES: usize = 1 << 20;
 /// frames for a single worker, while the other waits for the next batch.
 const RAMP_BATCHES: u64 = 4;
 /// Batches queued between the parse thread and the pool, in bytes (the default).
-pub const QUEUE_BYTES: usize = 32 << 20;
+pub(crate) const QUEUE_BYTES: usize = 32 << 20;
 /// The queue of a stop-and-copy save ([`IngestOptions::queue_bytes`]): with 2 workers, 4
-/// batches queued and 2 in progress. 8 MiB until session 22: the 128 MiB save to S3 took
-/// ~10% fewer page faults with 4 MiB (4 rounds each: 9.5k / 5.0k / 6.6k / 2.2k against
-/// 10.5k / 6.6k / 7.1k / 2.5k), each one fresh memory this host is slow to hand out.
-pub const SAVE_QUEUE_BYTES: usize = 4 << 20;
+/// batches queued and 2 in progress. A 128 MiB save to S3 takes ~10% fewer page faults with
+/// 4 MiB than with 8 MiB (4 rounds each: 9.5k / 5.0k / 6.6k / 2.2k against 10.5k / 6.6k /
+/// 7.1k / 2.5k), each one fresh memory the host is slow to hand out.
+pub(crate) const SAVE_QUEUE_BYTES: usize = 4 << 20;
 
 /// Pages per compressed frame by default (128 KiB). zstd -1 compresses and decompresses
 /// 64 KiB blocks ~20% slower than 128 KiB ones on these hosts (`zstd -b1 -B64K` against
-/// `-B128K`), and a 128 MiB save to S3, bound by its compressing CPU, took a median 0.314 s
+/// `-B128K`), and a 128 MiB save to S3, bound by its compressing CPU, takes a median 0.314 s
 /// against 0.35 s with 16-page frames, its restore 0.224 s against 0.229 s (10 rounds each,
-/// `bench save-restore --remote`, session 14). Bigger frames make a single page's read (a
+/// `bench save-restore --remote`). Bigger frames make a single page's read (a
 /// delta's base) decode more, so the gain stops here.
-pub const FRAME_PAGES: usize = 32;
+pub(crate) const FRAME_PAGES: usize = 32;
 /// Pages per frame of a stop-and-copy save to a network backend (256 KiB), with
-/// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) (zstd:2 in session 39; zstd:1
-/// with a minimum match of 5 on these frames, raised to zstd:2 while uploads queue, since
-/// session 40). On a captured idle
+/// [`SAVE_NETWORK_START`](super::codec_choice::SAVE_NETWORK_START) (zstd:1 with a minimum
+/// match of 5 on these frames, raised to zstd:2 while uploads queue). On a captured idle
 /// 512 MiB guest's 74 MB of non-zero pages (`zstd -b2 -B256K` against `-b3 -B128K`), zstd:2
 /// on 256 KiB blocks stores the same bytes as zstd:3 on 128 KiB ones (16.26 against 16.29 MB)
 /// at 544 against 436 MB/s: the same link time for a fifth less of the pool's CPU, which is
 /// what such a save on 2 cores is short of. Idle-guest saves with `--codec zstd:2` on these
-/// frames took 0.169-0.177 s against 0.183-0.199 s by median at 128 MiB in three pools of 10
-/// rounds (session 39, `docs/results/README.md`). zstd:3 on 256 KiB frames stores 2.6% less
-/// but costs more CPU, and was slower. Live checkpoints keep [`FRAME_PAGES`]: their delta
+/// frames take 0.169-0.177 s against 0.183-0.199 s by median at 128 MiB in three pools of 10
+/// rounds (`docs/results/README.md`). zstd:3 on 256 KiB frames stores 2.6% less but costs
+/// more CPU, and is slower. Live checkpoints keep [`FRAME_PAGES`]: their delta
 /// pages read single pages of a base, which decode whole frames.
-pub const SAVE_NETWORK_FRAME_PAGES: usize = 64;
+pub(crate) const SAVE_NETWORK_FRAME_PAGES: usize = 64;
 /// Largest frame a save writes (256 KiB).
-pub const MAX_FRAME_PAGES: usize = 64;
+pub(crate) const MAX_FRAME_PAGES: usize = 64;
 
 mod dispatch;
 mod pool;
@@ -98,7 +97,7 @@ pub struct IngestOptions {
     pub workers: usize,
     /// Pages per batch handed to a worker.
     pub batch_pages: usize,
-    /// Pages per compressed frame (at most [`MAX_FRAME_PAGES`]).
+    /// Pages per compressed frame (at most `MAX_FRAME_PAGES`).
     pub frame_pages: usize,
     /// Bytes of re-sent (hot) pages held back until the stream ends, so precopy's
     /// intermediate versions of a page are not stored (0 disables).
@@ -111,7 +110,7 @@ pub struct IngestOptions {
     /// (the guest runs meanwhile). A stop-and-copy save gains nothing from QEMU finishing
     /// early, and every queued batch beyond the few in flight is fresh memory: 32 MiB of
     /// batches cost a 128 MiB save ~6,000 page faults, so `save` queues
-    /// [`SAVE_QUEUE_BYTES`].
+    /// `SAVE_QUEUE_BYTES`.
     pub queue_bytes: usize,
     pub limits: Limits,
     /// Base checkpoint for delta pages (`delta`); None stores every new page whole.
@@ -349,11 +348,63 @@ impl Shared<'_> {
     }
 }
 
+impl<'a> Shared<'a> {
+    fn new(
+        session: &'a Session,
+        chooser: &'a Chooser,
+        opts: &'a IngestOptions,
+        frame_pages: usize,
+    ) -> Shared<'a> {
+        let stored = session.store().stats().stored_bytes_new.load(Ordering::Relaxed);
+        Shared {
+            session,
+            chooser,
+            map: Mutex::new(PageMap::default()),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            new_chunks: AtomicU64::new(0),
+            zero_content: AtomicU64::new(0),
+            frames: AtomicU64::new(0),
+            worker_cpu_ns: AtomicU64::new(0),
+            idle_ns: AtomicU64::new(0),
+            put_ns: AtomicU64::new(0),
+            queue_ns: AtomicU64::new(0),
+            frame_pages,
+            next_flush: AtomicU64::new(stored + opts.flush_every),
+            flush_every: opts.flush_every,
+            flush_tx: Mutex::new(None),
+            // On a network backend base reads cross the link: they get a budget (`delta.rs`).
+            delta: opts.base.as_deref().map(|b| {
+                let sink = DeltaSink::new(b);
+                if session.store().backend().capabilities().network {
+                    sink.with_read_budget(super::delta::READ_ALLOWANCE)
+                } else {
+                    sink
+                }
+            }),
+            runs_enabled: opts.runs,
+            compressible_runs: opts.compressible_runs,
+            runs: Mutex::new(std::collections::HashSet::new()),
+            run_pages: Mutex::new(run_table::RunTable::default()),
+        }
+    }
+}
+
+/// What the parse thread measured, for [`Ingested`].
+#[derive(Default)]
+struct ParseTimes {
+    read_ns: u64,
+    parse_cpu_ns: u64,
+    drain_ms: f64,
+    flush_ns: AtomicU64,
+}
+
 /// Read a whole migration stream from `src`, storing pages through `session`. Returns when
 /// the stream ended correctly (EOF + VMDESCRIPTION) and every batch is stored; nothing is
-/// committed here.
+/// committed here. Stages: start the flusher and the pool, parse the stream into batches,
+/// drain the pool, then collect the maps and counters.
 pub fn ingest<R: Read>(
-    mut src: R,
+    src: R,
     session: &Session,
     chooser: &Chooser,
     opts: &IngestOptions,
@@ -362,39 +413,7 @@ pub fn ingest<R: Read>(
     let workers = opts.workers.max(1);
     let frame_pages = opts.frame_pages.clamp(1, MAX_FRAME_PAGES);
     let batch_pages = opts.batch_pages.max(frame_pages);
-    let sh = Shared {
-        session,
-        chooser,
-        map: Mutex::new(PageMap::default()),
-        failed: AtomicBool::new(false),
-        error: Mutex::new(None),
-        new_chunks: AtomicU64::new(0),
-        zero_content: AtomicU64::new(0),
-        frames: AtomicU64::new(0),
-        worker_cpu_ns: AtomicU64::new(0),
-        idle_ns: AtomicU64::new(0),
-        put_ns: AtomicU64::new(0),
-        queue_ns: AtomicU64::new(0),
-        frame_pages,
-        next_flush: AtomicU64::new(
-            session.store().stats().stored_bytes_new.load(Ordering::Relaxed) + opts.flush_every,
-        ),
-        flush_every: opts.flush_every,
-        flush_tx: Mutex::new(None),
-        // On a network backend base reads cross the link: they get a budget (`delta.rs`).
-        delta: opts.base.as_deref().map(|b| {
-            let sink = DeltaSink::new(b);
-            if session.store().backend().capabilities().network {
-                sink.with_read_budget(super::delta::READ_ALLOWANCE)
-            } else {
-                sink
-            }
-        }),
-        runs_enabled: opts.runs,
-        compressible_runs: opts.compressible_runs,
-        runs: Mutex::new(std::collections::HashSet::new()),
-        run_pages: Mutex::new(run_table::RunTable::default()),
-    };
+    let sh = Shared::new(session, chooser, opts, frame_pages);
     let (flush_tx, flush_rx) = mpsc::sync_channel::<()>(1);
     *sh.flush_tx.lock() = Some(flush_tx);
     // A deep queue rides out short stalls of the pool (a pack write, a background flush)
@@ -403,33 +422,12 @@ pub fn ingest<R: Read>(
     let (tx, rx) = mpsc::sync_channel::<Batch>(depth);
     let (free_tx, free_rx) = mpsc::sync_channel::<Vec<u8>>(depth + workers + 2);
     let rx = Mutex::new(rx);
-    let drain = Mutex::new(0.0f64);
     let parse_cpu_start = thread_cpu_ns();
-    let parse_cpu = Mutex::new(0u64);
-    let mut read_ns = 0u64;
     let writer_wait0 = session.store().writer_wait_ns();
-    let flush_ns = AtomicU64::new(0);
+    let mut times = ParseTimes::default();
 
-    let parsed: Result<(StreamInfo, u64, u64), IngestError> = std::thread::scope(|s| {
-        let flusher = {
-            let sh = &sh;
-            let flush_ns = &flush_ns;
-            std::thread::Builder::new()
-                .name("strata-mem-flush".into())
-                .spawn_scoped(s, move || {
-                    for () in flush_rx {
-                        if sh.failed.load(Ordering::Relaxed) {
-                            continue;
-                        }
-                        let t = std::time::Instant::now();
-                        if let Err(e) = sh.session.store().flush() {
-                            sh.fail(e);
-                        }
-                        flush_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    }
-                })
-                .expect("spawn flusher")
-        };
+    let parsed: Result<(StreamInfo, u64), IngestError> = std::thread::scope(|s| {
+        let flusher = spawn_flusher(s, &sh, flush_rx, &times.flush_ns);
         let handles: Vec<_> = (0..workers)
             .map(|i| {
                 let (sh, rx, free) = (&sh, &rx, free_tx.clone());
@@ -442,48 +440,9 @@ pub fn ingest<R: Read>(
                     .expect("spawn pipeline worker")
             })
             .collect();
-        let mut d = Dispatch {
-            sh: &sh,
-            tx,
-            free: &free_rx,
-            cur: Batch {
-                data: Vec::with_capacity(dispatch::batch_capacity(batch_pages) * PAGE_SIZE),
-                pages: Vec::with_capacity(dispatch::batch_capacity(batch_pages)),
-            },
-            zeros: Vec::new(),
-            rec: 0,
-            batch_pages,
-            sent: 0,
-            progress,
-            pending_progress: 0,
-            seen: Vec::new(),
-            hot: std::collections::HashMap::new(),
-            hot_cap: opts.hot_bytes,
-            superseded: 0,
-        };
-        let mut parser = Parser::new(opts.limits.clone());
-        let mut buf = vec![0u8; READ_BYTES];
-        let result = (|| -> Result<StreamInfo, IngestError> {
-            loop {
-                let t_read = std::time::Instant::now();
-                let r = src.read(&mut buf);
-                read_ns += t_read.elapsed().as_nanos() as u64;
-                let n = match r {
-                    Ok(0) => break,
-                    Ok(n) => n,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(source) => {
-                        return Err(IngestError::Read { bytes: parser.bytes_fed(), source })
-                    }
-                };
-                parser.feed(&buf[..n], &mut d).map_err(IngestError::Stream)?;
-            }
-            let info = parser.finish(&mut d).map_err(IngestError::Stream)?;
-            d.flush_hot().and_then(|_| d.send()).map_err(|_| IngestError::Panic)?;
-            Ok(info)
-        })();
-        *parse_cpu.lock() = thread_cpu_ns();
-        let rec = d.rec;
+        let mut d = Dispatch::new(&sh, tx, &free_rx, batch_pages, opts.hot_bytes, progress);
+        let result = parse(src, opts, &mut d, &mut times.read_ns);
+        times.parse_cpu_ns = thread_cpu_ns();
         let superseded = d.superseded;
         progress.advance(d.pending_progress);
         drop(d); // closes the batch channel: workers drain it and exit
@@ -492,31 +451,107 @@ pub fn ingest<R: Read>(
         for h in handles {
             panicked |= h.join().is_err();
         }
-        *drain.lock() = t_drain.elapsed().as_secs_f64() * 1e3;
+        times.drain_ms = t_drain.elapsed().as_secs_f64() * 1e3;
         sh.flush_tx.lock().take(); // ends the flusher
         panicked |= flusher.join().is_err();
         if panicked {
             return Err(IngestError::Panic);
         }
-        result.map(|info| (info, rec, superseded))
+        result.map(|info| (info, superseded))
     });
     // A store failure explains a stopped pipeline better than the sink error it caused.
     if let Some(e) = sh.error.lock().take() {
         return Err(IngestError::Store(e));
     }
-    let (info, _, superseded) = parsed?;
+    let (info, superseded) = parsed?;
     progress.finish();
-    let map = sh.map.into_inner();
-    let runs = sh.runs.into_inner();
-    let run_table = sh.run_pages.into_inner().stats();
-    let missing = map
-        .recs
-        .iter()
+    let waits = IngestWaits {
+        parse_read_ms: times.read_ns as f64 / 1e6,
+        parse_queue_ms: sh.queue_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        pool_idle_ms: sh.idle_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        pool_put_ms: sh.put_ns.load(Ordering::Relaxed) as f64 / 1e6,
+        pack_writer_ms: session.store().writer_wait_ns().saturating_sub(writer_wait0) as f64 / 1e6,
+        flushes_ms: times.flush_ns.load(Ordering::Relaxed) as f64 / 1e6,
+    };
+    let parse_cpu_ms = times.parse_cpu_ns.saturating_sub(parse_cpu_start) as f64 / 1e6;
+    Ok(collect(sh, info, superseded, waits, times.drain_ms, parse_cpu_ms))
+}
+
+/// The background flusher: makes packs and index objects durable when the pool asks
+/// (`Shared::maybe_flush`), until its channel closes.
+fn spawn_flusher<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    sh: &'s Shared<'_>,
+    flush_rx: Receiver<()>,
+    flush_ns: &'s AtomicU64,
+) -> std::thread::ScopedJoinHandle<'s, ()> {
+    std::thread::Builder::new()
+        .name("strata-mem-flush".into())
+        .spawn_scoped(s, move || {
+            for () in flush_rx {
+                if sh.failed.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let t = std::time::Instant::now();
+                if let Err(e) = sh.session.store().flush() {
+                    sh.fail(e);
+                }
+                flush_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        })
+        .expect("spawn flusher")
+}
+
+/// The parse thread's loop: read `src` in [`READ_BYTES`] pieces into the parser, which hands
+/// records to the dispatcher; at the end, send the held-back pages and the last batch.
+fn parse<R: Read>(
+    mut src: R,
+    opts: &IngestOptions,
+    d: &mut Dispatch<'_, '_>,
+    read_ns: &mut u64,
+) -> Result<StreamInfo, IngestError> {
+    let mut parser = Parser::new(opts.limits.clone());
+    let mut buf = vec![0u8; READ_BYTES];
+    loop {
+        let t_read = std::time::Instant::now();
+        let r = src.read(&mut buf);
+        *read_ns += t_read.elapsed().as_nanos() as u64;
+        let n = match r {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(source) => return Err(IngestError::Read { bytes: parser.bytes_fed(), source }),
+        };
+        parser.feed(&buf[..n], d).map_err(IngestError::Stream)?;
+    }
+    let info = parser.finish(d).map_err(IngestError::Stream)?;
+    d.flush_hot().and_then(|_| d.send()).map_err(|_| IngestError::Panic)?;
+    Ok(info)
+}
+
+/// Per ramblock, the pages no record covered (record number 0) and the first of them.
+fn missing_pages(recs: &[Vec<u64>]) -> Vec<(u64, u64)> {
+    recs.iter()
         .map(|r| {
             let n = r.iter().filter(|&&x| x == 0).count() as u64;
             (n, r.iter().position(|&x| x == 0).unwrap_or(0) as u64)
         })
-        .collect();
+        .collect()
+}
+
+/// The finished ingest: maps, slot tables, runs and counters out of the shared state.
+fn collect(
+    sh: Shared<'_>,
+    info: StreamInfo,
+    superseded: u64,
+    waits: IngestWaits,
+    drain_ms: f64,
+    parse_cpu_ms: f64,
+) -> Ingested {
+    let map = sh.map.into_inner();
+    let runs = sh.runs.into_inner();
+    let run_table = sh.run_pages.into_inner().stats();
+    let missing = missing_pages(&map.recs);
     let counters = IngestCounters {
         page_records: info.stats.page_records,
         zero_records: info.stats.zero_records,
@@ -527,26 +562,18 @@ pub fn ingest<R: Read>(
     };
     tracing::debug!(target: TARGET, ?counters, "stream ingested");
     let slots = map.slot_tables();
-    Ok(Ingested {
+    Ingested {
         info,
         maps: map.ids,
         slots,
         run_table,
         missing,
         counters,
-        drain_ms: drain.into_inner(),
-        parse_cpu_ms: parse_cpu.into_inner().saturating_sub(parse_cpu_start) as f64 / 1e6,
+        drain_ms,
+        parse_cpu_ms,
         pool_cpu_ms: sh.worker_cpu_ns.load(Ordering::Relaxed) as f64 / 1e6,
-        waits: IngestWaits {
-            parse_read_ms: read_ns as f64 / 1e6,
-            parse_queue_ms: sh.queue_ns.load(Ordering::Relaxed) as f64 / 1e6,
-            pool_idle_ms: sh.idle_ns.load(Ordering::Relaxed) as f64 / 1e6,
-            pool_put_ms: sh.put_ns.load(Ordering::Relaxed) as f64 / 1e6,
-            pack_writer_ms: session.store().writer_wait_ns().saturating_sub(writer_wait0) as f64
-                / 1e6,
-            flushes_ms: flush_ns.load(Ordering::Relaxed) as f64 / 1e6,
-        },
+        waits,
         delta: sh.delta.as_ref().map(DeltaSink::outcome),
         runs,
-    })
+    }
 }

@@ -5,8 +5,8 @@
 //! It is kept for the whole save and grows with the pages in runs, so it is laid out small:
 //! each page's full 32-byte id (a truncated key could alias two pages, and an alias restores
 //! the wrong bytes) maps to one `u32`, the run's number in `runs` times [`RUN_PAGES`] plus the
-//! slot, and each run id is kept once. That is 36 bytes an entry, against 65 for the
-//! `HashMap<ChunkId, (ChunkId, u8)>` of session 42; [`RunTable::heap_bytes`] reports what it
+//! slot, and each run id is kept once. That is 36 bytes an entry, against 65 for a
+//! `HashMap<ChunkId, (ChunkId, u8)>`; [`RunTable::heap_bytes`] reports what it
 //! holds, and the save report carries it (`run_table`).
 
 use std::collections::HashMap;

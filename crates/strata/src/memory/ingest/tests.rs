@@ -376,3 +376,10 @@ fn copies_of_run_pages_name_the_runs_slot() {
     // copies, so its 22 other pages are page chunks; 64..96 gives 31 page chunks.
     assert_eq!(got.counters.new_chunks, 32 + 22 + 31 + 32);
 }
+
+/// A ramblock's missing pages are those no record covered (record number 0), with the first.
+#[test]
+fn missing_pages_counts_uncovered_pages() {
+    let recs = vec![vec![1, 2, 3], vec![4, 0, 5, 0], vec![]];
+    assert_eq!(missing_pages(&recs), vec![(0, 0), (2, 1), (0, 0)]);
+}

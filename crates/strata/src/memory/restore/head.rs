@@ -1,9 +1,10 @@
 //! Head start: a restore's first reads begin before its plan is done.
 //!
 //! The plan locates every page of every ramblock before it knows its reads. For a 512 MiB
-//! guest of distinct pages that took ~125 ms (loading the maps, 115,000 index lookups,
-//! sorting), in which the link carried nothing: the restore was 1.03x `exec:zstd -1`'s time
-//! though it read fewer bytes (`bench save-restore --remote --workload random`, session 24).
+//! guest of distinct pages that takes ~125 ms (loading the maps, 115,000 index lookups,
+//! sorting), in which the link would carry nothing: without a head start the restore takes
+//! 1.03x `exec:zstd -1`'s time though it reads fewer bytes (`bench save-restore --remote
+//! --workload random`).
 //!
 //! So before the full plan, [`head_start`] reads only the first page-map leaves (a root and a
 //! few leaves: local copies, or a few small GETs), locates their pages, and starts reads of the
@@ -20,12 +21,12 @@
 //! --remote --cold-maps`) every leaf is a GET: the leaves the head start needs (enough for
 //! [`HEAD_PAGES`], at most [`HEAD_LEAVES`]) are then fetched together, not one after another.
 //! And the maps cross the link beside the head's reads, so both end together, and the link
-//! then idled while the plan looked up every page and cut its reads (~35-45 ms of a 512 MiB
-//! restore, session 26). So there the head has a **second stage** ([`Head::extend`]): as soon
+//! would then idle while the plan looks up every page and cuts its reads (~35-45 ms of a
+//! 512 MiB restore). So there the head has a **second stage** ([`Head::extend`]): as soon
 //! as the maps are in, the next [`HEAD_PAGES`] pages are located and up to [`HEAD_READS`] more
 //! runs (another [`HEAD_BYTES`]) start, before the full plan's lookups. For that stage to
 //! start while the first one's reads still fill the link, the plan reads the maps on a thread
-//! of its own from its first moment, beside the head start (session 27).
+//! of its own from its first moment, beside the head start.
 
 use super::*;
 

@@ -5,7 +5,7 @@ use super::*;
 
 /// Concurrent reads while planning: page-map leaves and pack checks are small objects, so on
 /// a remote backend their cost is round trips, not bytes (a 2 GiB guest's maps are 256 leaves).
-pub const MAP_READERS: usize = 16;
+pub(crate) const MAP_READERS: usize = 16;
 
 /// Apply `f` to every item on up to `threads` threads; results in input order, or the first
 /// error (with the index of the item that failed).
@@ -242,7 +242,7 @@ pub(crate) fn read_maps(
     }
     // The copies are written on a thread of their own, after the maps are whole: on a host
     // without the maps the plan waits on them, and writing a 512 MiB guest's 62 leaves one file
-    // at a time took ~12 ms there (session 27). Best effort, as the cache is: a copy not
+    // at a time takes ~12 ms. Best effort, as the cache is: a copy not
     // written only costs the next restore here a fetch.
     if !fetched_trees.is_empty() {
         let store = store.clone();

@@ -9,9 +9,9 @@
 //!   chunk is reported with its checkpoint, ramblock and page while QEMU is still untouched.
 //!   A delta record (`delta.rs`) is located like a page; its base page is read (and found
 //!   missing, if it is) by the worker that rebuilds it, so a lost base aborts the stream.
-//! * **Read by frame, not by page.** Pages were stored 16 to a compressed frame, so reading
-//!   them one `get` at a time would decompress each frame 16 times and open the pack once per
-//!   page. Instead the plan locates every page under a few holds of the index lock
+//! * **Read by frame, not by page.** Pages are stored up to 64 to a compressed frame, so
+//!   reading them one `get` at a time would decompress each frame once per page and open the
+//!   pack once per page. Instead the plan locates every page under a few holds of the index lock
 //!   ([`Store::locate_many`]), sorts the pages by their place in the packs (which also groups
 //!   the pages sharing a chunk: one chunk, one place), coalesces nearby frames into reads of
 //!   1–8 MiB (sequential within a pack; smaller for a small checkpoint) and orders the reads
@@ -21,9 +21,9 @@
 //!   against its BLAKE3 id. (Reads sharing a link end together: with a dozen in flight a small
 //!   checkpoint's pages all arrived at the end, and their decoding came after the last byte.)
 //!   Planning reads the page maps' leaves in ranged GETs of neighbouring leaves
-//!   ([`maps::get_chunks`]) and checks the packs [`MAP_READERS`] at a time: on a remote backend
+//!   (`get_chunks`) and checks the packs `MAP_READERS` at a time: on a remote backend
 //!   those are round trips, not bytes. The first reads start as soon as they are planned,
-//!   while the packs are checked ([`prefetch`]).
+//!   while the packs are checked (`prefetch`).
 //! * **Verified before sent.** The single writer thread only ever writes pages that a worker
 //!   verified; the first damaged page aborts the stream with an error naming the checkpoint and
 //!   page, so QEMU never receives bad memory (its load then fails and it exits).
@@ -33,8 +33,8 @@
 //! * **Any order.** QEMU's loader takes page records in any order, so pages are written as
 //!   frames finish, zero pages as ZERO records first, the tail last. A page id used at several
 //!   addresses is written at its first with its frame and at the others spread over the rest
-//!   of the stream (`spread.rs`: written all at once they were a burst of faults in QEMU's
-//!   loader that stalled the link). The generator checks that every page was written.
+//!   of the stream (`spread.rs`: written all at once they would be a burst of faults in
+//!   QEMU's loader that stalls the link). The generator checks that every page was written.
 #![allow(clippy::result_large_err)] // a MemError is returned once per save or restore
 
 use std::io::Write;
@@ -73,10 +73,10 @@ mod tests;
 use head::*;
 pub(crate) use maps::par_map;
 pub(crate) use maps::read_maps;
-pub use maps::MAP_READERS;
+pub(crate) use maps::MAP_READERS;
 pub use pipeline::{prepare, stream, write_stream, Prepared};
 use plan::*;
-pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS, MIN_READ};
+pub use plan::{read_size, DEFAULT_READ_BYTES, FETCHERS};
 use spread::{Spread, MAX_SLOTS};
 
 /// How to restore.
@@ -90,9 +90,9 @@ pub struct RestoreOptions {
     /// Largest single read from a pack (small checkpoints use smaller ones, see [`read_size`]).
     /// Reads run ahead of the target QEMU when it loads slower than the link delivers, and
     /// every read in flight or queued is memory this process holds meanwhile (~20 reads, and
-    /// their decoded pages): with 8 MiB reads a 1 GiB restore held ~200 MB and its target
-    /// QEMU spent 2.1 s of system time loading (4.6 s restores); with 2 MiB, 0.4 s (2.5 s)
-    /// (`bench save-restore --remote`, session 13).
+    /// their decoded pages): with 8 MiB reads a 1 GiB restore holds ~200 MB and its target
+    /// QEMU spends 2.1 s of system time loading (4.6 s restores); with 2 MiB, 0.4 s (2.5 s)
+    /// (`bench save-restore --remote`).
     pub read_bytes: u64,
     /// How long QEMU may take to finish loading after the last byte.
     pub load_timeout: Duration,
@@ -274,6 +274,8 @@ fn load_tail(store: &Store, ckpt: &Checkpoint) -> Result<Vec<u8>, MemError> {
 }
 
 /// Restore checkpoint `name` into the QEMU behind `qmp` (started with `-incoming defer`).
+/// Stages: load the ref while checking the target and planning; open QEMU's incoming socket;
+/// stream; wait until QEMU has loaded the state; resume.
 pub fn restore(
     store: &Store,
     name: &str,
@@ -285,125 +287,176 @@ pub fn restore(
     if !valid_name(name) {
         return Err(MemError::BadName { name: name.into() });
     }
+    let mut candidates = Candidates::default();
+    let loaded = load_and_prepare(store, name, qmp, opts, t0, &mut candidates)?;
+    loaded.checked?;
+    let checked_and_planned_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let prepared = loaded.prepared.map_err(|_| MemError::Panic { what: "restore planner" })??;
+    let (conn, _cleanup) = connect_incoming(qmp, opts)?;
+    tracing::debug!(target: TARGET, name, ref_copy = loaded.ref_copy.as_str(), loaded_ms = loaded.loaded_ms, checked_and_planned_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
+    let (conn, mut report) = stream(prepared, conn, opts, progress)?;
+    report.ref_copy = loaded.ref_copy.as_str().to_string();
+    let _ = conn.shutdown(std::net::Shutdown::Write);
+    drop(conn);
+    wait_loaded(qmp, name, opts.load_timeout)?;
+    report.load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let path = qmp.path().to_path_buf();
+    if opts.resume {
+        let s = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
+        if !s.running {
+            qmp.cont().map_err(MemError::qmp("cont", &path))?;
+        }
+    }
+    report.vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+    report.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(target: TARGET, name, total_ms = report.total_ms, "checkpoint restored");
+    Ok(report)
+}
+
+/// The checkpoints a restore may plan from: this host's copy of the ref (a guess), and the
+/// one fetched from the store when it differs or there is no copy.
+#[derive(Default)]
+struct Candidates {
+    copy: Option<(Ref, Checkpoint)>,
+    fetched: Option<Checkpoint>,
+}
+
+/// The target check's result and the plan, from the checkpoint the store holds.
+struct Loaded<'a> {
+    checked: Result<(), MemError>,
+    prepared: std::thread::Result<Result<Prepared<'a>, MemError>>,
+    ref_copy: RefCopyUse,
+    loaded_ms: f64,
+}
+
+/// The target check (a few QMP queries) runs while the plan reads the page maps: neither
+/// changes the target, so a restore that fails here still leaves QEMU untouched. A wrong
+/// target is reported before a damaged checkpoint, as when they run one after the other.
+fn check_and_prepare<'a>(
+    store: &'a Store,
+    ckpt: &'a Checkpoint,
+    qmp: &mut QmpClient,
+    opts: &RestoreOptions,
+) -> (Result<(), MemError>, std::thread::Result<Result<Prepared<'a>, MemError>>) {
+    std::thread::scope(|s| {
+        let plan = std::thread::Builder::new()
+            .name("strata-plan".into())
+            .spawn_scoped(s, || prepare(store, ckpt, opts))
+            .expect("spawn restore planner");
+        let checked = check_target(ckpt, qmp);
+        (checked, plan.join())
+    })
+}
+
+/// Load the checkpoint's ref, checking the target and planning meanwhile. With a copy of the
+/// ref that this host wrote or read before (`store/ref_copies.rs`), the plan and the target
+/// check start from it while the backend's ref is fetched, and are kept only if that ref is
+/// the same. Otherwise (another host replaced it) they are done again from the fetched ref;
+/// the guess's early reads end on their own threads.
+fn load_and_prepare<'a>(
+    store: &'a Store,
+    name: &str,
+    qmp: &mut QmpClient,
+    opts: &RestoreOptions,
+    t0: Instant,
+    candidates: &'a mut Candidates,
+) -> Result<Loaded<'a>, MemError> {
     let rname = ref_name(name);
-    // The target check (a few QMP queries) runs while the plan reads the page maps: neither
-    // changes the target, so a restore that fails here still leaves QEMU untouched. A wrong
-    // target is reported before a damaged checkpoint, as when they ran one after the other.
-    let check_and_prepare = |ckpt, qmp: &mut QmpClient| {
-        std::thread::scope(|s| {
-            let plan = std::thread::Builder::new()
-                .name("strata-plan".into())
-                .spawn_scoped(s, || prepare(store, ckpt, opts))
-                .expect("spawn restore planner");
-            let checked = check_target(ckpt, qmp);
-            (checked, plan.join())
-        })
-    };
-    // A copy of the ref that this host wrote or read before (`store/ref_copies.rs`): the
-    // plan and the target check start from it while the backend's ref is fetched, and are
-    // kept only if that ref is the same. Otherwise (another host replaced it) they are done
-    // again from the fetched ref; the guess's early reads end on their own threads.
-    let copy = store
+    let Candidates { copy, fetched: fetched_ckpt } = candidates;
+    *copy = store
         .ref_copies()
         .and_then(|c| c.get(&rname))
         .and_then(|r| Checkpoint::from_ref(&r).ok().map(|ck| (r, ck)));
-    let fetched_ckpt: Checkpoint;
     let keep_copy = |r: &Ref| {
         if let Some(c) = store.ref_copies() {
             c.put(&rname, r);
         }
     };
-    let (_ckpt, ref_copy, loaded_ms, (checked, prepared)) = match &copy {
-        Some((copy_ref, guess)) => {
-            let (fetched, loaded_ms, guessed) = std::thread::scope(|s| {
-                let fetch = s.spawn(|| {
-                    let r = fetch_ref(store, name);
-                    (r, t0.elapsed().as_secs_f64() * 1e3)
-                });
-                let guessed = check_and_prepare(guess, qmp);
-                let (r, ms) = fetch.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                (r, ms, guessed)
-            });
-            let fetched = match fetched {
-                Ok(r) => r,
-                Err(e) => {
-                    if matches!(e, MemError::NotFound { .. }) {
-                        if let Some(c) = store.ref_copies() {
-                            c.remove(&rname);
-                        }
-                    }
-                    return Err(e);
+    let Some((copy_ref, guess)) = copy.as_ref() else {
+        let r = fetch_ref(store, name)?;
+        let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let ckpt: &'a Checkpoint = fetched_ckpt.insert(checkpoint_of(name, &r)?);
+        keep_copy(&r);
+        let ref_copy =
+            if store.ref_copies().is_some() { RefCopyUse::Missing } else { RefCopyUse::NotKept };
+        let (checked, prepared) = check_and_prepare(store, ckpt, qmp, opts);
+        return Ok(Loaded { checked, prepared, ref_copy, loaded_ms });
+    };
+    let (fetched, loaded_ms, guessed) = std::thread::scope(|s| {
+        let fetch = s.spawn(|| {
+            let r = fetch_ref(store, name);
+            (r, t0.elapsed().as_secs_f64() * 1e3)
+        });
+        let guessed = check_and_prepare(store, guess, qmp, opts);
+        let (r, ms) = fetch.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (r, ms, guessed)
+    });
+    let fetched = match fetched {
+        Ok(r) => r,
+        Err(e) => {
+            if matches!(e, MemError::NotFound { .. }) {
+                if let Some(c) = store.ref_copies() {
+                    c.remove(&rname);
                 }
-            };
-            if fetched == *copy_ref {
-                (guess, RefCopyUse::Used, loaded_ms, guessed)
-            } else {
-                tracing::info!(
-                    target: TARGET,
-                    name,
-                    copy_generation = copy_ref.generation,
-                    generation = fetched.generation,
-                    "Checkpoint was replaced since this host's copy of its ref; planning again from the store's"
-                );
-                drop(guessed);
-                keep_copy(&fetched);
-                fetched_ckpt = checkpoint_of(name, &fetched)?;
-                (&fetched_ckpt, RefCopyUse::Stale, loaded_ms, check_and_prepare(&fetched_ckpt, qmp))
             }
-        }
-        None => {
-            let r = fetch_ref(store, name)?;
-            let loaded_ms = t0.elapsed().as_secs_f64() * 1e3;
-            fetched_ckpt = checkpoint_of(name, &r)?;
-            keep_copy(&r);
-            let use_ = if store.ref_copies().is_some() {
-                RefCopyUse::Missing
-            } else {
-                RefCopyUse::NotKept
-            };
-            (&fetched_ckpt, use_, loaded_ms, check_and_prepare(&fetched_ckpt, qmp))
+            return Err(e);
         }
     };
-    checked?;
-    let checked_and_planned_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let prepared = prepared.map_err(|_| MemError::Panic { what: "restore planner" })??;
+    if fetched == *copy_ref {
+        let (checked, prepared) = guessed;
+        return Ok(Loaded { checked, prepared, ref_copy: RefCopyUse::Used, loaded_ms });
+    }
+    tracing::info!(
+        target: TARGET,
+        name,
+        copy_generation = copy_ref.generation,
+        generation = fetched.generation,
+        "Checkpoint was replaced since this host's copy of its ref; planning again from the store's"
+    );
+    drop(guessed);
+    keep_copy(&fetched);
+    let ckpt: &'a Checkpoint = fetched_ckpt.insert(checkpoint_of(name, &fetched)?);
+    let (checked, prepared) = check_and_prepare(store, ckpt, qmp, opts);
+    Ok(Loaded { checked, prepared, ref_copy: RefCopyUse::Stale, loaded_ms })
+}
+
+/// Have QEMU listen on a fresh unix socket (`migrate-incoming`) and connect to it, retrying
+/// for up to 5 s while QEMU opens it. The socket file is removed when the guard drops.
+fn connect_incoming(
+    qmp: &mut QmpClient,
+    opts: &RestoreOptions,
+) -> Result<(UnixStream, Remove), MemError> {
     let path = qmp.path().to_path_buf();
     let dir = opts.socket_dir.clone().unwrap_or_else(std::env::temp_dir);
     let sock =
         dir.join(format!("strata-in-{}-{:08x}.sock", std::process::id(), rand::random::<u32>()));
     qmp.migrate_incoming(&format!("unix:{}", sock.display()))
         .map_err(MemError::qmp("migrate-incoming", &path))?;
-    let _cleanup = Remove(sock.clone());
-    let mut conn = None;
+    let cleanup = Remove(sock.clone());
     let mut last = None;
     for _ in 0..500 {
         match UnixStream::connect(&sock) {
-            Ok(s) => {
-                conn = Some(s);
-                break;
-            }
+            Ok(s) => return Ok((s, cleanup)),
             Err(e) => {
                 last = Some(e);
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
     }
-    let Some(conn) = conn else {
-        return Err(MemError::Io {
-            op: "connect to QEMU's incoming socket",
-            path: sock,
-            source: last.expect("an error"),
-        });
-    };
-    tracing::debug!(target: TARGET, name, ref_copy = ref_copy.as_str(), loaded_ms, checked_and_planned_ms, connected_ms = t0.elapsed().as_secs_f64() * 1e3, "restore connected");
-    let (conn, mut report) = stream(prepared, conn, opts, progress)?;
-    report.ref_copy = ref_copy.as_str().to_string();
-    let _ = conn.shutdown(std::net::Shutdown::Write);
-    drop(conn);
-    let deadline = Instant::now() + opts.load_timeout;
+    Err(MemError::Io {
+        op: "connect to QEMU's incoming socket",
+        path: sock,
+        source: last.expect("an error"),
+    })
+}
+
+/// Poll `query-migrate` until QEMU has loaded the stream: an error if it fails, exits, or is
+/// not done within `timeout`.
+fn wait_loaded(qmp: &mut QmpClient, name: &str, timeout: Duration) -> Result<(), MemError> {
+    let deadline = Instant::now() + timeout;
     loop {
         match qmp.query_migrate() {
-            Ok(i) if i.status == "completed" => break,
+            Ok(i) if i.status == "completed" => return Ok(()),
             Ok(i) if i.status == "failed" || i.status == "cancelled" => {
                 return Err(MemError::LoadFailed {
                     name: name.into(),
@@ -415,7 +468,7 @@ pub fn restore(
                 return Err(MemError::LoadFailed {
                     name: name.into(),
                     status: i.status,
-                    desc: format!("not loaded after {:?}", opts.load_timeout),
+                    desc: format!("not loaded after {timeout:?}"),
                 })
             }
             Ok(_) => std::thread::sleep(Duration::from_millis(2)),
@@ -426,20 +479,12 @@ pub fn restore(
                     desc: "QEMU exited while loading; its stderr has the reason".into(),
                 })
             }
-            Err(source) => return Err(MemError::Qmp { op: "query-migrate", path, source }),
+            Err(source) => {
+                let path = qmp.path().to_path_buf();
+                return Err(MemError::Qmp { op: "query-migrate", path, source });
+            }
         }
     }
-    report.load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    if opts.resume {
-        let s = qmp.query_status().map_err(MemError::qmp("query-status", &path))?;
-        if !s.running {
-            qmp.cont().map_err(MemError::qmp("cont", &path))?;
-        }
-    }
-    report.vm_status = qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
-    report.total_ms = t0.elapsed().as_secs_f64() * 1e3;
-    tracing::info!(target: TARGET, name, total_ms = report.total_ms, "checkpoint restored");
-    Ok(report)
 }
 
 struct Remove(PathBuf);

@@ -362,70 +362,40 @@ pub fn stream<W: Write>(
     // never waits for a decode; delta jobs (small reads of their own) run on the fetchers.
     let workers = opts.workers.max(1);
     let fetchers = FETCHERS;
-    let next = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
-    let (tx, rx) = mpsc::sync_channel::<Result<Vec<Decoded>, (u32, StoreError)>>(workers * 2);
+    let (tx, rx) = mpsc::sync_channel::<Decodes>(workers * 2);
     let (ftx, frx) = mpsc::sync_channel::<Batch>(fetchers * BATCHES_PER_FETCHER);
     // Shared by the decoders and dropped with the last of them, so a fetcher blocked on a full
     // queue wakes up (with an error) when the decoders stop.
     let frx = std::sync::Arc::new(parking_lot::Mutex::new(frx));
-    let bufs = Buffers::new();
-    let batch_bufs = Buffers::new();
+    let st = Stages {
+        store,
+        plan: &plan,
+        next: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+        bufs: Buffers::new(),
+        batch_bufs: Buffers::new(),
+        fetch_blocked: AtomicU64::new(0),
+        decode_blocked: AtomicU64::new(0),
+    };
     let mut bytes_read = 0u64;
     // Time the writer waited for decoded pages (the link or the decoders were behind).
     let mut starved = std::time::Duration::ZERO;
     // A page's other addresses are written at the pace of the stream, not in one burst.
     let mut spread = Spread::new(&plan.ref_ranges, MAX_SLOTS);
-    // Time fetchers and decoders waited on full queues (the stage after them was behind).
-    let fetch_blocked = AtomicU64::new(0);
-    let decode_blocked = AtomicU64::new(0);
     let result: Result<(), MemError> = std::thread::scope(|s| {
         for i in 0..fetchers {
-            let (tx, ftx, plan, next, stop, batch_bufs, blocked) =
-                (tx.clone(), ftx.clone(), &plan, &next, &stop, &batch_bufs, &fetch_blocked);
+            let (st, tx, ftx) = (&st, tx.clone(), ftx.clone());
             std::thread::Builder::new()
                 .name(format!("strata-fetch-{i}"))
-                .spawn_scoped(s, move || loop {
-                    let j = next.fetch_add(1, Ordering::Relaxed);
-                    if j >= plan.jobs.len() + plan.delta_jobs.len() || stop.load(Ordering::Relaxed)
-                    {
-                        return;
-                    }
-                    let done = match plan.jobs.get(j) {
-                        Some(job) => match fetch_job(store, plan, j, job, batch_bufs, &mut |b| {
-                            timed_send(&ftx, b, blocked)
-                        }) {
-                            None => continue,
-                            Some(r) => r,
-                        },
-                        None => decode_deltas(store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
-                    };
-                    let failed = done.is_err();
-                    if tx.send(done).is_err() || failed {
-                        return;
-                    }
-                })
+                .spawn_scoped(s, move || st.fetch(&tx, &ftx))
                 .expect("spawn restore fetcher");
         }
         drop(ftx);
         for i in 0..workers {
-            let (tx, frx, plan, stop, bufs, batch_bufs, blocked) =
-                (tx.clone(), frx.clone(), &plan, &stop, &bufs, &batch_bufs, &decode_blocked);
+            let (st, tx, frx) = (&st, tx.clone(), frx.clone());
             std::thread::Builder::new()
                 .name(format!("strata-restore-{i}"))
-                .spawn_scoped(s, move || loop {
-                    let got = frx.lock().recv();
-                    let Ok(batch) = got else { return };
-                    if stop.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let r = decode_batch(plan, &batch, bufs);
-                    batch_bufs.give(batch.bytes);
-                    let failed = r.is_err();
-                    if !timed_send(&tx, r, blocked) || failed {
-                        return;
-                    }
-                })
+                .spawn_scoped(s, move || st.decode(&tx, &frx))
                 .expect("spawn restore worker");
         }
         drop(frx);
@@ -433,64 +403,32 @@ pub fn stream<W: Write>(
         // threads: a thread blocked on a full queue then gets an error instead of waiting forever.
         let rx = rx;
         drop(tx);
-        let mut outcome = Ok(());
         loop {
             let t = Instant::now();
             let Ok(r) = rx.recv() else { break };
             starved += t.elapsed();
-            match r {
+            let written = match r {
                 Ok(frames) => {
-                    let mut put = |(b, p): (u32, u32), page: &[u8; PAGE_SIZE]| {
-                        w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page)
-                    };
-                    let mut n = 0u64;
-                    for d in frames {
-                        bytes_read += d.read;
-                        for &(o, u) in &d.chunks {
-                            let page: &[u8; PAGE_SIZE] = d.raw[o as usize..o as usize + PAGE_SIZE]
-                                .try_into()
-                                .expect("page-sized slice");
-                            match spread.page(
-                                plan.ref_ranges[u as usize],
-                                page,
-                                &plan.refs,
-                                &mut put,
-                            ) {
-                                Ok(k) => n += k,
-                                Err(e) => {
-                                    stop.store(true, Ordering::Relaxed);
-                                    return Err(gen(e));
-                                }
-                            }
-                        }
-                        bufs.give(d.raw);
-                    }
-                    match spread.catch_up(&plan.refs, &mut put) {
-                        Ok(k) => n += k,
-                        Err(e) => {
-                            stop.store(true, Ordering::Relaxed);
-                            return Err(gen(e));
-                        }
-                    }
-                    progress.advance(n * PAGE_SIZE as u64);
+                    write_frames(&mut w, &mut spread, &st, frames, &mut bytes_read).map_err(gen)
                 }
                 Err((u, source)) => {
-                    stop.store(true, Ordering::Relaxed);
                     let (a, _) = plan.ref_ranges[u as usize];
                     let (block, offset) = page_of(ckpt, plan.refs[a as usize]);
-                    outcome = Err(MemError::PageDamaged {
-                        name: name.clone(),
-                        block,
-                        offset,
-                        id: plan.uids[u as usize],
-                        source,
-                    });
-                    break;
+                    let id = plan.uids[u as usize];
+                    Err(MemError::PageDamaged { name: name.clone(), block, offset, id, source })
+                }
+            };
+            match written {
+                Ok(n) => progress.advance(n * PAGE_SIZE as u64),
+                Err(e) => {
+                    st.stop.store(true, Ordering::Relaxed);
+                    return Err(e);
                 }
             }
         }
-        outcome
+        Ok(())
     });
+    let (fetch_blocked, decode_blocked) = (st.fetch_blocked, st.decode_blocked);
     result?;
     let held = spread.held();
     let n = spread
@@ -538,6 +476,102 @@ pub fn stream<W: Write>(
     };
     tracing::debug!(target: TARGET, name, ?report, "stream generated");
     Ok((out, report))
+}
+
+/// What a fetcher or a decoder hands the writer: decoded frames, or the unique page that
+/// failed.
+type Decodes = Result<Vec<Decoded>, (u32, StoreError)>;
+
+/// What the fetchers and decoders share while streaming.
+struct Stages<'a> {
+    store: &'a Store,
+    plan: &'a Plan,
+    /// The next job to take (reads, then delta jobs).
+    next: AtomicUsize,
+    /// Set by the writer on a failure: the threads stop taking work.
+    stop: AtomicBool,
+    /// Decoded pages' buffers, and fetched batches' buffers, for reuse.
+    bufs: Buffers,
+    batch_bufs: Buffers,
+    /// Time fetchers and decoders waited on full queues (the stage after them was behind).
+    fetch_blocked: AtomicU64,
+    decode_blocked: AtomicU64,
+}
+
+impl Stages<'_> {
+    /// A fetcher: take jobs until none is left or the writer stops; a read's frames go to the
+    /// decoders, a delta job is decoded here.
+    fn fetch(&self, tx: &mpsc::SyncSender<Decodes>, ftx: &mpsc::SyncSender<Batch>) {
+        let plan = self.plan;
+        loop {
+            let j = self.next.fetch_add(1, Ordering::Relaxed);
+            if j >= plan.jobs.len() + plan.delta_jobs.len() || self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let done = match plan.jobs.get(j) {
+                Some(job) => {
+                    let mut send = |b| timed_send(ftx, b, &self.fetch_blocked);
+                    match fetch_job(self.store, plan, j, job, &self.batch_bufs, &mut send) {
+                        None => continue,
+                        Some(r) => r,
+                    }
+                }
+                None => decode_deltas(self.store, plan, &plan.delta_jobs[j - plan.jobs.len()]),
+            };
+            let failed = done.is_err();
+            if tx.send(done).is_err() || failed {
+                return;
+            }
+        }
+    }
+
+    /// A decoder: decode fetched batches until the fetchers are done or the writer stops.
+    fn decode(
+        &self,
+        tx: &mpsc::SyncSender<Decodes>,
+        frx: &parking_lot::Mutex<mpsc::Receiver<Batch>>,
+    ) {
+        loop {
+            let got = frx.lock().recv();
+            let Ok(batch) = got else { return };
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let r = decode_batch(self.plan, &batch, &self.bufs);
+            self.batch_bufs.give(batch.bytes);
+            let failed = r.is_err();
+            if !timed_send(tx, r, &self.decode_blocked) || failed {
+                return;
+            }
+        }
+    }
+}
+
+/// Write decoded frames' pages at their first addresses (and, as slots allow, the others:
+/// `spread.rs`). Returns the pages written.
+fn write_frames<W: Write>(
+    w: &mut StreamWriter<W>,
+    spread: &mut Spread,
+    st: &Stages<'_>,
+    frames: Vec<Decoded>,
+    bytes_read: &mut u64,
+) -> Result<u64, crate::memory::stream::GenerateError> {
+    let plan = st.plan;
+    let mut put = |(b, p): (u32, u32), page: &[u8; PAGE_SIZE]| {
+        w.page(BlockIdx(b), p as u64 * PAGE_SIZE as u64, page)
+    };
+    let mut n = 0u64;
+    for d in frames {
+        *bytes_read += d.read;
+        for &(o, u) in &d.chunks {
+            let page: &[u8; PAGE_SIZE] =
+                d.raw[o as usize..o as usize + PAGE_SIZE].try_into().expect("page-sized slice");
+            n += spread.page(plan.ref_ranges[u as usize], page, &plan.refs, &mut put)?;
+        }
+        st.bufs.give(d.raw);
+    }
+    n += spread.catch_up(&plan.refs, &mut put)?;
+    Ok(n)
 }
 
 /// Send on a bounded queue, adding the time it was full to `blocked` (nanoseconds); false

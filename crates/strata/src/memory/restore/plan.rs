@@ -2,6 +2,8 @@
 //! (see the parent module for why), and the first reads started before the stream.
 
 use super::*;
+use crate::memory::manifest::BlockMeta;
+use crate::store::pack::PackEntry;
 
 /// One compressed frame to read, with the pages (unique ids) it holds.
 #[derive(Debug, Clone)]
@@ -82,7 +84,7 @@ pub(super) fn add_to_jobs(
 /// Put the largest reads first and the smallest last (stable, so pack order within a size).
 /// The pages of a read are decoded, verified and written only once all its bytes are in, so
 /// whatever the last reads hold is work left after the last byte arrives: with 1 MiB reads
-/// last, a 128 MiB restore spent ~30 ms after it (`bench save-restore --remote`, session 8).
+/// last, a 128 MiB restore spends ~30 ms after it (`bench save-restore --remote`).
 pub(super) fn order_reads(jobs: &mut [Job]) {
     jobs.sort_by_key(|j| std::cmp::Reverse(j.end - j.start));
 }
@@ -92,7 +94,7 @@ pub(super) const READ_GAP: u64 = 256 << 10;
 
 /// A pack's last read holds whatever is left after the full ones, often a few dozen KiB; with
 /// one per pack (11-17 packs in a 128 MiB checkpoint) and the smallest reads last, a traced
-/// 128 MiB restore spent its last ~27 ms on eleven such reads of 12-270 KB, four at a time,
+/// 128 MiB restore spends its last ~27 ms on eleven such reads of 12-270 KB, four at a time,
 /// each waiting a request's round trip: ~0.7 MB that the link moves in 6 ms. A last read
 /// smaller than a quarter of the read size is folded into the read before it (same pack, gap
 /// within [`READ_GAP`]), so reads grow to at most 1.25x the read size and the restore ends on
@@ -137,7 +139,7 @@ pub const DEFAULT_READ_BYTES: u64 = 2 << 20;
 /// one read's end and the next one's first byte.
 pub const FETCHERS: usize = 4;
 /// Smallest planned read (a request's fixed cost stays small against its transfer).
-pub const MIN_READ: u64 = 1 << 20;
+pub(crate) const MIN_READ: u64 = 1 << 20;
 /// A checkpoint is cut into at least this many reads per fetcher (up to `read_bytes` each), so
 /// that the last reads, whose decoding cannot overlap the transfer, are a small part of it.
 pub(super) const READS_PER_FETCHER: u64 = 8;
@@ -183,10 +185,9 @@ pub(super) type Early = std::thread::JoinHandle<Result<Vec<u8>, crate::backend::
 pub(super) const PREFETCH_BYTES: u64 = 3 << 20;
 
 /// Start the reads of the first jobs now, on threads of their own: the rest of the plan, QEMU's
-/// `migrate-incoming` and the connection took ~20 ms of a 128 MiB restore over 1 Gbit/s
-/// (`bench save-restore --remote`, when the plan still sent a HEAD per pack there), in which
-/// the link would otherwise idle. A plan that then fails drops the handles; the threads end with their
-/// reads.
+/// `migrate-incoming` and the connection take up to ~20 ms of a 128 MiB restore over 1 Gbit/s
+/// (`bench save-restore --remote`), in which the link would otherwise idle. A plan that then
+/// fails drops the handles; the threads end with their reads.
 pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Option<Early>>> {
     let mut bytes = 0u64;
     let n = jobs
@@ -213,6 +214,9 @@ pub(super) fn prefetch(store: &Store, jobs: &[Job]) -> Vec<parking_lot::Mutex<Op
         .collect()
 }
 
+/// Plan a restore, in stages: start the tail and map reads and the head start (`head.rs`);
+/// take the maps; start the head's second stage; list the pages; locate them in the packs;
+/// group them into unique chunks and cut the reads; check the packs are there.
 pub(super) fn make_plan(
     store: &Store,
     ckpt: &Checkpoint,
@@ -227,24 +231,7 @@ pub(super) fn make_plan(
         std::thread::spawn(move || load_tail(&store, &ckpt))
     };
     let hits0 = store.tree_cache().map_or(0, |c| c.counters().0);
-    // Maps that will cross the link are read from now on, on a thread of their own beside the
-    // head start: they then get the link to themselves until the head's reads begin
-    // (`head.rs`). Local ones (a local backend, or this host's tree cache has them) are read
-    // after it, on this thread: read beside it on a busy host they only delayed its reads
-    // (session 27: QEMU connected ~20-30 ms later).
-    let local_maps = !store.backend().capabilities().network
-        || ckpt.map_roots.first().is_none_or(|r| store.tree_cache().is_some_and(|c| c.contains(r)));
-    let remote_reader = if local_maps {
-        None
-    } else {
-        let (store, roots) = (store.clone(), ckpt.map_roots.clone());
-        Some(
-            std::thread::Builder::new()
-                .name("strata-maps".into())
-                .spawn(move || read_maps(&store, &roots, MAP_READERS))
-                .map_err(|_| MemError::Panic { what: "map reader" })?,
-        )
-    };
+    let remote_reader = start_map_reader(store, ckpt)?;
     // The first reads start now, from the first leaves only (`head.rs`).
     let head_read_bytes = read_size(m.stats.stored_bytes, read_bytes);
     let mut head = head_start(store, ckpt, head_read_bytes);
@@ -253,59 +240,177 @@ pub(super) fn make_plan(
         Some(r) => r.join().map_err(|_| MemError::Panic { what: "map reader" })?,
         None => read_maps(store, &ckpt.map_roots, MAP_READERS),
     };
-    let mut ids: Vec<ChunkId> = Vec::new();
-    let mut pages: Vec<(u32, u32)> = Vec::new(); // (block, page) of ids[i]
-    let mut zeros = Vec::new();
     let mut slot_maps = maps.map_err(|(bi, source)| MemError::MetaDamaged {
         name: name.clone(),
         what: format!("page map of ramblock '{}'", m.blocks[bi].name),
         source,
     })?;
     let maps = std::mem::take(&mut slot_maps.ids);
-    // Slot tables came with version 4.
-    if m.version < 4 {
-        if let Some(bi) = slot_maps.slots.iter().position(|s| !s.is_empty()) {
-            return Err(MemError::MetaDamaged {
-                name: name.clone(),
-                what: format!("page map of ramblock '{}'", m.blocks[bi].name),
-                source: StoreError::Corrupt {
-                    id: ckpt.map_roots[bi],
-                    pack: PackId::default(),
-                    offset: 0,
-                    reason: format!("a slot table in a version-{} checkpoint", m.version),
-                },
-            });
-        }
-    }
+    check_slot_tables(ckpt, &slot_maps)?;
     let maps_ms = t0.elapsed().as_secs_f64() * 1e3;
     let map_trees_local = store.tree_cache().map_or(0, |c| c.counters().0) - hits0;
-    // Maps that came over the link: the head's second stage starts now (`head.rs`).
-    let mut head2_reads = 0;
-    if head.remote_maps && head.pages > 0 {
-        let next: Vec<ChunkId> = maps
-            .iter()
-            .flatten()
-            .filter(|id| !id.is_zero())
-            .skip(head.pages)
-            .take(HEAD_PAGES)
-            .copied()
-            .collect();
-        let mut frames = Vec::with_capacity(next.len());
-        store.locate_many(&next, |_, hit| {
-            if let Some((pack, e)) = hit {
-                if e.kind == ChunkKind::Data {
-                    frames.push((pack, e.frame_off, e.frame_len));
-                }
-            }
-        });
-        head2_reads =
-            head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(m.stats.stored_bytes / 4));
-    }
+    let head2_reads = extend_head(store, &mut head, &maps, head_read_bytes, m.stats.stored_bytes);
     let head2_ms = t0.elapsed().as_secs_f64() * 1e3;
-    for (bi, (b, (root, map))) in m.blocks.iter().zip(ckpt.map_roots.iter().zip(maps)).enumerate() {
+    let listed = list_pages(name, &m.blocks, &ckpt.map_roots, maps)?;
+    let mut head_jobs = head.jobs();
+    let listed_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let located = locate_pages(store, ckpt, &listed, &slot_maps)?;
+    let looked_up_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let read_bytes = read_size(frame_bytes(&located), read_bytes);
+    let grouped = group_reads(
+        located,
+        listed.ids,
+        &listed.pages,
+        &slot_maps,
+        &head,
+        &mut head_jobs,
+        read_bytes,
+    );
+    let Grouped { uids, slots, ref_ranges, refs, deltas, jobs: rest } = grouped;
+    let mut rest = fold_small_tails(rest, read_bytes);
+    order_reads(&mut rest);
+    // The head start's reads come first (they are under way), then the rest, largest first.
+    let (mut jobs, mut early) = head.into_parts(head_jobs);
+    let head_reads = jobs.len();
+    jobs.extend(rest);
+    let located_ms = t0.elapsed().as_secs_f64() * 1e3;
+    early.extend(prefetch(store, &jobs[head_reads..]));
+    let packs = check_packs(store, ckpt, &jobs, &uids, &refs, &ref_ranges)?;
+    let heads_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let delta_jobs = deltas.chunks(64).map(|c| c.to_vec()).collect();
+    let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
+    tracing::debug!(
+        target: TARGET,
+        name,
+        head_ms,
+        head_reads,
+        head2_reads,
+        head2_ms,
+        maps_ms,
+        map_trees_local,
+        listed_ms,
+        looked_up_ms,
+        located_ms,
+        heads_ms,
+        tail_ms = t0.elapsed().as_secs_f64() * 1e3,
+        packs,
+        reads = jobs.len(),
+        read_bytes,
+        "restore planned"
+    );
+    Ok(Plan {
+        uids,
+        slots,
+        ref_ranges,
+        refs,
+        zeros: listed.zeros,
+        jobs,
+        early,
+        delta_jobs,
+        tail,
+        t0,
+    })
+}
+
+/// Start reading the maps on a thread of their own when they cross the link: they then have
+/// the link to themselves until the head's reads begin (`head.rs`). Local ones (a local
+/// backend, or this host's tree cache has them) are read after the head start, on the
+/// planning thread: read beside it on a busy host they delay its reads, and QEMU connects
+/// ~20-30 ms later. None: the maps are local.
+#[allow(clippy::type_complexity)] // the reader's own result type, once
+fn start_map_reader(
+    store: &Store,
+    ckpt: &Checkpoint,
+) -> Result<
+    Option<std::thread::JoinHandle<Result<super::maps::PageMaps, (usize, StoreError)>>>,
+    MemError,
+> {
+    let local_maps = !store.backend().capabilities().network
+        || ckpt.map_roots.first().is_none_or(|r| store.tree_cache().is_some_and(|c| c.contains(r)));
+    if local_maps {
+        return Ok(None);
+    }
+    let (store, roots) = (store.clone(), ckpt.map_roots.clone());
+    std::thread::Builder::new()
+        .name("strata-maps".into())
+        .spawn(move || read_maps(&store, &roots, MAP_READERS))
+        .map(Some)
+        .map_err(|_| MemError::Panic { what: "map reader" })
+}
+
+/// Slot tables belong to version 4: one in an older checkpoint is damage.
+fn check_slot_tables(ckpt: &Checkpoint, slot_maps: &super::maps::PageMaps) -> Result<(), MemError> {
+    let m = &ckpt.manifest;
+    if m.version >= 4 {
+        return Ok(());
+    }
+    match slot_maps.slots.iter().position(|s| !s.is_empty()) {
+        None => Ok(()),
+        Some(bi) => Err(MemError::MetaDamaged {
+            name: m.name.clone(),
+            what: format!("page map of ramblock '{}'", m.blocks[bi].name),
+            source: StoreError::Corrupt {
+                id: ckpt.map_roots[bi],
+                pack: PackId::default(),
+                offset: 0,
+                reason: format!("a slot table in a version-{} checkpoint", m.version),
+            },
+        }),
+    }
+}
+
+/// Maps that came over the link: the head's second stage starts now (`head.rs`), on the
+/// frames of the next [`HEAD_PAGES`] non-zero pages. Returns the reads it added.
+fn extend_head(
+    store: &Store,
+    head: &mut Head,
+    maps: &[Vec<ChunkId>],
+    head_read_bytes: u64,
+    stored_bytes: u64,
+) -> usize {
+    if !head.remote_maps || head.pages == 0 {
+        return 0;
+    }
+    let next: Vec<ChunkId> = maps
+        .iter()
+        .flatten()
+        .filter(|id| !id.is_zero())
+        .skip(head.pages)
+        .take(HEAD_PAGES)
+        .copied()
+        .collect();
+    let mut frames = Vec::with_capacity(next.len());
+    store.locate_many(&next, |_, hit| {
+        if let Some((pack, e)) = hit {
+            if e.kind == ChunkKind::Data {
+                frames.push((pack, e.frame_off, e.frame_len));
+            }
+        }
+    });
+    head.extend(store, frames, head_read_bytes, HEAD_BYTES.min(stored_bytes / 4))
+}
+
+/// A checkpoint's pages, from its maps: the non-zero ones (id and `(block, page)`, in map
+/// order) and the zero ones.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Listed {
+    pub(super) ids: Vec<ChunkId>,
+    pub(super) pages: Vec<(u32, u32)>,
+    pub(super) zeros: Vec<(u32, u32)>,
+}
+
+/// List the pages of the maps, checking each map covers its ramblock.
+pub(super) fn list_pages(
+    name: &str,
+    blocks: &[BlockMeta],
+    roots: &[ChunkId],
+    maps: Vec<Vec<ChunkId>>,
+) -> Result<Listed, MemError> {
+    let mut listed = Listed::default();
+    for (bi, (b, (root, map))) in blocks.iter().zip(roots.iter().zip(maps)).enumerate() {
         if map.len() as u64 != b.pages() {
             return Err(MemError::MetaDamaged {
-                name: name.clone(),
+                name: name.into(),
                 what: format!("page map of ramblock '{}'", b.name),
                 source: StoreError::Corrupt {
                     id: *root,
@@ -317,23 +422,74 @@ pub(super) fn make_plan(
         }
         for (p, id) in map.into_iter().enumerate() {
             if id.is_zero() {
-                zeros.push((bi as u32, p as u32));
+                listed.zeros.push((bi as u32, p as u32));
             } else {
-                ids.push(id);
-                pages.push((bi as u32, p as u32));
+                listed.ids.push(id);
+                listed.pages.push((bi as u32, p as u32));
             }
         }
     }
-    let mut head_jobs = head.jobs();
-    // Locate every page (one index lock per batch, not per page); a missing chunk is reported
-    // now, before QEMU is touched. Sorting the pages by their place in the packs groups the
-    // pages that share a chunk (one chunk, one place) and orders the reads, with no sort by id.
-    let listed_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len()); // pack, frame off, off in frame, page
-    let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len()); // by page
+    Ok(listed)
+}
+
+/// Every listed page's place: `hits` (pack, frame offset, offset in frame, page index) sorted
+/// by place, and each page's frame (by page index).
+pub(super) struct Located {
+    pub(super) hits: Vec<(PackId, u64, u32, u32)>,
+    pub(super) frames_of: Vec<FrameMeta>,
+}
+
+/// How the index entry `e` serves page number `page` (whose leaf's slot table names `slot`,
+/// if any): its frame, the page's offset in the frame, and what is wrong with it, if
+/// anything. A data chunk of 32 pages is a run (version 3 on): the page is its slot, the one
+/// the slot table names (version 4) or its page number's.
+pub(super) fn classify(
+    e: &PackEntry,
+    slot: Option<u8>,
+    page: u32,
+    runs_allowed: bool,
+) -> (FrameMeta, u32, Option<String>) {
+    let delta = e.kind == ChunkKind::Tree;
+    let run = !delta && e.raw_len as usize == RUN_BYTES && runs_allowed;
+    let mut wrong = None;
+    if slot.is_some() && !run {
+        wrong = Some("a slot table names a chunk that is not a run".to_string());
+    }
+    if !delta && !run && e.raw_len as usize != PAGE_SIZE {
+        wrong.get_or_insert(format!("chunk is {} bytes, not a page", e.raw_len));
+    }
+    let slot = if run {
+        slot.unwrap_or((page as usize % RUN_PAGES) as u8) as usize * PAGE_SIZE
+    } else {
+        0
+    };
+    let meta = FrameMeta {
+        len: e.frame_len,
+        raw_len: e.frame_raw_len,
+        codec: e.codec,
+        crc: e.frame_crc,
+        delta,
+        run,
+    };
+    (meta, e.off_in_frame + slot as u32, wrong)
+}
+
+/// Locate every page (one index lock per batch, not per page); a missing or malformed chunk
+/// is reported now, before QEMU is touched. Sorting the pages by their place in the packs
+/// groups the pages that share a chunk (one chunk, one place) and orders the reads, with no
+/// sort by id.
+fn locate_pages(
+    store: &Store,
+    ckpt: &Checkpoint,
+    listed: &Listed,
+    slot_maps: &super::maps::PageMaps,
+) -> Result<Located, MemError> {
+    let (ids, pages) = (&listed.ids, &listed.pages);
+    let mut hits: Vec<(PackId, u64, u32, u32)> = Vec::with_capacity(ids.len());
+    let mut frames_of: Vec<FrameMeta> = Vec::with_capacity(ids.len());
     let mut bad: Option<(usize, StoreError)> = None;
-    let runs_allowed = m.version >= 3;
-    store.locate_many(&ids, |i, hit| {
+    let runs_allowed = ckpt.manifest.version >= 3;
+    store.locate_many(ids, |i, hit| {
         let meta = match hit {
             None => {
                 bad.get_or_insert((i, StoreError::ChunkMissing { id: ids[i] }));
@@ -347,48 +503,16 @@ pub(super) fn make_plan(
                 }
             }
             Some((pack, e)) => {
-                let delta = e.kind == ChunkKind::Tree;
-                // A data chunk of 32 pages is a run (version 3): the page is its slot, the one
-                // its leaf's slot table names (version 4) or its page number's.
-                let run = !delta && e.raw_len as usize == RUN_BYTES && runs_allowed;
                 let (bi, page) = pages[i];
                 let slot = slot_maps.slot_override(bi as usize, page);
-                if slot.is_some() && !run {
-                    bad.get_or_insert((
-                        i,
-                        StoreError::Corrupt {
-                            id: ids[i],
-                            pack,
-                            offset: e.frame_off,
-                            reason: "a slot table names a chunk that is not a run".into(),
-                        },
-                    ));
+                let (meta, in_frame, wrong) = classify(e, slot, page, runs_allowed);
+                if let Some(reason) = wrong {
+                    let corrupt =
+                        StoreError::Corrupt { id: ids[i], pack, offset: e.frame_off, reason };
+                    bad.get_or_insert((i, corrupt));
                 }
-                if !delta && !run && e.raw_len as usize != PAGE_SIZE {
-                    bad.get_or_insert((
-                        i,
-                        StoreError::Corrupt {
-                            id: ids[i],
-                            pack,
-                            offset: e.frame_off,
-                            reason: format!("chunk is {} bytes, not a page", e.raw_len),
-                        },
-                    ));
-                }
-                let slot = if run {
-                    slot.unwrap_or((page as usize % RUN_PAGES) as u8) as usize * PAGE_SIZE
-                } else {
-                    0
-                };
-                hits.push((pack, e.frame_off, e.off_in_frame + slot as u32, i as u32));
-                FrameMeta {
-                    len: e.frame_len,
-                    raw_len: e.frame_raw_len,
-                    codec: e.codec,
-                    crc: e.frame_crc,
-                    delta,
-                    run,
-                }
+                hits.push((pack, e.frame_off, in_frame, i as u32));
+                meta
             }
         };
         frames_of.push(meta);
@@ -396,75 +520,110 @@ pub(super) fn make_plan(
     if let Some((i, source)) = bad {
         let (block, offset) = page_of(ckpt, pages[i]);
         return Err(MemError::PageDamaged {
-            name: name.clone(),
+            name: ckpt.manifest.name.clone(),
             block,
             offset,
             id: ids[i],
             source,
         });
     }
-    let looked_up_ms = t0.elapsed().as_secs_f64() * 1e3;
     hits.sort_unstable();
-    // Frames' stored bytes, for the read size.
+    Ok(Located { hits, frames_of })
+}
+
+/// Stored bytes of the located pages' frames (each frame once, delta records aside), for the
+/// read size.
+pub(super) fn frame_bytes(located: &Located) -> u64 {
     let mut stored = 0u64;
     let mut last: Option<(PackId, u64)> = None;
-    for &(pack, off, _, i) in &hits {
-        let f = &frames_of[i as usize];
+    for &(pack, off, _, i) in &located.hits {
+        let f = &located.frames_of[i as usize];
         if !f.delta && last != Some((pack, off)) {
             stored += f.len as u64;
             last = Some((pack, off));
         }
     }
-    let read_bytes = read_size(stored, read_bytes);
-    // A delta record (manifest version 2) is read, its base read and both verified, and the
-    // rebuilt page verified, when streaming; the others are read by frame.
-    let mut uids: Vec<ChunkId> = Vec::new();
-    let mut slots: Vec<u8> = Vec::new();
-    let mut ref_ranges: Vec<(u32, u32)> = Vec::new();
-    let mut refs: Vec<(u32, u32)> = Vec::with_capacity(hits.len());
-    let mut deltas: Vec<u32> = Vec::new();
-    let mut jobs: Vec<Job> = Vec::new();
+    stored
+}
+
+/// The plan's unique chunks, the pages using each, the delta pages, and the reads not claimed
+/// by the head start.
+#[derive(Debug)]
+pub(super) struct Grouped {
+    pub(super) uids: Vec<ChunkId>,
+    pub(super) slots: Vec<u8>,
+    pub(super) ref_ranges: Vec<(u32, u32)>,
+    pub(super) refs: Vec<(u32, u32)>,
+    pub(super) deltas: Vec<u32>,
+    pub(super) jobs: Vec<Job>,
+}
+
+/// Group the located pages into unique chunks (pages at one place with one id) and put each
+/// chunk in a read: a head read that claims its frame, a delta job (a delta record is read,
+/// its base read and both verified, and the rebuilt page verified, when streaming), or the
+/// plan's reads of up to `read_bytes`.
+pub(super) fn group_reads(
+    located: Located,
+    ids: Vec<ChunkId>,
+    pages: &[(u32, u32)],
+    slot_maps: &super::maps::PageMaps,
+    head: &Head,
+    head_jobs: &mut [Job],
+    read_bytes: u64,
+) -> Grouped {
+    let Located { hits, frames_of } = located;
+    let mut g = Grouped {
+        uids: Vec::new(),
+        slots: Vec::new(),
+        ref_ranges: Vec::new(),
+        refs: Vec::with_capacity(hits.len()),
+        deltas: Vec::new(),
+        jobs: Vec::new(),
+    };
     let mut place: Option<(PackId, u64, u32)> = None;
     for (pack, off, in_frame, i) in hits {
         let i = i as usize;
-        if place != Some((pack, off, in_frame)) || uids.last() != Some(&ids[i]) {
+        if place != Some((pack, off, in_frame)) || g.uids.last() != Some(&ids[i]) {
             place = Some((pack, off, in_frame));
-            let u = uids.len() as u32;
-            uids.push(ids[i]);
-            slots.push(if frames_of[i].run {
+            let u = g.uids.len() as u32;
+            g.uids.push(ids[i]);
+            let f = &frames_of[i];
+            g.slots.push(if f.run {
                 slot_maps.slot(pages[i].0 as usize, pages[i].1)
             } else {
                 NOT_A_RUN
             });
-            ref_ranges.push((refs.len() as u32, refs.len() as u32));
-            let f = &frames_of[i];
+            g.ref_ranges.push((g.refs.len() as u32, g.refs.len() as u32));
             if f.delta {
-                deltas.push(u);
+                g.deltas.push(u);
             } else if let Some(h) = head.claim(pack, off) {
                 add_to_run(&mut head_jobs[h], off, in_frame, u, f);
             } else {
-                add_to_jobs(&mut jobs, pack, off, in_frame, u, f, read_bytes);
+                add_to_jobs(&mut g.jobs, pack, off, in_frame, u, f, read_bytes);
             }
         }
-        refs.push(pages[i]);
-        ref_ranges.last_mut().expect("pushed").1 += 1;
+        g.refs.push(pages[i]);
+        g.ref_ranges.last_mut().expect("pushed").1 += 1;
     }
-    drop((ids, pages, frames_of));
-    let mut rest = fold_small_tails(jobs, read_bytes);
-    order_reads(&mut rest);
-    // The head start's reads come first (they are under way), then the rest, largest first.
-    let (mut jobs, mut early) = head.into_parts(head_jobs);
-    let head_reads = jobs.len();
-    jobs.extend(rest);
-    let located_ms = t0.elapsed().as_secs_f64() * 1e3;
-    early.extend(prefetch(store, &jobs[head_reads..]));
-    // A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent),
-    // on a local store: its index objects can outlive a pack file deleted by hand. A network
-    // store knows only packs it listed (at open, or since) or wrote itself, and GC cannot run
-    // while it is open (`docs/backends.md`), so there the HEADs are skipped: behind the early
-    // reads on the link they kept QEMU waiting 11-30 ms of a 128 MiB restore (session 30). A
-    // pack deleted from the bucket behind strata's back is still reported, by its read, with
-    // QEMU holding only the pages before it (the stream is cut, never wrong).
+    g
+}
+
+/// A pack that vanished is reported now too (one HEAD per pack, not per page; concurrent), on
+/// a local store: its index objects can outlive a pack file deleted by hand. A network store
+/// knows only packs it listed (at open, or since) or wrote itself, and GC cannot run while it
+/// is open (`docs/backends.md`), so there the HEADs are skipped: behind the early reads on the
+/// link they keep QEMU waiting 11-30 ms of a 128 MiB restore. A pack deleted from the bucket
+/// behind strata's back is still reported, by its read, with QEMU holding only the pages
+/// before it (the stream is cut, never wrong). Returns the packs checked.
+fn check_packs(
+    store: &Store,
+    ckpt: &Checkpoint,
+    jobs: &[Job],
+    uids: &[ChunkId],
+    refs: &[(u32, u32)],
+    ref_ranges: &[(u32, u32)],
+) -> Result<usize, MemError> {
+    let name = &ckpt.manifest.name;
     let mut packs: Vec<(PackId, u32)> = Vec::new();
     let mut checked: std::collections::HashSet<PackId> = std::collections::HashSet::new();
     for j in jobs.iter().filter(|_| !store.backend().capabilities().network) {
@@ -493,27 +652,5 @@ pub(super) fn make_plan(
             }
         }
     }
-    let heads_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let delta_jobs = deltas.chunks(64).map(|c| c.to_vec()).collect();
-    let tail = tail.join().map_err(|_| MemError::Panic { what: "tail reader" })??;
-    tracing::debug!(
-        target: TARGET,
-        name,
-        head_ms,
-        head_reads,
-        head2_reads,
-        head2_ms,
-        maps_ms,
-        map_trees_local,
-        listed_ms,
-        looked_up_ms,
-        located_ms,
-        heads_ms,
-        tail_ms = t0.elapsed().as_secs_f64() * 1e3,
-        packs = packs.len(),
-        reads = jobs.len(),
-        read_bytes,
-        "restore planned"
-    );
-    Ok(Plan { uids, slots, ref_ranges, refs, zeros, jobs, early, delta_jobs, tail, t0 })
+    Ok(packs.len())
 }

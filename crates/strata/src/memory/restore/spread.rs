@@ -27,6 +27,8 @@ use super::PAGE_SIZE;
 pub(super) const MAX_SLOTS: usize = 4096;
 
 type Page = [u8; PAGE_SIZE];
+/// Writes a page at one of its addresses `(block, page)`.
+type WritePage<'a, E> = dyn FnMut((u32, u32), &Page) -> Result<(), E> + 'a;
 
 pub(super) struct Spread {
     /// (block, page, slot, index into `refs`) of each held page's next address.
@@ -73,7 +75,7 @@ impl Spread {
         (a, z): (u32, u32),
         page: &Page,
         refs: &[(u32, u32)],
-        write: &mut dyn FnMut((u32, u32), &Page) -> Result<(), E>,
+        write: &mut WritePage<'_, E>,
     ) -> Result<u64, E> {
         self.uniques_done += 1;
         if z <= a {
@@ -112,7 +114,7 @@ impl Spread {
     pub(super) fn catch_up<E>(
         &mut self,
         refs: &[(u32, u32)],
-        write: &mut dyn FnMut((u32, u32), &Page) -> Result<(), E>,
+        write: &mut WritePage<'_, E>,
     ) -> Result<u64, E> {
         let due =
             (self.later as u128 * self.uniques_done as u128 / self.uniques.max(1) as u128) as u64;
@@ -130,7 +132,7 @@ impl Spread {
     pub(super) fn finish<E>(
         &mut self,
         refs: &[(u32, u32)],
-        write: &mut dyn FnMut((u32, u32), &Page) -> Result<(), E>,
+        write: &mut WritePage<'_, E>,
     ) -> Result<u64, E> {
         let mut n = 0;
         while self.write_next(refs, write)? {
@@ -147,7 +149,7 @@ impl Spread {
     fn write_next<E>(
         &mut self,
         refs: &[(u32, u32)],
-        write: &mut dyn FnMut((u32, u32), &Page) -> Result<(), E>,
+        write: &mut WritePage<'_, E>,
     ) -> Result<bool, E> {
         let Some(Reverse((b, p, slot, i))) = self.heap.pop() else {
             return Ok(false);
@@ -173,8 +175,11 @@ mod tests {
         [n; PAGE_SIZE]
     }
 
+    /// `(start, end)` ranges into the refs, or `(block, page)` addresses.
+    type Pairs = Vec<(u32, u32)>;
+
     /// Unique page u at `counts[u]` addresses, every address distinct; returns (ranges, refs).
-    fn layout(counts: &[u32]) -> (Vec<(u32, u32)>, Vec<(u32, u32)>) {
+    fn layout(counts: &[u32]) -> (Pairs, Pairs) {
         let mut ranges = Vec::new();
         let mut refs = Vec::new();
         let total: u32 = counts.iter().sum();
@@ -240,7 +245,7 @@ mod tests {
         // Page 0 is used at 1000 addresses, pages 1..100 once each: before, all 1000 went out
         // with page 0.
         let mut counts = vec![1000];
-        counts.extend(std::iter::repeat(1).take(99));
+        counts.extend(std::iter::repeat_n(1, 99));
         let (out, after_each, most_held) = run(&counts, MAX_SLOTS);
         check_every_address_once(&counts, &out);
         // After page 0: itself once and its share (1/100 of 999 later addresses).

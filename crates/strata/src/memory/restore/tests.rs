@@ -5,8 +5,9 @@ use super::pipeline::*;
 use super::*;
 use crate::backend::memory::MemoryBackend;
 use crate::backend::Backend;
+use crate::memory::manifest::BlockMeta;
 use crate::store::map::{read_map, write_map};
-use crate::store::pack::ChunkKind;
+use crate::store::pack::{ChunkKind, PackEntry};
 use crate::store::InitOptions;
 use std::sync::Arc;
 
@@ -434,4 +435,115 @@ fn a_second_head_stage_reads_only_outside_the_first_and_keeps_runs_disjoint() {
     // Nothing new: nothing starts.
     assert_eq!(head.extend(&store, vec![(a, 1500, 500), (b, 32, 100)], 1 << 20, HEAD_BYTES), 0);
     assert_eq!(head.extend(&store, vec![(b, 500, 100)], 1 << 20, 0), 0, "no bytes allowed");
+}
+
+fn block(name: &str, pages: u64) -> BlockMeta {
+    BlockMeta {
+        name: name.into(),
+        used_len: pages * PAGE_SIZE as u64,
+        zero_pages: 0,
+        unique_pages: 0,
+    }
+}
+
+fn cid(n: u8) -> ChunkId {
+    ChunkId([n; 32])
+}
+
+/// Pages are listed in map order, non-zero ones with their address and zero ones apart; a map
+/// shorter than its ramblock is damage.
+#[test]
+fn list_pages_splits_zero_pages_and_checks_map_lengths() {
+    let blocks = [block("pc.ram", 3), block("vga", 2)];
+    let roots = [cid(100), cid(101)];
+    let maps = vec![vec![cid(1), ChunkId::ZERO, cid(1)], vec![ChunkId::ZERO, cid(2)]];
+    let listed = list_pages("c", &blocks, &roots, maps).unwrap();
+    assert_eq!(listed.ids, vec![cid(1), cid(1), cid(2)]);
+    assert_eq!(listed.pages, vec![(0, 0), (0, 2), (1, 1)]);
+    assert_eq!(listed.zeros, vec![(0, 1), (1, 0)]);
+    let short = vec![vec![cid(1); 3], vec![cid(2)]];
+    match list_pages("c", &blocks, &roots, short) {
+        Err(MemError::MetaDamaged { what, .. }) => assert!(what.contains("vga"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn entry(kind: ChunkKind, raw_len: u32) -> PackEntry {
+    PackEntry {
+        id: cid(9),
+        frame_off: 4096,
+        frame_len: 777,
+        frame_raw_len: 65536,
+        off_in_frame: 8192,
+        raw_len,
+        codec: Codec::Zstd(1),
+        kind,
+        frame_crc: 5,
+    }
+}
+
+/// A page chunk is read at its place; a run's page at its slot (the slot table's, else its
+/// page number's); a delta record is a tree chunk; a slot table naming a page chunk, or a
+/// chunk of another size, is damage, and runs before version 3 are chunks of the wrong size.
+#[test]
+fn classify_places_pages_runs_and_deltas() {
+    let (f, at, wrong) = classify(&entry(ChunkKind::Data, PAGE_SIZE as u32), None, 7, true);
+    assert_eq!((f.len, f.raw_len, f.crc, f.delta, f.run, at), (777, 65536, 5, false, false, 8192));
+    assert!(wrong.is_none());
+    let run = entry(ChunkKind::Data, RUN_BYTES as u32);
+    let (f, at, wrong) = classify(&run, None, 35, true);
+    assert!(f.run && wrong.is_none());
+    assert_eq!(at, 8192 + (35 % RUN_PAGES as u32) * PAGE_SIZE as u32);
+    let (_, at, _) = classify(&run, Some(1), 35, true);
+    assert_eq!(at, 8192 + PAGE_SIZE as u32);
+    let (f, _, wrong) = classify(&run, None, 35, false);
+    assert!(!f.run);
+    assert!(wrong.unwrap().contains("not a page"));
+    let (f, _, wrong) = classify(&entry(ChunkKind::Tree, 100), None, 0, true);
+    assert!(f.delta && !f.run && wrong.is_none());
+    let (_, _, wrong) = classify(&entry(ChunkKind::Data, PAGE_SIZE as u32), Some(3), 0, true);
+    assert!(wrong.unwrap().contains("not a run"));
+}
+
+fn meta(len: u32, delta: bool) -> FrameMeta {
+    FrameMeta { len, raw_len: 65536, codec: Codec::Zstd(1), crc: 0, delta, run: false }
+}
+
+/// Each frame's bytes count once, however many pages it holds; delta records not at all.
+#[test]
+fn frame_bytes_count_each_frame_once() {
+    let (a, b) = (PackId([1; 16]), PackId([2; 16]));
+    let located = Located {
+        hits: vec![(a, 0, 0, 0), (a, 0, 4096, 1), (a, 100, 0, 2), (b, 0, 0, 3), (b, 50, 0, 4)],
+        frames_of: vec![
+            meta(100, false),
+            meta(100, false),
+            meta(30, false),
+            meta(50, false),
+            meta(9, true),
+        ],
+    };
+    assert_eq!(frame_bytes(&located), 180);
+}
+
+/// Pages at one place with one id share a unique chunk; its refs list every page; a delta
+/// record goes to the delta jobs, the others into reads.
+#[test]
+fn group_reads_shares_chunks_and_sets_deltas_apart() {
+    let a = PackId([1; 16]);
+    let ids = vec![cid(1), cid(1), cid(2), cid(3)];
+    let pages = vec![(0, 0), (0, 5), (0, 1), (1, 0)];
+    let located = Located {
+        hits: vec![(a, 0, 0, 0), (a, 0, 0, 1), (a, 0, 4096, 2), (a, 500, 0, 3)],
+        frames_of: vec![meta(400, false), meta(400, false), meta(400, false), meta(60, true)],
+    };
+    let maps = super::maps::PageMaps::default();
+    let g = group_reads(located, ids, &pages, &maps, &Head::none(), &mut [], 1 << 20);
+    assert_eq!(g.uids, vec![cid(1), cid(2), cid(3)]);
+    assert_eq!(g.slots, vec![NOT_A_RUN; 3]);
+    assert_eq!(g.ref_ranges, vec![(0, 2), (2, 3), (3, 4)]);
+    assert_eq!(g.refs, vec![(0, 0), (0, 5), (0, 1), (1, 0)]);
+    assert_eq!(g.deltas, vec![2]);
+    assert_eq!(g.jobs.len(), 1);
+    assert_eq!(g.jobs[0].frames[0].chunks, vec![(0, 0), (4096, 1)]);
 }

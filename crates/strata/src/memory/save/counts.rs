@@ -22,7 +22,7 @@ pub(super) struct PageCounts {
 /// (an integer) with the page's position sort in half the memory with one integer compare
 /// each, and only runs of equal prefixes (a repeated page, almost always) are compared whole.
 /// Sorting the ids themselves (twice, with a 32-byte memcmp per compare, into fresh vectors)
-/// took 2.3-3.7 ms of a 128 MiB save's commit, longer than writing its maps (session 29).
+/// takes 2.3-3.7 ms of a 128 MiB save's commit, longer than writing its maps.
 ///
 /// A page mapped to a run chunk (an id in `runs`) is the pair (run, slot): the slot is mixed
 /// into its prefix and compared with the id, so the 32 pages of a run count as 32.

@@ -1,19 +1,20 @@
 //! The save's listing of checkpoint refs: is the name taken, and could any checkpoint be a
 //! delta base. It is one backend round trip, started beside the read-only QMP queries.
 //!
-//! Until session 43 the save always waited for it before changing QEMU. On S3 a LIST is the
-//! slowest request there is (tens of ms on real object storage; ~1 ms on the bench's loopback
-//! server, but 14-19 ms in some saves of session 43, against ~2 ms for the QMP queries), so a
-//! late answer held up the whole save. Now the save waits only
-//! when the answer can change what it sends: with the `auto` delta base on a host that has
-//! seen a checkpoint in this store (a copy of a checkpoint ref, `store/ref_copies.rs`), or on
-//! a store that keeps no such copies (the local backend, where listing is a directory read).
-//! Otherwise the migration starts, and the answer is checked as it arrives (polled with the
-//! migration's status) and, at the latest, before the commit:
-//! * a taken name (without `--replace`) cancels the migration and fails the save with the same
-//!   error as before; the guard of `mod.rs` resumes the guest, which was paused only that long,
-//!   and nothing becomes visible (the packs already uploaded are unreferenced, for GC);
+//! On S3 a LIST is the slowest request there is (tens of ms on real object storage, up to
+//! 14-19 ms even on a loopback server, against ~2 ms for the QMP queries), so waiting for it
+//! before changing QEMU would hold up the whole save. The save waits only when the answer can
+//! change what it sends: with the `auto` delta base on a host that has seen a checkpoint in
+//! this store (a copy of a checkpoint ref, `store/ref_copies.rs`), or on a store that keeps no
+//! such copies (the local backend, where listing is a directory read). Otherwise the
+//! migration starts, and the answer is checked as it arrives (polled with the migration's
+//! status) and, at the latest, before the commit:
+//! * a taken name (without `--replace`) cancels the migration and fails the save with the
+//!   same error as a check before the migration would; the guard of `mod.rs` resumes the
+//!   guest, which was paused only that long, and nothing becomes visible (the packs already
+//!   uploaded are unreferenced, for GC);
 //! * checkpoints this host did not know of only mean this save has no delta base (logged).
+//!
 //! The commit still takes the name under its lease and refuses a ref that exists, so the
 //! name check is never skipped, only moved.
 
@@ -111,7 +112,7 @@ impl Listing {
 /// `--base NAME` do not need it.
 fn needs_answer(store: &Store, base: &BasePolicy) -> bool {
     match base {
-        BasePolicy::Auto => store.ref_copies().map_or(true, |c| c.any_with_prefix(REF_PREFIX)),
+        BasePolicy::Auto => store.ref_copies().is_none_or(|c| c.any_with_prefix(REF_PREFIX)),
         BasePolicy::Named(_) | BasePolicy::Off => false,
     }
 }

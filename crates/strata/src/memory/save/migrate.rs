@@ -150,7 +150,7 @@ pub(super) fn run(
     qmp.take_events();
 
     // The settings, `stop` (a save of a running guest) and `migrate` go in one write: one
-    // round trip instead of three (session 35: ~1.1 ms of a save's set-up). QEMU runs them in
+    // round trip instead of three (~1.1 ms of a save's set-up). QEMU runs them in
     // order, so a refused setting has already let the guest stop and the migration start:
     // both are undone (`migrate_cancel` here, the caller resumes the guest).
     let stop = opts.mode == Mode::Save && was_running;

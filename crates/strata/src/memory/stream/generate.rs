@@ -200,7 +200,7 @@ impl<W: Write> StreamWriter<W> {
                 count: self.layout.blocks.len(),
             });
         };
-        if offset % PAGE_SIZE as u64 != 0 || offset >= b.used_len {
+        if !offset.is_multiple_of(PAGE_SIZE as u64) || offset >= b.used_len {
             return Err(GenerateError::BadOffset {
                 name: b.name.clone(),
                 page_offset: offset,

@@ -10,7 +10,7 @@
 //! * the *tail*: every byte from the first non-RAM section after the RAM data (FULL device
 //!   sections, EOF, VMDESCRIPTION JSON), kept verbatim as one opaque blob.
 //!
-//! To restore, [`generate`] writes a fresh stream from those three parts (every page once, in one
+//! To restore, [`generate()`] writes a fresh stream from those three parts (every page once, in one
 //! RAM END section) that QEMU 7.2 loads with `migrate-incoming`.
 //!
 //! Shape of the code, and why:

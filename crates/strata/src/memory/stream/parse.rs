@@ -684,7 +684,7 @@ impl Parser {
         if n == 0 {
             return bad("empty ramblock name".into());
         }
-        if used_len == 0 || used_len % PAGE_SIZE as u64 != 0 {
+        if used_len == 0 || !used_len.is_multiple_of(PAGE_SIZE as u64) {
             return bad(format!(
                 "ramblock '{name}' has length {used_len:#x}, not a non-zero multiple of 4 KiB"
             ));
