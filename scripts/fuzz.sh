@@ -33,8 +33,8 @@ mkdir -p fuzz/corpus/disk_log
 find "$seed/s/.meta/disks" -name 'log.*' -exec cp {} fuzz/corpus/disk_log/ \;
 
 # Any extra targets (NBD, QEMU stream) are picked up automatically. Inputs kept in the
-# repository (fuzz/seeds, one directory per target) join each target's corpus first.
-kept=fuzz/seeds
+# repository (fuzz/inputs, one directory per target) join each target's corpus first.
+kept=fuzz/inputs
 for t in $("${fuzz[@]}" list); do
   echo "fuzz: $t for ${secs}s"
   mkdir -p "fuzz/corpus/$t"

@@ -1,6 +1,6 @@
 //! Fuzz the pack parser (header, footer, raw or zstd-compressed entry table) on arbitrary bytes,
 //! and the tail parser a network store indexes packs with (any suffix of the pack).
-//! `fuzz/seeds/store_pack` holds a small pack of each version (written by strata before and
+//! `fuzz/inputs/store_pack` holds a small pack of each version (written by strata before and
 //! after version 2); `scripts/fuzz.sh` adds version-2 packs of a fresh store.
 #![no_main]
 use libfuzzer_sys::fuzz_target;

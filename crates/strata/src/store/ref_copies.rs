@@ -228,9 +228,9 @@ mod tests {
         let mut bad = b.clone();
         bad[30] ^= 1;
         assert_eq!(decode(&bad).unwrap_err(), FormatError::Checksum { what: "ref copy" });
-        // The fuzz seed (written by hand from this table, `fuzz/seeds/store_objects/refcopy`
+        // The fuzz seed (written by hand from this table, `fuzz/inputs/store_objects/refcopy`
         // after the target's selector byte) decodes too.
-        let seed = include_bytes!("../../../../fuzz/seeds/store_objects/refcopy");
+        let seed = include_bytes!("../../../../fuzz/inputs/store_objects/refcopy");
         let (n, r, saved) = decode(&seed[1..]).unwrap();
         assert_eq!(
             (n.as_str(), r.generation, r.roots, saved),

@@ -121,7 +121,7 @@ pub struct IngestOptions {
     /// Also make runs of groups whose pages compress (stored in frames of the save's codec,
     /// two runs to a 256 KiB frame), and name a later copy of a page inside a run by the
     /// run's slot (a slot table, format version 4) instead of storing it again: a stop-and-copy
-    /// save to a network backend (sessions 41-42).
+    /// save to a network backend.
     pub compressible_runs: bool,
 }
 
