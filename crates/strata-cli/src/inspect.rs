@@ -10,7 +10,7 @@ use strata::store::Store;
 use strata::{ChunkId, PackId};
 
 fn version_at(b: &[u8], off: usize) -> u16 {
-    b.get(off..off + 2).map(|v| u16::from_le_bytes([v[0], v[1]])).unwrap_or(0)
+    strata::endian::le16_at(b, off).unwrap_or(0)
 }
 
 /// How a pack's or index object's entry table of `version` is stored.

@@ -11,7 +11,7 @@
 //! Every client folds what it read into a digest that does not depend on reply order, so a
 //! benchmark can check that all clients, and all servers compared, returned the same bytes.
 
-use crate::nbd::client::{Client, ClientError, Target};
+use crate::nbd::client::{Client, ClientError, Target, Violation};
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -118,11 +118,7 @@ pub fn replay(
             })
             .collect();
         hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(ClientError::Protocol("replay client thread panicked".into()))
-                })
-            })
+            .map(|h| h.join().unwrap_or(Err(ClientError::Protocol(Violation::ThreadPanicked))))
             .collect()
     });
     results.into_iter().collect()

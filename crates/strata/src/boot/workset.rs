@@ -19,6 +19,7 @@
 use super::trace::{Op, Trace};
 use crate::backend::{BackendError, ErrorKind};
 use crate::disk::{self, DiskError};
+use crate::endian;
 use crate::id::ChunkId;
 use crate::store::map;
 use crate::store::objects::Tree;
@@ -103,8 +104,8 @@ impl WorkingSet {
         if &b[0..8] != MAGIC {
             return Err(fmt_err(key, "bad magic"));
         }
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4"));
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8"));
+        let u32_at = |o: usize| endian::le32(b, o);
+        let u64_at = |o: usize| endian::le64(b, o);
         let version = u32_at(8);
         if version != VERSION {
             return Err(fmt_err(key, &format!("version {version}, this strata reads {VERSION}")));
@@ -120,7 +121,7 @@ impl WorkingSet {
         if crc32c::crc32c(body) != u32_at(b.len() - 4) {
             return Err(fmt_err(key, "checksum mismatch"));
         }
-        let id = |o: usize| ChunkId(b[o..o + 32].try_into().expect("32"));
+        let id = |o: usize| ChunkId(endian::array(b, o));
         Ok(WorkingSet {
             root: id(16),
             recorded_unix: u64_at(48),

@@ -20,6 +20,7 @@
 use super::extent::{ExtentMap, Src};
 use super::log::{self, LogError, LogHeader, LogWriter, RecKind};
 use super::{DiskError, DiskMeta, Result};
+use crate::endian;
 use crate::id::ChunkId;
 use crate::store::map;
 use crate::store::slice::RangeRead;
@@ -255,8 +256,7 @@ pub(super) fn has_unfolded_log(store: &Store, name: &str, meta: &DiskMeta) -> Re
         if h.version >= 2 && meta.log_folded.is_some_and(|f| seq <= f) {
             continue;
         }
-        let magic =
-            u32::from_le_bytes(head[log::LOG_HEADER_LEN as usize..].try_into().expect("4 bytes"));
+        let magic = endian::le32(&head, log::LOG_HEADER_LEN as usize);
         if magic == log::REC_MAGIC {
             return Ok(true);
         }

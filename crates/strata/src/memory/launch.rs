@@ -37,6 +37,17 @@ const DROP_FLAG: [&str; 2] = ["S", "daemonize"];
 /// Options whose value may describe a listening socket chardev.
 const CHARDEV_OPTS: [&str; 4] = ["chardev", "serial", "monitor", "parallel"];
 
+/// Why a recorded command line cannot be replayed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CmdlineError {
+    #[error("The recorded command line is empty")]
+    Empty,
+    #[error("The recorded program name is empty")]
+    EmptyProgram,
+    #[error("Option {option} has no value")]
+    MissingValue { option: String },
+}
+
 fn opt_name(a: &str) -> Option<&str> {
     a.strip_prefix("--").or_else(|| a.strip_prefix('-')).filter(|n| !n.is_empty())
 }
@@ -56,10 +67,13 @@ fn no_wait(value: &str) -> String {
 }
 
 /// Rewrite a recorded QEMU command line for a restore: (program, arguments).
-pub fn launch_args(cmdline: &[String], qmp_path: &Path) -> Result<(String, Vec<String>), String> {
-    let program = cmdline.first().ok_or("the recorded command line is empty")?.clone();
+pub fn launch_args(
+    cmdline: &[String],
+    qmp_path: &Path,
+) -> Result<(String, Vec<String>), CmdlineError> {
+    let program = cmdline.first().ok_or(CmdlineError::Empty)?.clone();
     if program.is_empty() {
-        return Err("the recorded program name is empty".into());
+        return Err(CmdlineError::EmptyProgram);
     }
     let mut out = Vec::with_capacity(cmdline.len() + 6);
     let mut i = 1;
@@ -68,7 +82,7 @@ pub fn launch_args(cmdline: &[String], qmp_path: &Path) -> Result<(String, Vec<S
         match opt_name(a) {
             Some(n) if DROP_WITH_VALUE.contains(&n) => {
                 if i + 1 >= cmdline.len() {
-                    return Err(format!("option {a} has no value"));
+                    return Err(CmdlineError::MissingValue { option: a.clone() });
                 }
                 i += 2;
                 continue;
@@ -162,7 +176,7 @@ pub fn restore_launch(
     }
     let _ = fs::remove_file(&qmp_path);
     let (recorded, args) = launch_args(&ckpt.manifest.qemu.cmdline, &qmp_path)
-        .map_err(|why| MemError::Launch { name: name.into(), why })?;
+        .map_err(|e| MemError::Launch { name: name.into(), why: e.to_string() })?;
     let program = opts.program.clone().unwrap_or(recorded);
     let log = fs::File::create(&log_path).map_err(|source| MemError::Io {
         op: "create log",
@@ -286,7 +300,10 @@ mod tests {
                 "-S",
             ])
         );
-        assert!(launch_args(&[], Path::new("/q")).is_err());
-        assert!(launch_args(&v(&["qemu", "-qmp"]), Path::new("/q")).is_err());
+        assert_eq!(launch_args(&[], Path::new("/q")), Err(CmdlineError::Empty));
+        assert_eq!(
+            launch_args(&v(&["qemu", "-qmp"]), Path::new("/q")),
+            Err(CmdlineError::MissingValue { option: "-qmp".into() })
+        );
     }
 }

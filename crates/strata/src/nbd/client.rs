@@ -10,9 +10,10 @@
 //! panic.
 
 use super::proto::{
-    parse_option_reply, parse_reply_header, Command, OptionHeader, ReplyHeader, Request,
-    FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE, FLAG_NO_ZEROES, IHAVEOPT,
-    INFO_EXPORT, NBD_MAGIC, OPTION_REPLY_HEADER_LEN, OPT_GO, REP_ACK, REP_INFO, SIMPLE_REPLY_LEN,
+    parse_option_reply, parse_reply_header, BadReplyMagic, Command, OptionHeader, ProtoError,
+    ReplyHeader, Request, FLAG_C_FIXED_NEWSTYLE, FLAG_C_NO_ZEROES, FLAG_FIXED_NEWSTYLE,
+    FLAG_NO_ZEROES, IHAVEOPT, INFO_EXPORT, NBD_MAGIC, OPTION_REPLY_HEADER_LEN, OPT_GO, REP_ACK,
+    REP_INFO, SIMPLE_REPLY_LEN,
 };
 use crate::endian;
 use std::collections::HashMap;
@@ -55,9 +56,34 @@ pub enum ClientError {
     #[error("NBD server refused export '{export}' (reply {reply:#x}: {message}); list exports with `nbdinfo --list`")]
     Refused { export: String, reply: u32, message: String },
     #[error("NBD server broke the protocol: {0}")]
-    Protocol(String),
+    Protocol(#[from] Violation),
     #[error("NBD read of {len} bytes at offset {offset} failed with error {errno}")]
     ReadFailed { offset: u64, len: u32, errno: u32 },
+}
+
+/// How a server (or the caller) broke the protocol.
+#[derive(Debug, thiserror::Error)]
+pub enum Violation {
+    #[error("Not a fixed-newstyle NBD server (bad greeting magic)")]
+    GreetingMagic,
+    #[error("Server does not speak fixed newstyle")]
+    NotFixedNewstyle,
+    #[error("Bad option reply")]
+    OptionReply(#[source] ProtoError),
+    #[error("Unexpected option reply {0}")]
+    UnexpectedOptionReply(String),
+    #[error("Unknown option reply type {0:#x}")]
+    UnknownOptionReply(u32),
+    #[error("Structured reply without negotiation")]
+    UnnegotiatedStructuredReply,
+    #[error("Bad reply")]
+    ReplyMagic(#[source] BadReplyMagic),
+    #[error("Reply for unknown handle {0}")]
+    UnknownHandle(u64),
+    #[error("read() with requests in flight; use send_read/recv")]
+    ReadWhileInFlight,
+    #[error("Replay client thread panicked")]
+    ThreadPanicked,
 }
 
 type Result<T> = std::result::Result<T, ClientError>;
@@ -121,13 +147,11 @@ impl Client {
         let mut g = [0u8; 18];
         self.r.read_exact(&mut g).map_err(io_err("greeting"))?;
         if endian::be64(&g, 0) != NBD_MAGIC || endian::be64(&g, 8) != IHAVEOPT {
-            return Err(ClientError::Protocol(
-                "not a fixed-newstyle NBD server (bad greeting magic)".into(),
-            ));
+            return Err(Violation::GreetingMagic.into());
         }
         let hflags = endian::be16(&g, 16);
         if hflags & FLAG_FIXED_NEWSTYLE == 0 {
-            return Err(ClientError::Protocol("server does not speak fixed newstyle".into()));
+            return Err(Violation::NotFixedNewstyle.into());
         }
         let mut cflags = FLAG_C_FIXED_NEWSTYLE;
         if hflags & FLAG_NO_ZEROES != 0 {
@@ -144,9 +168,9 @@ impl Client {
         loop {
             let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
             self.r.read_exact(&mut h).map_err(io_err("handshake"))?;
-            let rep = parse_option_reply(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            let rep = parse_option_reply(&h).map_err(Violation::OptionReply)?;
             if rep.option != OPT_GO || rep.len > MAX_OPTION_REPLY {
-                return Err(ClientError::Protocol(format!("unexpected option reply {rep:?}")));
+                return Err(Violation::UnexpectedOptionReply(format!("{rep:?}")).into());
             }
             let mut d = vec![0u8; rep.len as usize];
             self.r.read_exact(&mut d).map_err(io_err("handshake"))?;
@@ -164,9 +188,7 @@ impl Client {
                         message: String::from_utf8_lossy(&d).into_owned(),
                     })
                 }
-                r => {
-                    return Err(ClientError::Protocol(format!("unknown option reply type {r:#x}")))
-                }
+                r => return Err(Violation::UnknownOptionReply(r).into()),
             }
         }
         Ok(())
@@ -204,14 +226,11 @@ impl Client {
         self.r.read_exact(&mut h).map_err(io_err("receive"))?;
         let rep = match parse_reply_header(&h) {
             Ok(Some(ReplyHeader::Simple(s))) => s,
-            Ok(_) => {
-                return Err(ClientError::Protocol("structured reply without negotiation".into()))
-            }
-            Err(e) => return Err(ClientError::Protocol(e.to_string())),
+            Ok(_) => return Err(Violation::UnnegotiatedStructuredReply.into()),
+            Err(e) => return Err(Violation::ReplyMagic(e).into()),
         };
-        let (offset, len) = self.pending.remove(&rep.handle).ok_or_else(|| {
-            ClientError::Protocol(format!("reply for unknown handle {}", rep.handle))
-        })?;
+        let (offset, len) =
+            self.pending.remove(&rep.handle).ok_or(Violation::UnknownHandle(rep.handle))?;
         if rep.error != 0 {
             return Err(ClientError::ReadFailed { offset, len, errno: rep.error });
         }
@@ -223,9 +242,7 @@ impl Client {
     /// Read `buf.len()` bytes at `offset` (one request, waiting for its reply).
     pub fn read(&mut self, offset: u64, buf: &mut Vec<u8>) -> Result<()> {
         if !self.pending.is_empty() {
-            return Err(ClientError::Protocol(
-                "read() with requests in flight; use send_read/recv".into(),
-            ));
+            return Err(Violation::ReadWhileInFlight.into());
         }
         self.send_read(offset, buf.len() as u32)?;
         self.recv(buf).map(|_| ())

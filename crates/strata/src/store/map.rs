@@ -13,6 +13,7 @@ use super::format::FormatError;
 use super::objects::Tree;
 use super::pack::ChunkKind;
 use super::{Result, Session, Store, StoreError};
+use crate::endian;
 use crate::id::ChunkId;
 
 /// Ids per leaf.
@@ -65,11 +66,8 @@ pub fn read_map(store: &Store, root: &ChunkId) -> Result<Vec<ChunkId>> {
             .map_err(|source| StoreError::Format { key: format!("chunk {id}"), source })
     };
     let rt = decode(root)?;
-    let n = rt
-        .payload
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().unwrap()) as usize)
-        .ok_or_else(|| StoreError::Format {
+    let n =
+        endian::le64_at(&rt.payload, 0).map(|v| v as usize).ok_or_else(|| StoreError::Format {
             key: format!("chunk {root}"),
             source: FormatError::Malformed {
                 what: "block map root",

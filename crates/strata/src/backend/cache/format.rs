@@ -14,6 +14,7 @@
 //! Parsing is pure over `&[u8]` (fuzzable): [`parse_data_header`], [`parse_index_header`],
 //! [`parse_records`].
 
+use crate::endian;
 use thiserror::Error;
 
 pub(crate) const DATA_MAGIC: &[u8; 8] = b"STRACDAT";
@@ -112,11 +113,11 @@ fn parse_header(b: &[u8], magic: &[u8; 8], what: &'static str) -> Result<Geometr
     if &b[0..8] != magic {
         return Err(FormatError::Magic { what });
     }
-    let crc = u32::from_le_bytes(b[60..64].try_into().expect("4 bytes"));
+    let crc = endian::le32(b, 60);
     if crc32c::crc32c(&b[..60]) != crc {
         return Err(FormatError::Checksum { what });
     }
-    let version = u32::from_le_bytes(b[8..12].try_into().expect("4 bytes"));
+    let version = endian::le32(b, 8);
     if version != VERSION {
         return Err(FormatError::Version { what, found: version });
     }
@@ -124,8 +125,8 @@ fn parse_header(b: &[u8], magic: &[u8; 8], what: &'static str) -> Result<Geometr
         return Err(FormatError::Field { what, field: "flags/reserved" });
     }
     let g = Geometry {
-        instance: b[16..32].try_into().expect("16 bytes"),
-        region_size: u64::from_le_bytes(b[32..40].try_into().expect("8 bytes")),
+        instance: endian::array(b, 16),
+        region_size: endian::le64(b, 32),
         min_shift: b[40],
         top_order: b[41],
     };

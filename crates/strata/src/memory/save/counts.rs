@@ -2,6 +2,7 @@
 //! ramblock and overall. They are counted at the commit, beside the page maps being written,
 //! so their cost is on the save's critical path; hence the sort of 8-byte prefixes below.
 
+use crate::endian;
 use std::collections::HashSet;
 
 use crate::id::ChunkId;
@@ -27,7 +28,7 @@ pub(super) struct PageCounts {
 /// A page mapped to a run chunk (an id in `runs`) is the pair (run, slot): the slot is mixed
 /// into its prefix and compared with the id, so the 32 pages of a run count as 32.
 pub(super) fn count_pages(maps: &[Vec<ChunkId>], runs: &HashSet<ChunkId>) -> PageCounts {
-    let prefix = |id: &ChunkId| u64::from_be_bytes(id.as_bytes()[..8].try_into().expect("8 bytes"));
+    let prefix = |id: &ChunkId| endian::be64(id.as_bytes(), 0);
     // Slot of the page at `i`, or RUN_PAGES for a page chunk.
     let slot = |id: &ChunkId, i: u32| {
         if runs.contains(id) {
