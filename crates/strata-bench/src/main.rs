@@ -22,7 +22,7 @@ mod store;
 mod storm;
 mod sync;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -227,26 +227,6 @@ fn run(cmd: &BenchCmd) -> Result<()> {
     }
 }
 
-/// A size such as `4096`, `64K`, `30G` (binary units), as the `strata` binary reads them.
 fn parse_size(s: &str) -> Result<u64> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let m = match s[i..].to_ascii_uppercase().trim_end_matches("IB").trim_end_matches('B') {
-                "" => 1,
-                "K" => 1 << 10,
-                "M" => 1 << 20,
-                "G" => 1 << 30,
-                "T" => 1u64 << 40,
-                other => bail!("Unknown size suffix '{other}' in '{s}': use K, M, G or T"),
-            };
-            (&s[..i], m)
-        }
-        None => (s, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .with_context(|| format!("Invalid size '{s}': expected e.g. 4096, 64K, 30G"))?;
-    n.checked_mul(mult).with_context(|| format!("Size '{s}' is too large"))
+    Ok(strata::units::parse_size(s)?)
 }

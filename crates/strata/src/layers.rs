@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 /// Layers from the ground up. A module may use the modules of every lower row.
 const LAYERS: &[&[&str]] = &[
     // The ground floor: imports nothing from the crate.
-    &["error", "id", "codec", "progress", "endian"],
+    &["error", "id", "codec", "progress", "endian", "units"],
     // The object stores, page hashing, and the protocols (NBD, QMP), which stand beside the
     // storage stack and use only the ground floor.
     &["backend", "page_hash", "nbd", "qmp"],

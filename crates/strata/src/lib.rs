@@ -37,6 +37,7 @@ pub mod progress;
 pub mod qmp;
 pub mod serve;
 pub mod store;
+pub mod units;
 
 pub use codec::Codec;
 pub use error::error_chain;
