@@ -86,6 +86,24 @@ enum Cmd {
         /// image is opened (prefetch is on whenever there is a cache).
         #[arg(long)]
         no_prefetch: bool,
+        /// Close an NBD connection that has not finished its handshake this many seconds after
+        /// connecting.
+        #[arg(
+            long,
+            value_name = "SECS",
+            default_value_t = strata::nbd::ServerConfig::default().handshake_timeout.as_secs(),
+            value_parser = clap::value_parser!(u64).range(1..)
+        )]
+        handshake_timeout: u64,
+        /// NBD connections in handshake at once from one client (an IP address; on the Unix
+        /// socket, a peer uid other than the server's own and root); further ones are closed.
+        #[arg(
+            long,
+            value_name = "N",
+            default_value_t = strata::nbd::ServerConfig::default().max_handshakes_per_client as u64,
+            value_parser = clap::value_parser!(u64).range(1..)
+        )]
+        max_handshakes_per_client: u64,
     },
     /// VM memory: save, live checkpoints, restore, list, rm, inspect.
     Vm {
@@ -180,8 +198,20 @@ fn run(cli: Cli) -> Result<()> {
             let h = open_host(&cli, false)?;
             disk_cmd::run(&h.store, cmd, cli.json)?;
         }
-        Cmd::Serve { socket, tcp, no_cache, no_prefetch } => {
-            serve::serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch)?
+        Cmd::Serve {
+            socket,
+            tcp,
+            no_cache,
+            no_prefetch,
+            handshake_timeout,
+            max_handshakes_per_client,
+        } => {
+            let nbd = strata::nbd::ServerConfig {
+                handshake_timeout: std::time::Duration::from_secs(*handshake_timeout),
+                max_handshakes_per_client: *max_handshakes_per_client as usize,
+                ..strata::nbd::ServerConfig::default()
+            };
+            serve::serve(&cli, socket.clone(), *tcp, *no_cache, *no_prefetch, nbd)?
         }
         Cmd::Vm { cmd } => vm::run(&store_location(&cli.store), cli.json, cmd)?,
     }

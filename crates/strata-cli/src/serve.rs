@@ -28,6 +28,7 @@ pub fn serve(
     tcp: Option<std::net::SocketAddr>,
     no_cache: bool,
     no_prefetch: bool,
+    nbd: strata::nbd::ServerConfig,
 ) -> Result<()> {
     use strata::nbd::Server;
     // Block SIGINT/SIGTERM in every thread; one thread waits for them.
@@ -57,7 +58,7 @@ pub fn serve(
                 .with_context(|| format!("Cannot listen on {}", path.display()))?
         }
     };
-    let handle = server.serve(exports.clone())?;
+    let handle = server.with_config(nbd).serve(exports.clone())?;
     let control = control::Control::start(s.clone())?;
     let disks: Vec<String> = strata::disk::list(&s)?.into_iter().map(|d| d.name).collect();
     ui::emit(cli.json, &serde_json::json!({"uri": handle.uri(""), "exports": disks}), || {

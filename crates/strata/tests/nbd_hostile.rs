@@ -1,6 +1,8 @@
 //! Hostile and buggy clients: every test abuses one connection and then checks that the
 //! server still serves a well-behaved client, that the abused connection was closed (or
-//! correctly answered), and that no connection is left behind.
+//! correctly answered), and that no connection is left behind. The admission tests hold
+//! many connections in handshake (silent, trickling, or over the per-client cap) and check
+//! that real clients still get in and that the handshake deadline closes the rest.
 
 #[path = "nbd/common.rs"]
 mod common;
@@ -8,10 +10,11 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use strata::nbd::proto::*;
+use strata::nbd::ServerConfig;
 
 fn setup() -> (TestServer, Arc<MemExport>) {
     let m = Arc::new(MemExport::new(4 << 20));
@@ -299,4 +302,133 @@ fn write_payloads_are_bounded_by_the_inflight_budget() {
     let _ = writer.join();
     drop(sock);
     wait_until(30, "connections to close", || s.handle().active_connections() == 0);
+}
+
+/// A server on a Unix socket whose handshake deadline is `secs` seconds.
+fn server_with_handshake_timeout(secs: u64) -> TestServer {
+    let cfg = ServerConfig { handshake_timeout: Duration::from_secs(secs), ..Default::default() };
+    TestServer::start_with(Exports::new().add("m", Arc::new(MemExport::new(1 << 20))), cfg)
+}
+
+/// 200 clients that connect and say nothing take handshake slots, not connection slots: a
+/// real client still connects, negotiates and reads at once, and the server closes the
+/// silent ones when the handshake deadline passes (and not before), while the real client,
+/// being in transmission, stays.
+#[test]
+fn silent_clients_do_not_lock_out_a_real_client() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
+    let s = server_with_handshake_timeout(2);
+    let start = Instant::now();
+    let mut silent: Vec<UnixStream> =
+        (0..200).map(|_| UnixStream::connect(&s.sock).unwrap()).collect();
+    let h = s.handle();
+    wait_until(10, "200 connections accepted", || {
+        h.total_connections() + h.refused_connections() == 200
+    });
+    let t = Instant::now();
+    let mut c = Client::connect(&s.sock, "m", true, false).expect("real client refused");
+    c.write(0, b"through", 0).unwrap();
+    assert_eq!(c.read(0, 7).unwrap(), b"through");
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "the real client took {took:?} behind 200 silent ones");
+    assert_eq!(h.handshaking_connections(), 200);
+    assert_eq!(h.refused_connections(), 0);
+    wait_until(10, "the silent connections to be closed", || {
+        h.handshaking_connections() == 0 && h.active_connections() == 1
+    });
+    assert!(start.elapsed() >= Duration::from_secs(2), "closed before the handshake deadline");
+    for sock in &mut silent {
+        expect_eof(sock);
+    }
+    assert_eq!(h.handshake_timeouts(), 200);
+    assert_eq!(c.read(0, 7).unwrap(), b"through", "the deadline closed an established client");
+    c.disconnect();
+    wait_until(10, "all connections to close", || h.active_connections() == 0);
+}
+
+/// A client that sends a valid handshake one byte every 500 ms is closed at the deadline,
+/// measured from accept, not per read.
+#[test]
+fn trickling_client_is_dropped_at_the_handshake_deadline() {
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
+    let s = server_with_handshake_timeout(2);
+    let start = Instant::now();
+    let mut sock = UnixStream::connect(&s.sock).unwrap();
+    read_exact(&mut sock, 18).unwrap();
+    // Client flags, then NBD_OPT_GO for "m": 27 bytes, 13.5 s at this pace.
+    let mut bytes = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes().to_vec();
+    bytes.extend_from_slice(&OptionHeader { option: OPT_GO, len: 7 }.to_bytes());
+    bytes.extend_from_slice(&[0, 0, 0, 1, b'm', 0, 0]);
+    let mut w = sock.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        for b in bytes {
+            if w.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    });
+    expect_eof(&mut sock);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_millis(3500),
+        "trickling client closed after {took:?}, deadline 2 s"
+    );
+    assert_eq!(s.handle().handshake_timeouts(), 1);
+    drop(sock);
+    writer.join().unwrap();
+    assert_healthy(&s);
+}
+
+/// Over TCP, one address may hold `max_handshakes_per_client` connections in handshake; the
+/// next is closed at once, without a greeting. Established connections from the same address
+/// do not count: a client that finished its handshake before keeps being served, and a new
+/// one gets in as soon as a handshake slot frees.
+#[test]
+fn per_address_cap_refuses_extra_handshakes_but_not_established_clients() {
+    use std::net::TcpStream;
+    use strata::nbd::client::{Client as NbdClient, Target};
+    let _shared = RSS_TESTS.read().unwrap_or_else(|e| e.into_inner());
+    init_tracing();
+    let exports = Exports::new().add("m", Arc::new(MemExport::new(1 << 20)));
+    let h = strata::nbd::Server::bind_tcp_loopback(Some(0)).unwrap().serve(exports).unwrap();
+    let strata::nbd::ServerAddr::Tcp(addr) = h.addr().clone() else { panic!("not TCP") };
+    let target = Target::Tcp(addr);
+    let cap = ServerConfig::default().max_handshakes_per_client;
+    let mut buf = vec![0u8; 4096];
+
+    let mut established = NbdClient::connect(&target, "m").unwrap();
+    let mut silent: Vec<TcpStream> = (0..cap)
+        .map(|_| {
+            let mut x = TcpStream::connect(addr).unwrap();
+            read_exact(&mut x, 18).unwrap();
+            x
+        })
+        .collect();
+    wait_until(10, "the silent connections in handshake", || h.handshaking_connections() == cap);
+
+    let t = Instant::now();
+    let mut extra = TcpStream::connect(addr).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+    let mut got = Vec::new();
+    match extra.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("connection over the per-address cap was not closed: {e}"),
+    }
+    assert!(got.is_empty(), "connection over the per-address cap got {} bytes", got.len());
+    assert!(t.elapsed() < Duration::from_secs(2), "refused only after {:?}", t.elapsed());
+    assert_eq!(h.refused_connections(), 1);
+
+    established.read(0, &mut buf).expect("established client refused by the per-address cap");
+    drop(silent.pop());
+    wait_until(10, "a handshake slot to free", || h.handshaking_connections() == cap - 1);
+    let mut late = NbdClient::connect(&target, "m").expect("new client refused after a slot freed");
+    late.read(4096, &mut buf).unwrap();
+    late.disconnect().unwrap();
+    established.disconnect().unwrap();
+    drop(silent);
+    wait_until(10, "all connections to close", || h.active_connections() == 0);
+    assert_eq!(h.handshake_timeouts(), 0);
+    h.shutdown();
 }

@@ -7,13 +7,24 @@
 //! phase (`transmission::serve_transmission`, which adds its own worker threads). A failure on
 //! one connection, including a panic inside an export, ends only that connection.
 //!
+//! Admission keeps clients that never finish the handshake from locking others out. The
+//! accept thread only decides and spawns, so no handshake can block it. A connection in
+//! handshake holds a handshake slot, not one of the `max_connections` slots: there are
+//! `max_handshakes` of those in all and `max_handshakes_per_client` per client (an IP address,
+//! an IPv6 /64, or a Unix peer uid other than the server's own and root's). A client over a
+//! cap is closed at once. Every handshake read and write waits at most until the connection's
+//! handshake deadline (`handshake_timeout` after accept), so a silent, trickling or stalled
+//! client is closed then, and the handshake threads are bounded by `max_handshakes`.
+//!
 //! Shutdown: stop accepting, half-close every connection for reading (clients see no new
 //! replies to requests they send after that, but everything already received is answered),
 //! wait up to `shutdown_grace` for connections to finish, then close the rest outright.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{
+    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream,
+};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -25,7 +36,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::export::ExportSet;
-use super::handshake::negotiate;
+use super::handshake::{negotiate, NegotiateError};
 use super::transmission::{serve_transmission, Stats, TransmissionConfig};
 
 const TARGET: &str = "strata::nbd";
@@ -54,8 +65,19 @@ pub enum ServerError {
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub transmission: TransmissionConfig,
-    /// Connections served at once; further clients are closed at accept.
+    /// Connections in transmission at once. A client that connects while this many are
+    /// established is closed at accept; connections still in handshake do not count.
     pub max_connections: usize,
+    /// Longest a connection may take from accept to entering transmission. Every handshake
+    /// read and write waits at most until then, and the connection is closed when it passes.
+    pub handshake_timeout: Duration,
+    /// Connections in handshake at once, over all clients; further clients are closed at
+    /// accept. This bounds the handshake threads.
+    pub max_handshakes: usize,
+    /// Connections in handshake at once from one client: one IPv4 address or IPv6 /64 over
+    /// TCP, one peer uid over a Unix socket (except the server's own uid and root, which can
+    /// stop the server anyway). Further connections from that client are closed at accept.
+    pub max_handshakes_per_client: usize,
     /// How long shutdown waits for connections to finish their queued requests.
     pub shutdown_grace: Duration,
 }
@@ -65,6 +87,9 @@ impl Default for ServerConfig {
         ServerConfig {
             transmission: TransmissionConfig::default(),
             max_connections: 128,
+            handshake_timeout: Duration::from_secs(10),
+            max_handshakes: 256,
+            max_handshakes_per_client: 16,
             shutdown_grace: Duration::from_secs(5),
         }
     }
@@ -114,11 +139,132 @@ impl Stream {
         }
     }
 
-    fn peer(&self) -> String {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
-            Stream::Unix(_) => "unix".to_string(),
-            Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp".into()),
+            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_read_timeout(t),
         }
+    }
+
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_write_timeout(t),
+            Stream::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// The peer, for log lines and for the per-client handshake cap.
+    fn identify(&self) -> Peer {
+        match self {
+            Stream::Unix(s) => match peer_cred(s) {
+                Some(c) => Peer {
+                    name: format!("unix uid {} pid {}", c.uid, c.pid),
+                    // SAFETY: geteuid has no preconditions and cannot fail.
+                    key: (c.uid != 0 && c.uid != unsafe { libc::geteuid() })
+                        .then_some(PeerKey::Uid(c.uid)),
+                },
+                None => Peer { name: "unix".into(), key: None },
+            },
+            Stream::Tcp(s) => match s.peer_addr() {
+                Ok(a) => Peer { name: a.to_string(), key: Some(PeerKey::from_ip(a.ip())) },
+                Err(_) => Peer { name: "tcp".into(), key: None },
+            },
+        }
+    }
+}
+
+/// Who is on the other end of a connection.
+struct Peer {
+    name: String,
+    /// What the per-client handshake cap counts by; `None` is not capped per client.
+    key: Option<PeerKey>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum PeerKey {
+    /// An IPv4 address, or the /64 prefix of an IPv6 one (the smallest block a site gets, so
+    /// one client cannot dodge the cap by cycling addresses inside it).
+    Ip(IpAddr),
+    Uid(u32),
+}
+
+impl PeerKey {
+    fn from_ip(ip: IpAddr) -> PeerKey {
+        match ip {
+            IpAddr::V4(_) => PeerKey::Ip(ip),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => PeerKey::Ip(IpAddr::V4(v4)),
+                None => {
+                    PeerKey::Ip(IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))))
+                }
+            },
+        }
+    }
+}
+
+/// The credentials of a Unix socket's peer (SO_PEERCRED), as of its `connect`.
+fn peer_cred(s: &UnixStream) -> Option<libc::ucred> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len are valid for writes of the sizes passed.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0 && len as usize == std::mem::size_of::<libc::ucred>()).then_some(cred)
+}
+
+/// The handshake's view of a connection: every read and write waits at most until `deadline`,
+/// and one that would wait longer fails with `TimedOut`. The socket timeout is set from the
+/// time left before each call, so a client that trickles bytes gains nothing.
+struct Deadlined<'a> {
+    stream: &'a Stream,
+    deadline: Instant,
+}
+
+impl Deadlined<'_> {
+    fn time_left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
+    }
+}
+
+/// A blocking socket whose timeout expires reports `WouldBlock`; name it for what it is.
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        io::ErrorKind::TimedOut.into()
+    } else {
+        e
+    }
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.time_left()?))?;
+        let r = match self.stream {
+            Stream::Unix(s) => (&*s).read(buf),
+            Stream::Tcp(s) => (&*s).read(buf),
+        };
+        r.map_err(timed_out)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.time_left()?))?;
+        let mut w = self.stream;
+        w.write(buf).map_err(timed_out)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -241,13 +387,7 @@ impl Server {
                 l.as_raw_fd()
             }
         };
-        let shared = Arc::new(Shared {
-            conns: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
-            active: AtomicUsize::new(0),
-            total: AtomicU64::new(0),
-            config: self.config.clone(),
-        });
+        let shared = Arc::new(Shared::new(self.config.clone()));
         let owned_path = self.owned_path.take();
         let addr = self.addr.clone();
         let s2 = shared.clone();
@@ -294,9 +434,89 @@ struct ConnEntry {
 struct Shared {
     conns: Mutex<HashMap<u64, ConnEntry>>,
     next_id: AtomicU64,
+    /// Connections open, in handshake or in transmission.
     active: AtomicUsize,
+    /// Connections in transmission (at most `max_connections`).
+    established: AtomicUsize,
+    handshakes: Mutex<Handshakes>,
     total: AtomicU64,
+    handshake_timeouts: AtomicU64,
+    refused: AtomicU64,
     config: ServerConfig,
+}
+
+impl Shared {
+    fn new(config: ServerConfig) -> Shared {
+        Shared {
+            conns: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            active: AtomicUsize::new(0),
+            established: AtomicUsize::new(0),
+            handshakes: Mutex::new(Handshakes::default()),
+            total: AtomicU64::new(0),
+            handshake_timeouts: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            config,
+        }
+    }
+}
+
+/// Connections in handshake, in all and per client.
+#[derive(Default)]
+struct Handshakes {
+    all: usize,
+    per_client: HashMap<PeerKey, usize>,
+}
+
+/// Why a connection is refused at accept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Refusal {
+    Established,
+    Handshakes,
+    ClientHandshakes,
+}
+
+/// A connection's place among those in handshake; dropping it gives the place back.
+struct HandshakeSlot {
+    shared: Arc<Shared>,
+    key: Option<PeerKey>,
+}
+
+impl HandshakeSlot {
+    fn take(shared: &Arc<Shared>, key: Option<PeerKey>) -> Result<HandshakeSlot, Refusal> {
+        let cfg = &shared.config;
+        if shared.established.load(Ordering::SeqCst) >= cfg.max_connections {
+            return Err(Refusal::Established);
+        }
+        let mut h = shared.handshakes.lock();
+        if h.all >= cfg.max_handshakes {
+            return Err(Refusal::Handshakes);
+        }
+        if let Some(k) = key {
+            let n = h.per_client.entry(k).or_insert(0);
+            if *n >= cfg.max_handshakes_per_client {
+                return Err(Refusal::ClientHandshakes);
+            }
+            *n += 1;
+        }
+        h.all += 1;
+        Ok(HandshakeSlot { shared: shared.clone(), key })
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut h = self.shared.handshakes.lock();
+        h.all -= 1;
+        if let Some(k) = self.key {
+            if let Some(n) = h.per_client.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    h.per_client.remove(&k);
+                }
+            }
+        }
+    }
 }
 
 /// Asks a running server to stop; cheap to clone and send to a signal-handling thread.
@@ -338,9 +558,26 @@ impl ServerHandle {
         self.stopper.clone()
     }
 
-    /// Connections currently open.
+    /// Connections currently open, in handshake or in transmission.
     pub fn active_connections(&self) -> usize {
         self.shared.active.load(Ordering::SeqCst)
+    }
+
+    /// Connections currently in handshake.
+    pub fn handshaking_connections(&self) -> usize {
+        self.shared.handshakes.lock().all
+    }
+
+    /// Connections closed because they did not finish the handshake within
+    /// `handshake_timeout`, since start.
+    pub fn handshake_timeouts(&self) -> u64 {
+        self.shared.handshake_timeouts.load(Ordering::SeqCst)
+    }
+
+    /// Connections closed at accept (or right after the handshake) because a cap was
+    /// reached, since start.
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 
     /// Connections accepted since start.
@@ -458,15 +695,43 @@ fn accept_loop(
             tracing::warn!(target: TARGET, error = %e, "cannot make the connection blocking; dropping it");
             continue;
         }
-        if shared.active.load(Ordering::SeqCst) >= shared.config.max_connections {
-            tracing::warn!(target: TARGET, max = shared.config.max_connections, "too many NBD connections; refusing one");
-            continue;
-        }
-        spawn_connection(stream, &shared, &exports);
+        let deadline = Instant::now() + shared.config.handshake_timeout;
+        let peer = stream.identify();
+        let slot = match HandshakeSlot::take(&shared, peer.key) {
+            Ok(slot) => slot,
+            Err(why) => {
+                shared.refused.fetch_add(1, Ordering::SeqCst);
+                let cfg = &shared.config;
+                let peer = peer.name;
+                match why {
+                    Refusal::Established => {
+                        tracing::warn!(target: TARGET, peer, max = cfg.max_connections,
+                        "too many NBD connections; refusing one")
+                    }
+                    Refusal::Handshakes => {
+                        tracing::warn!(target: TARGET, peer, max = cfg.max_handshakes,
+                        "too many NBD connections in handshake; refusing one")
+                    }
+                    Refusal::ClientHandshakes => {
+                        tracing::warn!(target: TARGET, peer, max = cfg.max_handshakes_per_client,
+                        "too many NBD connections in handshake from this client; refusing one")
+                    }
+                }
+                continue;
+            }
+        };
+        spawn_connection(stream, peer.name, slot, deadline, &shared, &exports);
     }
 }
 
-fn spawn_connection(stream: Stream, shared: &Arc<Shared>, exports: &Arc<dyn ExportSet>) {
+fn spawn_connection(
+    stream: Stream,
+    peer: String,
+    slot: HandshakeSlot,
+    deadline: Instant,
+    shared: &Arc<Shared>,
+    exports: &Arc<dyn ExportSet>,
+) {
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let control = match stream.try_clone() {
         Ok(c) => c,
@@ -481,9 +746,10 @@ fn spawn_connection(stream: Stream, shared: &Arc<Shared>, exports: &Arc<dyn Expo
     let mut conns = shared.conns.lock();
     let (s2, e2) = (shared.clone(), exports.clone());
     let spawned = thread::Builder::new().name(format!("nbd-conn-{id}")).spawn(move || {
-        let peer = stream.peer();
-        let outcome =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_connection(id, stream, e2, &s2.config)));
+        let conn = Conn { id, peer: &peer, deadline, shared: &s2 };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_connection(&conn, stream, slot, e2)
+        }));
         if outcome.is_err() {
             tracing::error!(target: TARGET, conn = id, peer, "connection thread panicked; connection closed");
         }
@@ -501,13 +767,39 @@ fn spawn_connection(stream: Stream, shared: &Arc<Shared>, exports: &Arc<dyn Expo
     }
 }
 
-fn run_connection(id: u64, mut stream: Stream, exports: Arc<dyn ExportSet>, config: &ServerConfig) {
-    let peer = stream.peer();
+/// What a connection thread knows about its connection besides the socket.
+struct Conn<'a> {
+    id: u64,
+    peer: &'a str,
+    deadline: Instant,
+    shared: &'a Shared,
+}
+
+/// Counts the connection as established for as long as it lives.
+struct Established<'a>(&'a Shared);
+
+impl Drop for Established<'_> {
+    fn drop(&mut self) {
+        self.0.established.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn run_connection(conn: &Conn, stream: Stream, slot: HandshakeSlot, exports: Arc<dyn ExportSet>) {
+    let (id, peer, shared) = (conn.id, conn.peer, conn.shared);
+    let config = &shared.config;
     tracing::debug!(target: TARGET, conn = id, peer, "client connected");
-    let negotiated = match negotiate(&mut stream, exports) {
+    let outcome = negotiate(&mut Deadlined { stream: &stream, deadline: conn.deadline }, exports);
+    drop(slot);
+    let negotiated = match outcome {
         Ok(Some(n)) => n,
         Ok(None) => {
             tracing::debug!(target: TARGET, conn = id, "client left during the handshake");
+            return;
+        }
+        Err(NegotiateError::Io { source, .. }) if source.kind() == io::ErrorKind::TimedOut => {
+            shared.handshake_timeouts.fetch_add(1, Ordering::SeqCst);
+            tracing::warn!(target: TARGET, conn = id, peer, timeout_secs = config.handshake_timeout.as_secs_f64(),
+                "client did not finish the NBD handshake in time; closing the connection");
             return;
         }
         Err(e) => {
@@ -515,6 +807,23 @@ fn run_connection(id: u64, mut stream: Stream, exports: Arc<dyn ExportSet>, conf
             return;
         }
     };
+    // Connections in handshake are not counted against `max_connections`, so a full server
+    // can have admitted several that finish together: the ones past the cap are closed here.
+    let max = config.max_connections;
+    if shared
+        .established
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < max).then_some(n + 1))
+        .is_err()
+    {
+        shared.refused.fetch_add(1, Ordering::SeqCst);
+        tracing::warn!(target: TARGET, conn = id, peer, max, "too many NBD connections; closing one after its handshake");
+        return;
+    }
+    let _established = Established(shared);
+    if let Err(e) = stream.set_read_timeout(None).and_then(|()| stream.set_write_timeout(None)) {
+        tracing::warn!(target: TARGET, conn = id, error = %e, "cannot clear the handshake timeouts");
+        return;
+    }
     let reader = match stream.try_clone() {
         Ok(r) => r,
         Err(e) => {
@@ -536,5 +845,44 @@ fn run_connection(id: u64, mut stream: Stream, exports: Arc<dyn ExportSet>, conf
         }
         Err(e) => tracing::info!(target: TARGET, conn = id, export = %negotiated.name, error = %e,
             cause = ?std::error::Error::source(&e).map(|s| s.to_string()), requests, errors, secs, "connection ended with an error"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_keys_group_ipv6_by_64_and_unmap_ipv4() {
+        let key = |s: &str| PeerKey::from_ip(s.parse().unwrap());
+        assert_eq!(key("192.0.2.7"), PeerKey::Ip("192.0.2.7".parse().unwrap()));
+        assert_eq!(key("::ffff:192.0.2.7"), key("192.0.2.7"));
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff:ffff:ffff:ffff"));
+        assert_eq!(key("2001:db8:1:2::1"), PeerKey::Ip("2001:db8:1:2::".parse().unwrap()));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+    }
+
+    #[test]
+    fn handshake_slots_are_capped_in_all_and_per_client_and_given_back() {
+        let config = ServerConfig {
+            max_connections: 2,
+            max_handshakes: 3,
+            max_handshakes_per_client: 2,
+            ..ServerConfig::default()
+        };
+        let shared = Arc::new(Shared::new(config));
+        let (a, b) = (Some(PeerKey::Uid(1000)), Some(PeerKey::Uid(1001)));
+        let a1 = HandshakeSlot::take(&shared, a).unwrap();
+        let a2 = HandshakeSlot::take(&shared, a).unwrap();
+        assert_eq!(HandshakeSlot::take(&shared, a).err(), Some(Refusal::ClientHandshakes));
+        let b1 = HandshakeSlot::take(&shared, b).unwrap();
+        assert_eq!(HandshakeSlot::take(&shared, None).err(), Some(Refusal::Handshakes));
+        drop(a1);
+        let a3 = HandshakeSlot::take(&shared, a).unwrap();
+        drop((a2, a3, b1));
+        assert_eq!(shared.handshakes.lock().all, 0);
+        assert!(shared.handshakes.lock().per_client.is_empty());
+        shared.established.store(2, Ordering::SeqCst);
+        assert_eq!(HandshakeSlot::take(&shared, b).err(), Some(Refusal::Established));
     }
 }
