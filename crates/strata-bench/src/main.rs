@@ -143,19 +143,8 @@ enum BenchCmd {
     Mem(mem::MemBenchCmd),
 }
 
-/// The allocator thresholds of the `strata` binary (see its `tune_malloc`): saves and restores
-/// run in this process, so they must see the same heap behaviour as the product.
-fn tune_malloc() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes the allocator's thresholds; called before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
-    }
-}
-
 fn main() {
-    tune_malloc();
+    strata::memory::tune_allocator();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
