@@ -23,15 +23,14 @@
 //! Explicit `compact()` (snapshots, clones, exports, shutdown) waits for a running fold, with
 //! no background fold starting meanwhile, and then folds the active log in the calling thread.
 
+use super::cut::{store_blocks, touched_blocks, Layers};
 use super::extent::ExtentMap;
 use super::log::{LogHeader, LogWriter};
-use super::volume::{fetch, io_err, plan, FrozenLog, SyncEvent, Volume};
-use super::{block_codec, ref_name, Result};
-use crate::id::ChunkId;
+use super::volume::{io_err, FrozenLog, SyncEvent, Volume};
+use super::{ref_name, Result};
 use crate::store::map;
 use crate::store::objects::Ref;
-use crate::store::pack::ChunkKind;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// `fold_progress` of a finished fold.
@@ -221,7 +220,7 @@ impl Volume {
         let (map, file) = {
             let mut st = self.state.write();
             st.files.insert(next as u32, handle);
-            let m = Arc::new(std::mem::take(&mut st.active));
+            let m = std::mem::take(&mut st.active);
             st.frozen = Some(m.clone());
             (m, st.files.get(&(seq as u32)).cloned())
         };
@@ -243,75 +242,30 @@ impl Volume {
             (st.base.clone(), st.files.clone())
         };
         let bs = self.meta.block_size as u64;
-        let mut touched: Vec<u64> = Vec::new();
-        for (off, len, _) in seg.map.iter() {
-            let (first, end) = (off / bs, (off + len).div_ceil(bs));
-            let from = touched.last().map_or(first, |&l| first.max(l + 1));
-            touched.extend(from..end);
-        }
+        let touched = touched_blocks(&[&*seg.map], bs);
         let ses = self.store.session();
-        let threads =
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 4);
-        let next = AtomicUsize::new(0);
-        let done = AtomicUsize::new(0);
-        let total = touched.len().max(1) as u64;
         self.fold_progress.store(0, Ordering::Release);
-        let stop = AtomicBool::new(false);
-        let layers = [&*seg.map];
-        let assembled: Vec<Result<Vec<(u64, ChunkId)>>> = std::thread::scope(|sc| {
-            let work = || -> Result<Vec<(u64, ChunkId)>> {
-                let mut out = Vec::new();
-                let mut buf = vec![0u8; bs as usize];
-                let mut pieces = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&b) = touched.get(i) else { break };
-                    let off = b * bs;
-                    let n = (self.meta.size - off).min(bs);
-                    pieces.clear();
-                    let r = plan(&layers, &base, &files, bs, off, n, &mut pieces).and_then(|_| {
-                        fetch(&self.store, &self.dir, off, &pieces, &mut buf[..n as usize])
-                    });
-                    if let Err(e) = r {
-                        stop.store(true, Ordering::Relaxed);
-                        return Err(e);
-                    }
-                    buf[n as usize..].fill(0);
-                    let id = if buf.iter().all(|&x| x == 0) {
-                        ChunkId::ZERO
-                    } else {
-                        self.stats.compaction_bytes.fetch_add(bs, Ordering::Relaxed);
-                        match ses.put_with(
-                            &buf,
-                            ChunkKind::Data,
-                            block_codec(&buf, self.store.default_codec()),
-                        ) {
-                            Ok(id) => id,
-                            Err(e) => {
-                                stop.store(true, Ordering::Relaxed);
-                                return Err(e.into());
-                            }
-                        }
-                    };
-                    out.push((b, id));
-                    let d = done.fetch_add(1, Ordering::Relaxed) as u64 + 1;
-                    self.fold_progress.store(d * PROGRESS_ONE / total, Ordering::Release);
-                    if d * 256 / total != (d - 1) * 256 / total {
-                        self.compaction_cv.notify_all();
-                    }
-                }
-                Ok(out)
-            };
-            let hs: Vec<_> = (1..threads).map(|_| sc.spawn(work)).collect();
-            let mut all = vec![work()];
-            all.extend(hs.into_iter().map(|h| h.join().expect("compaction worker")));
-            all
-        });
-        let mut new_base = (*base).clone();
-        for part in assembled {
-            for (b, id) in part? {
-                new_base[b as usize] = id;
+        let maps = [&*seg.map];
+        let layers = Layers { maps: &maps, base: &base, files: &files };
+        let on_block = |d: u64, total: u64| {
+            self.fold_progress.store(d * PROGRESS_ONE / total, Ordering::Release);
+            if d * 256 / total != (d - 1) * 256 / total {
+                self.compaction_cv.notify_all();
             }
+        };
+        let stored = store_blocks(
+            &self.store,
+            &self.dir,
+            &ses,
+            &layers,
+            (bs, self.meta.size),
+            &touched,
+            &self.stats.compaction_bytes,
+            &on_block,
+        )?;
+        let mut new_base = (*base).clone();
+        for (b, id) in stored {
+            new_base[b as usize] = id;
         }
         let root = map::write_map(&ses, &new_base)?;
         let mut meta = self.meta.clone();

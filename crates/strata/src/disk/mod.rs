@@ -6,6 +6,7 @@
 //! and compresses blocks on all cores.
 
 pub mod compact;
+pub mod cut;
 pub mod extent;
 pub mod log;
 pub mod volume;
@@ -50,6 +51,8 @@ pub enum DiskError {
     ReadOnlySnapshot { name: String },
     #[error("Disk '{name}' is open in another strata process (stop it, or go through its daemon)")]
     InUse { name: String },
+    #[error("Disk '{name}' has {clients} NBD client(s) connected: stop them first, or pass --force to disconnect them")]
+    Connected { name: String, clients: usize },
     #[error(
         "Disk '{name}' refuses I/O after a failed write ({reason}); fix the cause and reopen it"
     )]
@@ -279,7 +282,18 @@ pub fn import(
 /// Write disk `name` to a raw file (sparse: holes are skipped).
 pub fn export(store: &Store, name: &str, file: &Path, progress: &dyn Progress) -> Result<u64> {
     let (r, m) = settle(store, name)?;
-    let blocks = map::read_map(store, &r.roots[0])?;
+    export_root(store, &r.roots[0], &m, file, progress)
+}
+
+/// Write the content of block map `root` (a disk of geometry `m`) to a raw file (sparse).
+pub fn export_root(
+    store: &Store,
+    root: &ChunkId,
+    m: &DiskMeta,
+    file: &Path,
+    progress: &dyn Progress,
+) -> Result<u64> {
+    let blocks = map::read_map(store, root)?;
     let io = |op, e| DiskError::Io { op, path: file.to_path_buf(), source: e };
     let mut f = File::create(file).map_err(|e| io("create", e))?;
     progress.phase("exporting", Some(m.size), Unit::Bytes);
@@ -365,22 +379,52 @@ pub fn snapshot(store: &Store, name: &str, snap: &str) -> Result<DiskInfo> {
     if store.get_ref(&ref_name(&full))?.is_some() {
         return Err(DiskError::Exists { name: full });
     }
-    let (r, mut m) = settle(store, name)?;
+    let (r, m) = settle(store, name)?;
     if m.snapshot_of.is_some() {
         return Err(DiskError::ReadOnlySnapshot { name: name.into() });
     }
+    commit_snapshot_ref(store, name, snap, &r.roots, m)
+}
+
+/// Commit `name@snap` with these roots and `m` as the disk's description (under the
+/// caller's lease on the snapshot's name).
+fn commit_snapshot_ref(
+    store: &Store,
+    name: &str,
+    snap: &str,
+    roots: &[ChunkId],
+    mut m: DiskMeta,
+) -> Result<DiskInfo> {
+    let full = format!("{name}@{snap}");
     let ses = store.session();
-    for root in &r.roots {
+    for root in roots {
         ses.pin(*root)?;
     }
     m.snapshot_of = Some(name.into());
     m.id = None;
     m.log_folded = None;
-    ses.commit_ref(
+    ses.commit_new_ref(
         &ref_name(&full),
-        Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")),
-    )?;
+        Ref::new(roots.to_vec(), serde_json::to_vec(&m).expect("json")),
+    )
+    .map_err(|e| match e {
+        StoreError::RefExists { .. } => DiskError::Exists { name: full.clone() },
+        other => other.into(),
+    })?;
     info(store, &full)
+}
+
+/// Name a cut of an open disk (`cut.rs`), folded, as the snapshot `name@snap`: the
+/// snapshot of a disk that is being served.
+pub fn commit_cut_snapshot(store: &Store, snap: &str, folded: &cut::Folded) -> Result<DiskInfo> {
+    check_name(snap)?;
+    let name = folded.name.as_str();
+    let full = format!("{name}@{snap}");
+    let _lease = store.lease_if_needed(&ref_name(&full))?;
+    if store.get_ref(&ref_name(&full))?.is_some() {
+        return Err(DiskError::Exists { name: full });
+    }
+    commit_snapshot_ref(store, name, snap, &[folded.root], folded.meta.clone())
 }
 
 /// Clone a disk or snapshot (`src` or `src@snap`) into a new writable disk. Linked and full
@@ -394,20 +438,90 @@ pub fn clone(store: &Store, src: &str, dst: &str, full: bool) -> Result<DiskInfo
     if store.get_ref(&ref_name(dst))?.is_some() {
         return Err(DiskError::Exists { name: dst.into() });
     }
-    let (r, mut m) = settle(store, src)?;
+    let (r, m) = settle(store, src)?;
+    commit_clone_ref(store, dst, &r.roots, m, if full { None } else { Some(src.into()) })
+}
+
+/// Clone content given by a block map root (a folded cut, or one disk of a desktop
+/// snapshot) into a new writable disk `dst` whose parent is `parent`.
+pub fn clone_root(
+    store: &Store,
+    dst: &str,
+    root: ChunkId,
+    meta: DiskMeta,
+    parent: Option<String>,
+) -> Result<DiskInfo> {
+    check_name(dst)?;
+    let _lease = store.lease_if_needed(&ref_name(dst))?;
+    if store.get_ref(&ref_name(dst))?.is_some() {
+        return Err(DiskError::Exists { name: dst.into() });
+    }
+    commit_clone_ref(store, dst, &[root], meta, parent)
+}
+
+fn commit_clone_ref(
+    store: &Store,
+    dst: &str,
+    roots: &[ChunkId],
+    mut m: DiskMeta,
+    parent: Option<String>,
+) -> Result<DiskInfo> {
     let ses = store.session();
-    for root in &r.roots {
+    for root in roots {
         ses.pin(*root)?;
     }
-    m.parent = if full { None } else { Some(src.into()) };
+    m.parent = parent;
     m.id = Some(new_id());
     m.snapshot_of = None;
     m.log_folded = None;
-    ses.commit_ref(
+    ses.commit_new_ref(
         &ref_name(dst),
-        Ref::new(r.roots.clone(), serde_json::to_vec(&m).expect("json")),
-    )?;
+        Ref::new(roots.to_vec(), serde_json::to_vec(&m).expect("json")),
+    )
+    .map_err(|e| match e {
+        StoreError::RefExists { .. } => DiskError::Exists { name: dst.into() },
+        other => other.into(),
+    })?;
     info(store, dst)
+}
+
+/// Point writable disk `name` at `root` (its content becomes the one `meta` describes) with a
+/// fresh log identity, so the log of its old content is never replayed on the new one. The
+/// disk must not be open (`Volume::open` would refuse it elsewhere; the serving daemon closes
+/// it first). The old local log goes.
+pub fn revert(store: &Store, name: &str, root: ChunkId, meta: &DiskMeta) -> Result<DiskInfo> {
+    let _lease = store.lease_if_needed(&ref_name(name))?;
+    let (_, old) = load(store, name)?;
+    // The disk's lock: refused while something has it open.
+    let _lock = volume::lock_disk(store, name, &old)?;
+    revert_released(store, name, root, meta)
+}
+
+/// [`revert`] for the serving daemon, which has closed its volume of the disk and revoked
+/// its exports (`serve/ops.rs`).
+pub fn revert_released(
+    store: &Store,
+    name: &str,
+    root: ChunkId,
+    meta: &DiskMeta,
+) -> Result<DiskInfo> {
+    let _lease = store.lease_if_needed(&ref_name(name))?;
+    let (_, old) = load(store, name)?;
+    if old.snapshot_of.is_some() {
+        return Err(DiskError::ReadOnlySnapshot { name: name.into() });
+    }
+    let mut m = meta.clone();
+    m.parent = old.parent.clone();
+    m.id = Some(new_id());
+    m.snapshot_of = None;
+    m.log_folded = None;
+    let ses = store.session();
+    ses.pin(root)?;
+    ses.commit_ref(&ref_name(name), Ref::new(vec![root], serde_json::to_vec(&m).expect("json")))?;
+    if let Some(id) = &old.id {
+        remove_log_dir(store.local_dir().join("disks").join(id))?;
+    }
+    info(store, name)
 }
 
 /// Full clone (kept for callers of the first API).
@@ -446,17 +560,27 @@ pub fn remove(store: &Store, name: &str) -> Result<()> {
     let _lease = store.lease_if_needed(&ref_name(name))?;
     let (_, m) = load(store, name)?;
     // Take the disk's lock so a running server can't be writing it.
+    let _lock = volume::lock_disk(store, name, &m)?;
+    remove_released(store, name)
+}
+
+/// [`remove`] for the serving daemon, which has closed its volume of the disk and revoked
+/// its exports (`serve/ops.rs`): connections that have not gone yet still hold the lock.
+pub fn remove_released(store: &Store, name: &str) -> Result<()> {
+    let _lease = store.lease_if_needed(&ref_name(name))?;
+    let (_, m) = load(store, name)?;
     let dir = m.id.as_ref().map(|id| store.local_dir().join("disks").join(id));
-    if m.snapshot_of.is_none() {
-        drop(volume::Volume::open(store, name)?);
-    }
     store.delete_ref(&ref_name(name))?;
     if let Some(dir) = dir {
-        std::fs::remove_dir_all(&dir)
-            .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
-            .map_err(|e| DiskError::Io { op: "remove", path: dir, source: e })?;
+        remove_log_dir(dir)?;
     }
     Ok(())
+}
+
+fn remove_log_dir(dir: PathBuf) -> Result<()> {
+    std::fs::remove_dir_all(&dir)
+        .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+        .map_err(|e| DiskError::Io { op: "remove", path: dir, source: e })
 }
 
 #[cfg(test)]

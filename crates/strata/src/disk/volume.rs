@@ -51,8 +51,9 @@ pub struct VolumeStats {
 pub(super) struct State {
     pub generation: u64,
     pub base: Arc<Vec<ChunkId>>,
-    /// Writes in the active log file.
-    pub active: ExtentMap,
+    /// Writes in the active log file. Shared with the cuts taken of it (`cut.rs`): the next
+    /// append after a cut copies it (`Arc::make_mut`), so a cut costs no copy of its own.
+    pub active: Arc<ExtentMap>,
     /// Writes in the frozen log file(s) a compaction is folding into the base.
     pub frozen: Option<Arc<ExtentMap>>,
     /// Read handles of the log files the overlays point into, by file number.
@@ -264,6 +265,30 @@ pub(super) fn has_unfolded_log(store: &Store, name: &str, meta: &DiskMeta) -> Re
     Ok(false)
 }
 
+/// Take the lock of the disk whose log directory is `dir` (created if missing): refused with
+/// `InUse` while another volume, in this process or another, has the disk open.
+fn lock_dir(dir: &std::path::Path, name: &str) -> Result<File> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err("create", dir, e))?;
+    let lock_path = dir.join("lock");
+    let lock = File::create(&lock_path).map_err(|e| io_err("create", &lock_path, e))?;
+    // SAFETY: flock on a valid fd.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) }
+        != 0
+    {
+        return Err(DiskError::InUse { name: name.into() });
+    }
+    Ok(lock)
+}
+
+/// The lock of writable disk `name` (see [`lock_dir`]), for operations that replace its
+/// content without opening it (`disk::revert`).
+pub(super) fn lock_disk(store: &Store, name: &str, meta: &DiskMeta) -> Result<Option<File>> {
+    match &meta.id {
+        Some(id) => lock_dir(&store.local_dir().join("disks").join(id), name).map(Some),
+        None => Ok(None),
+    }
+}
+
 impl Volume {
     /// Open disk `name` for writing: take its lock, load its map, replay its log.
     pub fn open(store: &Store, name: &str) -> Result<Arc<Volume>> {
@@ -275,15 +300,7 @@ impl Volume {
             meta.id.clone().ok_or_else(|| DiskError::Log(format!("disk '{name}' has no id")))?;
         let dir = store.local_dir().join("disks").join(&disk_id);
         std::fs::create_dir_all(&dir).map_err(|e| io_err("create", &dir, e))?;
-        let lock_path = dir.join("lock");
-        let lock = File::create(&lock_path).map_err(|e| io_err("create", &lock_path, e))?;
-        // SAFETY: flock on a valid fd.
-        if unsafe {
-            libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB)
-        } != 0
-        {
-            return Err(DiskError::InUse { name: name.into() });
-        }
+        let lock = lock_dir(&dir, name)?;
         // The writer lease: no other host (or process) writes this disk while we hold it.
         let lease = store.lease_if_needed(&super::ref_name(name))?;
         let base = map::read_map(store, &r.roots[0])?;
@@ -367,7 +384,7 @@ impl Volume {
             state: RwLock::new(State {
                 generation: r.generation,
                 base: Arc::new(base),
-                active: overlay,
+                active: Arc::new(overlay),
                 frozen: None,
                 files,
             }),
@@ -445,11 +462,11 @@ impl Volume {
             let (both, one);
             let layers: &[&ExtentMap] = match st.frozen.as_deref() {
                 Some(f) => {
-                    both = [&st.active, f];
+                    both = [&*st.active, f];
                     &both
                 }
                 None => {
-                    one = [&st.active];
+                    one = [&*st.active];
                     &one
                 }
             };
@@ -476,7 +493,7 @@ impl Volume {
                 RecKind::Write => Src::Log { log: w.header.file_seq as u32, pos: rec.data_pos },
                 _ => Src::Zero,
             };
-            self.state.write().active.insert(off, len, src);
+            Arc::make_mut(&mut self.state.write().active).insert(off, len, src);
             self.appended.fetch_add(1, Ordering::Release);
             self.stats
                 .log_bytes_written
@@ -597,11 +614,11 @@ impl Volume {
         let (both, one);
         let layers: &[&ExtentMap] = match st.frozen.as_deref() {
             Some(f) => {
-                both = [&st.active, f];
+                both = [&*st.active, f];
                 &both
             }
             None => {
-                one = [&st.active];
+                one = [&*st.active];
                 &one
             }
         };

@@ -20,6 +20,7 @@ use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
@@ -41,30 +42,43 @@ fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
     }
 }
 
-/// A writable disk behind NBD.
-pub struct VolumeExport(pub Arc<Volume>);
+/// A writable disk behind NBD. `revoked` is shared by every connection to the disk: once set
+/// (the disk was removed or reverted with `--force`), every request fails with ESHUTDOWN.
+pub struct VolumeExport {
+    vol: Arc<Volume>,
+    revoked: Arc<AtomicBool>,
+}
+
+impl VolumeExport {
+    fn live(&self, op: &'static str) -> Result<&Volume, ExportError> {
+        if self.revoked.load(Ordering::Acquire) {
+            return Err(ExportError::Shutdown { op });
+        }
+        Ok(&self.vol)
+    }
+}
 
 impl Export for VolumeExport {
     fn size(&self) -> u64 {
-        self.0.size()
+        self.vol.size()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), ExportError> {
-        self.0.read(offset, buf).map_err(|e| map_err("read", offset, e))
+        self.live("read")?.read(offset, buf).map_err(|e| map_err("read", offset, e))
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
-        self.0.write(offset, data, fua).map_err(|e| map_err("write", offset, e))
+        self.live("write")?.write(offset, data, fua).map_err(|e| map_err("write", offset, e))
     }
     fn flush(&self) -> Result<(), ExportError> {
-        self.0.flush().map_err(|e| map_err("flush", 0, e))
+        self.live("flush")?.flush().map_err(|e| map_err("flush", 0, e))
     }
     fn description(&self) -> Option<String> {
-        Some(format!("strata disk {}", self.0.name()))
+        Some(format!("strata disk {}", self.vol.name()))
     }
     fn can_trim(&self) -> bool {
         true
     }
     fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<(), ExportError> {
-        self.0.trim(offset, len, fua).map_err(|e| map_err("trim", offset, e))
+        self.live("trim")?.trim(offset, len, fua).map_err(|e| map_err("trim", offset, e))
     }
     fn can_zero(&self) -> bool {
         true
@@ -80,14 +94,16 @@ impl Export for VolumeExport {
         fua: bool,
     ) -> Result<(), ExportError> {
         // One small log record whatever the length: always fast.
-        self.0.write_zeroes(offset, len, fua).map_err(|e| map_err("write_zeroes", offset, e))
+        self.live("write_zeroes")?
+            .write_zeroes(offset, len, fua)
+            .map_err(|e| map_err("write_zeroes", offset, e))
     }
     fn can_multi_conn(&self) -> bool {
         true
     }
     fn block_status(&self, offset: u64, len: u32) -> Result<Vec<Extent>, ExportError> {
         Ok(self
-            .0
+            .live("block_status")?
             .allocation(offset, len as u64)
             .into_iter()
             .map(|(l, alloc)| if alloc { Extent::data(l) } else { Extent::hole(l) })
@@ -183,7 +199,7 @@ impl Export for SnapshotExport {
 /// The store's disks as a set of NBD exports.
 pub struct DiskExports {
     store: Store,
-    open: Mutex<HashMap<String, Arc<Volume>>>,
+    open: Mutex<HashMap<String, Held>>,
     opening: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     compact_at: std::sync::atomic::AtomicU64,
     prefetch: Arc<Mutex<PrefetchState>>,
@@ -328,13 +344,13 @@ impl DiskExports {
 
     /// The open volume of a disk, if a client has opened it.
     pub fn volume(&self, name: &str) -> Option<Arc<Volume>> {
-        self.open.lock().get(name).cloned()
+        self.open.lock().get(name).map(|h| h.vol.clone())
     }
 
     /// Stop the boot prefetches, then flush and compact every open volume (on shutdown).
     pub fn close_all(&self) -> Result<(), DiskError> {
         self.stop_prefetch();
-        let vols: Vec<Arc<Volume>> = self.open.lock().drain().map(|(_, v)| v).collect();
+        let vols: Vec<Arc<Volume>> = self.open.lock().drain().map(|(_, h)| h.vol).collect();
         for v in vols {
             v.close()?;
         }
@@ -381,16 +397,10 @@ impl ExportSet for DiskExports {
                 name: name.into(),
             }));
         }
-        // One volume per disk: opens of the same disk wait for each other, opens of different
-        // disks (the clones of a boot storm) run in parallel (each reads from the backend).
-        let gate = self.opening.lock().entry(name.to_string()).or_default().clone();
-        let _gate = gate.lock();
-        if let Some(v) = self.open.lock().get(name) {
-            return Ok(Arc::new(VolumeExport(v.clone())));
-        }
-        let v = Volume::open(&self.store, name).map_err(unavailable)?;
-        v.set_compact_at(self.compact_at.load(std::sync::atomic::Ordering::Relaxed));
-        self.open.lock().insert(name.into(), v.clone());
-        Ok(Arc::new(VolumeExport(v)))
+        let h = self.hold(name).map_err(unavailable)?;
+        Ok(Arc::new(VolumeExport { vol: h.vol, revoked: h.revoked }))
     }
 }
+
+mod ops;
+use ops::Held;
