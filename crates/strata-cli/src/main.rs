@@ -7,6 +7,7 @@
 
 mod boot_cmd;
 mod control;
+mod desktop;
 mod disk_cmd;
 mod inspect;
 mod serve;

@@ -216,7 +216,7 @@ pub(super) fn run(
                 r
             })
             .expect("spawn parse thread");
-        let at_switchover = if cut_at_stop { None } else { disks.as_deref_mut() };
+        let at_switchover = if cut_at_stop { None } else { disks };
         let src = wait_source(qmp, &conn, &sock, &rx, name, at_switchover, check);
         if src.is_err() {
             conn.shutdown();

@@ -410,7 +410,7 @@ fn save_inner(
     let mut resume = ResumeOnError { qmp, armed: source.status.running };
     let (ingested, timing) = result?;
     open.listing.finish()?;
-    let cut_disks = match disks.as_deref_mut() {
+    let cut_disks = match disks {
         Some(d) => d.finish().map_err(|reason| MemError::DiskCut { name: name.into(), reason })?,
         None => Vec::new(),
     };
