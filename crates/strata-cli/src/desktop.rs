@@ -188,7 +188,7 @@ impl DiskCut for DaemonCut {
         let conn = self.conn.as_mut().ok_or("the disks were not cut")?;
         let _ = conn.get_ref().set_read_timeout(Some(Duration::from_secs(3600)));
         let v = read_reply(conn).map_err(|e| format!("{e:#}"))?;
-        let folded = v["report"]["disks"].as_array().cloned().unwrap_or_default();
+        let folded = v["disks"].as_array().cloned().unwrap_or_default();
         let mut out = Vec::with_capacity(self.disks.len());
         for d in &self.disks {
             let name = DaemonCut::export(d);
