@@ -11,11 +11,10 @@
 //! (`--revert`, the current content kept as a disk snapshot unless `--discard-current`).
 
 use anyhow::{anyhow, bail, Context, Result};
+use crate::control::{self, client::CutSession};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use strata::disk::DiskMeta;
 use strata::id::ChunkId;
 use strata::memory::disks::{self, AttachedDisk, DiskSwap, NbdServer};
@@ -24,38 +23,9 @@ use strata::memory::save::DiskCut;
 use strata::qmp::QmpClient;
 use strata::store::Store;
 
-/// The daemon's control socket for a store whose local state is in `local_dir`.
-fn control_socket(local_dir: &Path) -> PathBuf {
-    local_dir.join("control.sock")
-}
-
-/// One control request and its first reply line, on a connection kept for more lines.
-fn request(local_dir: &Path, req: &Value) -> Result<Option<(Value, BufReader<UnixStream>)>> {
-    let path = control_socket(local_dir);
-    let Ok(conn) = UnixStream::connect(&path) else { return Ok(None) };
-    (&conn).write_all(format!("{req}\n").as_bytes())?;
-    let mut r = BufReader::new(conn);
-    let v = read_reply(&mut r)?;
-    Ok(Some((v, r)))
-}
-
-fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Value> {
-    let mut line = String::new();
-    r.read_line(&mut line).context("The serving daemon closed the control socket")?;
-    if line.is_empty() {
-        bail!("The serving daemon closed the control socket without a reply");
-    }
-    let v: Value =
-        serde_json::from_str(line.trim()).context("The serving daemon sent a malformed reply")?;
-    if v["ok"].as_bool() != Some(true) {
-        bail!("{}", v["error"].as_str().unwrap_or("the serving daemon gave no reason"));
-    }
-    Ok(v)
-}
-
 /// Run one control op and return its report (`None`: no daemon runs for this store).
-pub fn daemon_op(local_dir: &Path, req: Value) -> Result<Option<Value>> {
-    Ok(request(local_dir, &req)?.map(|(v, _)| v["report"].clone()))
+fn daemon_op(local_dir: &Path, req: Value) -> Result<Option<Value>> {
+    control::request(local_dir, &req)
 }
 
 /// The NBD address the store's daemon serves on, if one runs.
@@ -146,9 +116,11 @@ pub fn plan(local_dir: &Path, qmp: &mut QmpClient, allow_foreign: bool) -> Resul
 pub struct DaemonCut {
     local_dir: PathBuf,
     disks: Vec<AttachedDisk>,
-    conn: Option<BufReader<UnixStream>>,
+    session: Option<CutSession>,
     /// The daemon's cut, request to first reply (inside the guest's pause).
     pub cut_ms: Option<f64>,
+    /// Of that, the cut itself in the daemon.
+    pub daemon_cut_ms: Option<f64>,
 }
 
 impl DaemonCut {
@@ -156,8 +128,9 @@ impl DaemonCut {
         DaemonCut {
             local_dir: local_dir.to_path_buf(),
             disks: plan.disks.clone(),
-            conn: None,
+            session: None,
             cut_ms: None,
+            daemon_cut_ms: None,
         }
     }
 
@@ -169,13 +142,14 @@ impl DaemonCut {
 impl DiskCut for DaemonCut {
     fn cut(&mut self) -> std::result::Result<(), String> {
         let t = Instant::now();
-        let mut names: Vec<&str> = self.disks.iter().map(DaemonCut::export).collect();
+        let mut names: Vec<String> =
+            self.disks.iter().map(|d| DaemonCut::export(d).to_string()).collect();
         names.sort_unstable();
         names.dedup();
-        let req = json!({"op": "cut", "disks": names});
-        match request(&self.local_dir, &req) {
-            Ok(Some((_, conn))) => {
-                self.conn = Some(conn);
+        match CutSession::start(&self.local_dir, &names) {
+            Ok(Some(s)) => {
+                self.daemon_cut_ms = Some(s.cut_ms);
+                self.session = Some(s);
                 self.cut_ms = Some(t.elapsed().as_secs_f64() * 1e3);
                 Ok(())
             }
@@ -185,10 +159,8 @@ impl DiskCut for DaemonCut {
     }
 
     fn finish(&mut self) -> std::result::Result<Vec<(DiskRecord, ChunkId)>, String> {
-        let conn = self.conn.as_mut().ok_or("the disks were not cut")?;
-        let _ = conn.get_ref().set_read_timeout(Some(Duration::from_secs(3600)));
-        let v = read_reply(conn).map_err(|e| format!("{e:#}"))?;
-        let folded = v["disks"].as_array().cloned().unwrap_or_default();
+        let session = self.session.as_mut().ok_or("the disks were not cut")?;
+        let folded = session.folded().map_err(|e| format!("{e:#}"))?;
         let mut out = Vec::with_capacity(self.disks.len());
         for d in &self.disks {
             let name = DaemonCut::export(d);

@@ -368,13 +368,13 @@ fn snapshot(
         eprintln!("warning: {w}");
     }
     let bar = crate::ui::bar(json).with_pages();
-    let (r, cut_ms) = match plan.filter(|p| !p.disks.is_empty()) {
+    let (r, cut_ms, daemon_cut_ms) = match plan.filter(|p| !p.disks.is_empty()) {
         Some(p) => {
             let mut cut = desktop::DaemonCut::new(store.local_dir(), &p);
             let r = save_desktop(&store, &mut q, name, &o, &mut cut, &bar)?;
-            (r, cut.cut_ms)
+            (r, cut.cut_ms, cut.daemon_cut_ms)
         }
-        None => (save(&store, &mut q, name, &o, &bar)?, None),
+        None => (save(&store, &mut q, name, &o, &bar)?, None, None),
     };
     drop(bar);
     let recorded =
@@ -382,6 +382,7 @@ fn snapshot(
     let mut v = serde_json::to_value(&r)?;
     v["disks"] = serde_json::to_value(&recorded)?;
     v["cut_ms"] = serde_json::json!(cut_ms);
+    v["daemon_cut_ms"] = serde_json::json!(daemon_cut_ms);
     ui::emit(json, &v, || {
         let mut t = save_text(&r);
         for d in &recorded {

@@ -61,14 +61,12 @@ pub fn request(local_dir: &Path, op: &Value) -> Result<Option<Value>> {
 
 /// A `cut` in progress: the disks are cut once [`CutSession::start`] returns; the fold's
 /// chunks stay pinned in the daemon until this is dropped (the connection closes).
-#[allow(dead_code)] // The client of `vm snapshot`.
 pub struct CutSession {
     reader: BufReader<UnixStream>,
     /// How long the cut itself took in the daemon, in milliseconds.
     pub cut_ms: f64,
 }
 
-#[allow(dead_code)] // The client of `vm snapshot`.
 impl CutSession {
     /// Cut `disks` at one instant in the daemon; returns once they are cut (no I/O in the
     /// daemon). `Ok(None)` when no daemon listens.
