@@ -306,6 +306,26 @@ fn exercise(env: &Env, dir: &Path) {
         env.store.canonicalize().unwrap()
     );
 
+    // One thread per connection: an idle client holds up nobody; 33 at once are too many.
+    let idle: Vec<UnixStream> =
+        (0..32).map(|_| UnixStream::connect(env.control()).unwrap()).collect();
+    let r = raw(&env.control(), &json!({"op": "whoami"})).unwrap();
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("32 control requests running"), "{r}");
+    drop(idle);
+    let t = Instant::now();
+    while raw(&env.control(), &json!({"op": "whoami"})).unwrap()["ok"] != true {
+        assert!(t.elapsed() < Duration::from_secs(3), "closed connections were not let go");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let one = UnixStream::connect(env.control()).unwrap();
+    let t = Instant::now();
+    assert_eq!(raw(&env.control(), &json!({"op": "whoami"})).unwrap()["ok"], true);
+    assert!(t.elapsed() < Duration::from_secs(2), "a silent client delayed another");
+    drop(one);
+    let r = raw(&env.control(), &json!({"op": "nope"})).unwrap();
+    assert!(r["error"].as_str().unwrap().contains("Unknown control op 'nope'"), "{r}");
+
     let load = fio(&sock, "load");
     let w = Writer::start(&sock, ["desk1", "desk2"]);
     while w.written() < 200 {
