@@ -375,6 +375,7 @@ fn exercise(env: &Env, dir: &Path) {
     let l1: Value = serde_json::from_str(&l1).unwrap();
     assert_eq!(l1["ok"], true, "{l1}");
     assert!(l1["cut_ms"].as_f64().unwrap() < 1000.0, "{l1}");
+    eprintln!("cut: {l1} after {:?} (the client's view)", t8 - t7);
     let cut_bounds = w.bounds(t7, t8);
     let mut l2 = String::new();
     r.read_line(&mut l2).unwrap();
