@@ -177,9 +177,12 @@ impl DiskCut for DaemonCut {
         let t = Instant::now();
         let names = self.names();
         let started = match self.placement {
-            Placement::AtStop => {
-                CutSession::start(&self.local_dir, &names).map(|s| s.map(Session::Cut))
-            }
+            Placement::AtStop => CutSession::start(&self.local_dir, &names).map(|s| {
+                s.map(|s| {
+                    tracing::debug!(daemon_cut_ms = s.cut_ms, "disks cut in the daemon");
+                    Session::Cut(s)
+                })
+            }),
             Placement::AtFlush => {
                 ArmSession::start(&self.local_dir, &names).map(|s| s.map(Session::Arm))
             }
