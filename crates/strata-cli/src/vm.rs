@@ -265,25 +265,26 @@ fn date(unix: u64) -> String {
 /// The table `strata vm list` prints.
 fn list_text(l: &[catalog::CheckpointSummary]) -> String {
     if l.is_empty() {
-        return "No checkpoints (save one with `strata vm save --qmp SOCK NAME`)".into();
+        return "No snapshots (take one with `strata vm snapshot --qmp SOCK NAME`)".into();
     }
     let mut out = format!(
-        "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
-        "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC"
+        "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {:<8} {}\n",
+        "NAME", "MODE", "CREATED", "MACHINE", "RAM", "STORED", "CODEC", "DISKS"
     );
     for c in l {
         match &c.error {
             Some(e) => out += &format!("{:<28} UNREADABLE: {e}\n", c.name),
             None => {
                 out += &format!(
-                    "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {}\n",
+                    "{:<28} {:<20} {:<17} {:<15} {:>10} {:>10}  {:<8} {}\n",
                     c.name,
                     c.mode,
                     date(c.created_unix),
                     c.machine_type,
                     ui::human(c.ram_bytes),
                     ui::human(c.stored_bytes),
-                    c.codec
+                    c.codec,
+                    if c.disks.is_empty() { "-".to_string() } else { c.disks.join(",") }
                 )
             }
         }
@@ -342,6 +343,19 @@ fn inspect_text(i: &catalog::Inspection) -> String {
             sh.distinct_pages,
             sh.exclusive_pages,
             ui::human(sh.exclusive_pages * 4096)
+        );
+    }
+    if m.disks.is_empty() {
+        out += "  disks: none taken (memory only)\n";
+    }
+    for d in &m.disks {
+        out += &format!(
+            "  disk {}: '{}' ({} of {} allocated{}), cut with the memory\n",
+            d.device,
+            d.disk,
+            ui::human(d.allocated * d.block_size as u64),
+            ui::human(d.size),
+            d.parent.as_ref().map(|p| format!(", clone of {p}")).unwrap_or_default()
         );
     }
     if m.qemu.cmdline.is_empty() {
