@@ -173,10 +173,11 @@ impl DiskCut for DaemonCut {
         self.placement
     }
 
-    fn cut(&mut self) -> std::result::Result<(), String> {
+    fn cut(&mut self, at: Placement) -> std::result::Result<(), String> {
         let t = Instant::now();
         let names = self.names();
-        let started = match self.placement {
+        self.placement = at;
+        let started = match at {
             Placement::AtStop => CutSession::start(&self.local_dir, &names).map(|s| {
                 s.map(|s| {
                     tracing::debug!(daemon_cut_ms = s.cut_ms, "disks cut in the daemon");

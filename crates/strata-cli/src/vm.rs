@@ -393,9 +393,8 @@ fn snapshot(
             if disks.cut_at_stop {
                 cut = cut.at_stop();
             }
-            let placement = cut.placement();
             let r = save_desktop(&store, &mut q, name, &o, &mut cut, &bar)?;
-            (r, cut.cut_ms, Some(placement))
+            (r, cut.cut_ms, Some(cut.placement()))
         }
         None => (save(&store, &mut q, name, &o, &bar)?, None, None),
     };

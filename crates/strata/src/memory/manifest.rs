@@ -589,7 +589,7 @@ pub fn parse_tail_tree(t: &Tree) -> Result<(Vec<ChunkId>, u64), ManifestError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn sample() -> Manifest {

@@ -444,5 +444,7 @@ impl ExportSet for DiskExports {
 }
 
 pub mod arm;
+#[cfg(test)]
+mod desktop_crash_tests;
 mod ops;
 use ops::Held;

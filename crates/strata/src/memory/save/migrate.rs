@@ -169,7 +169,7 @@ pub(super) fn run(
     let at_flush = placement == Some(Placement::AtFlush) && opts.mode == Mode::BackgroundSnapshot;
     let cut_at_stop = disks.is_some() && opts.mode != Mode::Precopy && !at_flush;
     if at_flush {
-        cut_disks(disks.as_deref_mut(), name)?;
+        cut_disks(disks.as_deref_mut(), Placement::AtFlush, name)?;
     }
     let stop = was_running && (opts.mode == Mode::Save || cut_at_stop);
     let uri = format!("unix:{}", sock.display());
@@ -199,7 +199,7 @@ pub(super) fn run(
         t_stop = Some(Instant::now());
     }
     if cut_at_stop {
-        cut_disks(disks.as_deref_mut(), name)?;
+        cut_disks(disks.as_deref_mut(), Placement::AtStop, name)?;
         qmp.send_pipeline(&[migrate]).map_err(q("migrate"))?;
     }
     on_migrating();
@@ -296,10 +296,14 @@ pub(super) fn run(
 }
 
 /// Cut the disks of a desktop snapshot (guest stopped, block layer flushed).
-fn cut_disks(disks: Option<&mut (dyn DiskCut + '_)>, name: &str) -> Result<(), MemError> {
+fn cut_disks(
+    disks: Option<&mut (dyn DiskCut + '_)>,
+    at: Placement,
+    name: &str,
+) -> Result<(), MemError> {
     let Some(d) = disks else { return Ok(()) };
     let t = Instant::now();
-    d.cut().map_err(|reason| MemError::DiskCut { name: name.into(), reason })?;
+    d.cut(at).map_err(|reason| MemError::DiskCut { name: name.into(), reason })?;
     tracing::debug!(target: TARGET, name, cut_ms = t.elapsed().as_secs_f64() * 1e3, "desktop snapshot: disks cut");
     Ok(())
 }
@@ -358,7 +362,7 @@ fn wait_source<T>(
                 // A precopy desktop snapshot: the guest is stopped at switchover, before its
                 // device state; cut the disks, then let QEMU go on.
                 "pre-switchover" if at_switchover.is_some() => {
-                    if let Err(e) = cut_disks(at_switchover.take(), name) {
+                    if let Err(e) = cut_disks(at_switchover.take(), Placement::AtStop, name) {
                         let _ = qmp.migrate_cancel();
                         conn.shutdown();
                         return Err(e);

@@ -180,11 +180,13 @@ pub struct SaveStages {
 /// guest issued has been acknowledged by the disks' server and nothing more arrives until it
 /// resumes. [`Placement`] says how the cut finds that instant.
 pub trait DiskCut {
+    /// The placement the disks allow for a background snapshot; a save and a precopy
+    /// snapshot always cut `AtStop` (the guest stays stopped, or is stopped at switchover).
     fn placement(&self) -> Placement;
     /// `AtStop`: cut every disk now, with the guest stopped (it runs inside the guest's
     /// pause: no I/O that can be avoided). `AtFlush`: arm the disks, before the migration
     /// starts.
-    fn cut(&mut self) -> Result<(), String>;
+    fn cut(&mut self, at: Placement) -> Result<(), String>;
     /// After every page is stored and before the commit: each cut disk's record and block
     /// map root, durable in the store. `resumed_us` is QEMU's RESUME event time (wall-clock
     /// microseconds) when the guest ran again during the save.
