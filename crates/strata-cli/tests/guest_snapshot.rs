@@ -316,6 +316,22 @@ impl Case {
         Restored { json, qmp, qemu, state }
     }
 
+    /// The disks a restored QEMU runs on: the clones the restore lists, else `originals`
+    /// (a checkpoint without disks runs on the disks of its command line).
+    fn disks_of(&self, r: &Restored, originals: &[String]) -> Vec<String> {
+        match r.json["disks"].as_array() {
+            Some(v) if !v.is_empty() => {
+                let clones: Vec<String> = v
+                    .iter()
+                    .map(|d| d["clone"].as_str().unwrap_or_else(|| panic!("{}", r.json)).into())
+                    .collect();
+                assert_eq!(clones.len(), originals.len(), "{}", r.json);
+                clones
+            }
+            _ => originals.to_vec(),
+        }
+    }
+
     /// The records on `disks` (exports, in the writer's order) as they are now.
     fn read(&self, disks: &[String]) -> Vec<DiskRecords> {
         disks
@@ -409,6 +425,7 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs) {
 
     // The memory-only snapshot on the original disks, which went on: the checker catches it.
     let r = c.restore_paused("memonly");
+    assert_eq!(c.disks_of(&r, &disks), disks, "a memory-only restore got clones: {}", r.json);
     match check_cut(&r.state, &c.read(&disks)) {
         Err(CutMismatch::DiskAhead { last, started, .. }) => {
             eprintln!("memory-only: disk at {last}, memory started {started}: caught")
@@ -417,9 +434,10 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs) {
     }
     quit(&r.qmp, r.qemu);
 
-    // The stop-and-copy save agrees with the original disks, which nothing wrote after it.
+    // The stop-and-copy save agrees with its disks (clones, or the original disks, which
+    // nothing wrote after it).
     let r = c.restore_paused("saved");
-    let lasts = check_cut(&r.state, &c.read(&disks))
+    let lasts = check_cut(&r.state, &c.read(&c.disks_of(&r, &disks)))
         .unwrap_or_else(|e| panic!("saved: {e} ({:?})", r.state));
     eprintln!("saved: memory {}/{}, disks at {lasts:?}", r.state.started, r.state.done);
     quit(&r.qmp, r.qemu);
@@ -427,13 +445,8 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs) {
     // The desktop snapshot: at the paused instant memory and the clones agree, and the
     // original disks went on past it (so the clones are not them).
     let r = c.restore_paused("full");
-    let clones: Vec<String> = r.json["disks"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no disks in {}", r.json))
-        .iter()
-        .map(|d| d["clone"].as_str().unwrap().to_string())
-        .collect();
-    assert_eq!(clones.len(), ndisks, "{}", r.json);
+    let clones = c.disks_of(&r, &disks);
+    assert_ne!(clones, disks, "the snapshot restored onto the original disks: {}", r.json);
     let st = r.state;
     assert!(st.done > 0 && st.done < written, "snapshot at {st:?}, {written} written by then");
     let lasts = check_cut(&st, &c.read(&clones)).unwrap_or_else(|e| panic!("{e} ({st:?})"));
