@@ -388,9 +388,10 @@ fn quit(qmp: &Path, qemu: Proc) {
     drop(qemu);
 }
 
-/// One case: boot, write, snapshot (memory and disks; with `precopy` also a precopy one),
-/// memory-only snapshot, stop-and-copy save, then check each.
-fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, precopy: bool) {
+/// One case: boot, write (`writer`: extra options of recwriter's `start`), snapshot (memory
+/// and disks; with `precopy` also a precopy one), memory-only snapshot, stop-and-copy save,
+/// then check each.
+fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy: bool) {
     let t0 = Instant::now();
     let fx = Fixtures::ensure().expect("fixtures (scripts/fixtures.sh)");
     let disks: Vec<String> = (0..ndisks).map(|i| format!("data{i}")).collect();
@@ -412,7 +413,8 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, precopy: bool) {
         Fs::Direct => "direct",
         Fs::Ext4 => "ext4",
     };
-    let start = g.command(&format!("start {mode} {} ring={RING}", devs.join(",")), T).unwrap();
+    let start =
+        g.command(&format!("start {mode} {} ring={RING} {writer}", devs.join(",")), T).unwrap();
     let run = run_id(&start);
     let qmp = g.qmp_path().unwrap().to_str().unwrap().to_string();
     let c = Case { lab, fs, run, ndisks: ndisks as u64, console: g.dir().join("console.sock") };
@@ -485,24 +487,25 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, precopy: bool) {
     drop(g);
 }
 
+/// O_DIRECT with fdatasync after each record (a flush per record).
 #[test]
 fn o_direct_records_one_disk_pc() {
-    snapshot_case(Machine::Pc, 1, Fs::Direct, false);
+    snapshot_case(Machine::Pc, 1, Fs::Direct, "sync=1", false);
 }
 
 #[test]
 fn o_direct_records_two_disks_q35_and_precopy() {
-    snapshot_case(Machine::Q35, 2, Fs::Direct, true);
+    snapshot_case(Machine::Q35, 2, Fs::Direct, "", true);
 }
 
 #[test]
 fn ext4_records_two_disks_pc_and_precopy() {
-    snapshot_case(Machine::Pc, 2, Fs::Ext4, true);
+    snapshot_case(Machine::Pc, 2, Fs::Ext4, "", true);
 }
 
 #[test]
 fn ext4_records_one_disk_q35() {
-    snapshot_case(Machine::Q35, 1, Fs::Ext4, false);
+    snapshot_case(Machine::Q35, 1, Fs::Ext4, "", false);
 }
 
 /// The writer's records as the checker reads them: the fixture's `recwriter` runs on the host
