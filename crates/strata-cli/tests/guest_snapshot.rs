@@ -382,7 +382,12 @@ fn quit(qmp: &Path, qemu: Proc) {
     let _ = q.execute("quit", None);
     drop(q);
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(20) && unsafe { libc::kill(qemu.0 as i32, 0) } == 0 {
+    while t.elapsed() < Duration::from_secs(20) {
+        if unsafe { libc::kill(qemu.0 as i32, 0) } != 0 {
+            // gone: its pid must not be signalled again
+            std::mem::forget(qemu);
+            return;
+        }
         sleep(Duration::from_millis(50));
     }
     drop(qemu);
