@@ -10,8 +10,11 @@
 //! desktop starts on: writable clones (the default), or the original disks reverted
 //! (`--revert`, the current content kept as a disk snapshot unless `--discard-current`).
 
+use crate::control::{
+    self,
+    client::{ArmSession, CutSession},
+};
 use anyhow::{anyhow, bail, Context, Result};
-use crate::control::{self, client::CutSession};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -19,7 +22,7 @@ use strata::disk::DiskMeta;
 use strata::id::ChunkId;
 use strata::memory::disks::{self, AttachedDisk, DiskSwap, NbdServer};
 use strata::memory::manifest::{Checkpoint, DiskRecord};
-use strata::memory::save::DiskCut;
+use strata::memory::save::{DiskCut, Placement};
 use strata::qmp::QmpClient;
 use strata::store::Store;
 
@@ -116,39 +119,73 @@ pub fn plan(local_dir: &Path, qmp: &mut QmpClient, allow_foreign: bool) -> Resul
 pub struct DaemonCut {
     local_dir: PathBuf,
     disks: Vec<AttachedDisk>,
-    session: Option<CutSession>,
-    /// The daemon's cut, request to first reply (inside the guest's pause).
+    placement: Placement,
+    session: Option<Session>,
+    /// `AtStop`: the daemon's cut, request to first reply (inside the guest's pause);
+    /// `AtFlush`: arming, before the migration starts.
     pub cut_ms: Option<f64>,
-    /// Of that, the cut itself in the daemon.
-    pub daemon_cut_ms: Option<f64>,
+}
+
+enum Session {
+    Cut(CutSession),
+    Arm(ArmSession),
 }
 
 impl DaemonCut {
+    /// Cut at the guest's last flush before it resumed (no time added to its pause), unless
+    /// a disk is never flushed (`cache=unsafe`): then while strata holds the guest stopped.
     pub fn new(local_dir: &Path, plan: &Plan) -> DaemonCut {
+        let placement = if plan.disks.iter().any(|d| d.no_flush) {
+            Placement::AtStop
+        } else {
+            Placement::AtFlush
+        };
         DaemonCut {
             local_dir: local_dir.to_path_buf(),
             disks: plan.disks.clone(),
+            placement,
             session: None,
             cut_ms: None,
-            daemon_cut_ms: None,
         }
+    }
+
+    /// Force the placement (`vm snapshot --cut-at-stop`).
+    pub fn at_stop(mut self) -> DaemonCut {
+        self.placement = Placement::AtStop;
+        self
     }
 
     fn export(d: &AttachedDisk) -> &str {
         d.nbd.as_ref().map(|t| t.export.as_str()).unwrap_or("")
     }
-}
 
-impl DiskCut for DaemonCut {
-    fn cut(&mut self) -> std::result::Result<(), String> {
-        let t = Instant::now();
+    fn names(&self) -> Vec<String> {
         let mut names: Vec<String> =
             self.disks.iter().map(|d| DaemonCut::export(d).to_string()).collect();
         names.sort_unstable();
         names.dedup();
-        match CutSession::start(&self.local_dir, &names) {
+        names
+    }
+}
+
+impl DiskCut for DaemonCut {
+    fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    fn cut(&mut self) -> std::result::Result<(), String> {
+        let t = Instant::now();
+        let names = self.names();
+        let started = match self.placement {
+            Placement::AtStop => {
+                CutSession::start(&self.local_dir, &names).map(|s| s.map(Session::Cut))
+            }
+            Placement::AtFlush => {
+                ArmSession::start(&self.local_dir, &names).map(|s| s.map(Session::Arm))
+            }
+        };
+        match started {
             Ok(Some(s)) => {
-                self.daemon_cut_ms = Some(s.cut_ms);
                 self.session = Some(s);
                 self.cut_ms = Some(t.elapsed().as_secs_f64() * 1e3);
                 Ok(())
@@ -158,9 +195,18 @@ impl DiskCut for DaemonCut {
         }
     }
 
-    fn finish(&mut self) -> std::result::Result<Vec<(DiskRecord, ChunkId)>, String> {
-        let session = self.session.as_mut().ok_or("the disks were not cut")?;
-        let folded = session.folded().map_err(|e| format!("{e:#}"))?;
+    fn finish(
+        &mut self,
+        resumed_us: Option<u64>,
+    ) -> std::result::Result<Vec<(DiskRecord, ChunkId)>, String> {
+        let folded = match self.session.as_mut().ok_or("the disks were not cut")? {
+            Session::Cut(s) => s.folded(),
+            Session::Arm(s) => match resumed_us {
+                Some(at) => s.place(at),
+                None => return Err("QEMU reported no RESUME after its STOP: the guest's instant is unknown (retry, or pass --cut-at-stop)".into()),
+            },
+        }
+        .map_err(|e| format!("{e:#}"))?;
         let mut out = Vec::with_capacity(self.disks.len());
         for d in &self.disks {
             let name = DaemonCut::export(d);

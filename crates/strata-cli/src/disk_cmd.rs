@@ -154,7 +154,8 @@ fn show(cmd: &DiskCmd, r: &Value, secs: f64, json: bool) {
                     .as_array()
                     .map(|a| a.iter().map(|i| format!("'{}'", s(&i["name"]))).collect())
                     .unwrap_or_default();
-                format!("Snapshot {} taken", names.join(", "))
+                let what = if names.len() == 1 { "Snapshot" } else { "Snapshots" };
+                format!("{what} {} taken", names.join(", "))
             });
         }
         DiskCmd::Clone { src, dst, .. } => {

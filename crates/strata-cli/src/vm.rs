@@ -16,7 +16,7 @@ use strata::memory::delta::BasePolicy;
 use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
-use strata::memory::save::{save, save_desktop, SaveOptions, SaveReport};
+use strata::memory::save::{save, save_desktop, DiskCut, Placement, SaveOptions, SaveReport};
 use strata::qmp::QmpClient;
 
 use crate::{desktop, ui};
@@ -116,6 +116,11 @@ pub struct DiskArgs {
     /// instead of refusing the snapshot.
     #[arg(long)]
     allow_foreign_disks: bool,
+    /// Cut the disks while strata holds the guest stopped (`stop`, cut, `migrate`) instead of
+    /// at the guest's last flush; chosen by itself for disks QEMU never flushes
+    /// (`cache=unsafe`). Adds the round trips to the guest's pause.
+    #[arg(long, conflicts_with = "memory_only")]
+    cut_at_stop: bool,
 }
 
 #[derive(Args)]
@@ -368,11 +373,15 @@ fn snapshot(
         eprintln!("warning: {w}");
     }
     let bar = crate::ui::bar(json).with_pages();
-    let (r, cut_ms, daemon_cut_ms) = match plan.filter(|p| !p.disks.is_empty()) {
+    let (r, cut_ms, placement) = match plan.filter(|p| !p.disks.is_empty()) {
         Some(p) => {
             let mut cut = desktop::DaemonCut::new(store.local_dir(), &p);
+            if disks.cut_at_stop {
+                cut = cut.at_stop();
+            }
+            let placement = cut.placement();
             let r = save_desktop(&store, &mut q, name, &o, &mut cut, &bar)?;
-            (r, cut.cut_ms, cut.daemon_cut_ms)
+            (r, cut.cut_ms, Some(placement))
         }
         None => (save(&store, &mut q, name, &o, &bar)?, None, None),
     };
@@ -382,7 +391,10 @@ fn snapshot(
     let mut v = serde_json::to_value(&r)?;
     v["disks"] = serde_json::to_value(&recorded)?;
     v["cut_ms"] = serde_json::json!(cut_ms);
-    v["daemon_cut_ms"] = serde_json::json!(daemon_cut_ms);
+    v["cut_placement"] = serde_json::json!(placement.map(|p| match p {
+        Placement::AtStop => "at-stop",
+        Placement::AtFlush => "at-flush",
+    }));
     ui::emit(json, &v, || {
         let mut t = save_text(&r);
         for d in &recorded {
@@ -394,8 +406,14 @@ fn snapshot(
                 ui::human(d.size)
             );
         }
-        if let Some(c) = cut_ms {
-            t += &format!("\n  disks cut in {} inside the guest's pause", secs(c));
+        match (placement, cut_ms) {
+            (Some(Placement::AtStop), Some(c)) => {
+                t += &format!("\n  disks cut in {} inside the guest's pause", secs(c))
+            }
+            (Some(Placement::AtFlush), _) => {
+                t += "\n  disks cut at the guest's last flush before it resumed"
+            }
+            _ => {}
         }
         t
     });

@@ -1,5 +1,6 @@
 //! Disk commands while `strata serve` owns the disks, through the `strata` binary: on the
-//! embedded store and on an S3 store (versitygw on loopback) with an SSD cache.
+//! embedded store, and on an S3 store (versitygw on loopback) and a Redis store, each with an
+//! SSD cache.
 //!
 //! A record writer (a minimal NBD client in this file) writes numbered 4 KiB records one
 //! after another, alternating between two served disks, and notes when each write started and
@@ -20,7 +21,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use strata::backend::servers::S3Server;
+use strata::backend::servers::{RedisServer, S3Server};
 
 const REC: usize = 4096;
 const DISK_MIB: u64 = 128;
@@ -306,6 +307,26 @@ fn exercise(env: &Env, dir: &Path) {
         env.store.canonicalize().unwrap()
     );
 
+    // One thread per connection: an idle client holds up nobody; 33 at once are too many.
+    let idle: Vec<UnixStream> =
+        (0..32).map(|_| UnixStream::connect(env.control()).unwrap()).collect();
+    let r = raw(&env.control(), &json!({"op": "whoami"})).unwrap();
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("32 control requests running"), "{r}");
+    drop(idle);
+    let t = Instant::now();
+    while raw(&env.control(), &json!({"op": "whoami"})).unwrap()["ok"] != true {
+        assert!(t.elapsed() < Duration::from_secs(3), "closed connections were not let go");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let one = UnixStream::connect(env.control()).unwrap();
+    let t = Instant::now();
+    assert_eq!(raw(&env.control(), &json!({"op": "whoami"})).unwrap()["ok"], true);
+    assert!(t.elapsed() < Duration::from_secs(2), "a silent client delayed another");
+    drop(one);
+    let r = raw(&env.control(), &json!({"op": "nope"})).unwrap();
+    assert!(r["error"].as_str().unwrap().contains("Unknown control op 'nope'"), "{r}");
+
     let load = fio(&sock, "load");
     let w = Writer::start(&sock, ["desk1", "desk2"]);
     while w.written() < 200 {
@@ -326,6 +347,7 @@ fn exercise(env: &Env, dir: &Path) {
     let t2 = Instant::now();
     let c = env.json(&["disk", "clone", "desk1", "c1"]);
     let t3 = Instant::now();
+    eprintln!("clone took {:?}", t3 - t2);
     assert_eq!(c["disk"]["parent"], "desk1", "{c}");
     let clone_bounds = w.bounds(t2, t3);
     let t4 = Instant::now();
@@ -353,6 +375,7 @@ fn exercise(env: &Env, dir: &Path) {
     let l1: Value = serde_json::from_str(&l1).unwrap();
     assert_eq!(l1["ok"], true, "{l1}");
     assert!(l1["cut_ms"].as_f64().unwrap() < 1000.0, "{l1}");
+    eprintln!("cut: {l1} after {:?} (the client's view)", t8 - t7);
     let cut_bounds = w.bounds(t7, t8);
     let mut l2 = String::new();
     r.read_line(&mut l2).unwrap();
@@ -363,6 +386,12 @@ fn exercise(env: &Env, dir: &Path) {
     assert_eq!(cut_disks[1]["name"], "desk2");
     assert_eq!(cut_disks[1]["meta"]["size"], DISK_MIB << 20);
 
+    {
+        let log = w.log.lock().unwrap();
+        let worst = log.iter().map(|(s, a)| *a - *s).max().unwrap();
+        let gaps = log.windows(2).map(|p| p[1].0 - p[0].1).max().unwrap();
+        eprintln!("slowest write {worst:?}, longest pause between writes {gaps:?}");
+    }
     let conns = w.finish();
     let (a, b) = (export(env, "desk1@s1", dir), export(env, "desk2@s1", dir));
     let n = prefix_len([&a, &b]);
@@ -473,5 +502,16 @@ fn disk_commands_go_through_the_daemon_on_s3_with_a_cache() {
         "--cache-size",
         "64M",
     ]);
+    exercise(&env, d.path());
+}
+
+#[test]
+fn disk_commands_go_through_the_daemon_on_redis_with_a_cache() {
+    let d = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(&d.path().join("redis"), true).unwrap_or_else(|e| panic!("{e}"));
+    let env = Env { store: d.path().join("host"), vars: vec![] };
+    let cache = d.path().join("cache");
+    let url = redis.url();
+    env.ok(&["init", "--backend", &url, "--cache", cache.to_str().unwrap(), "--cache-size", "64M"]);
     exercise(&env, d.path());
 }

@@ -89,3 +89,32 @@ impl CutSession {
         }
     }
 }
+
+/// An `arm` in progress: the daemon cuts the disks at every flush until
+/// [`ArmSession::place`] says when the guest resumed; the fold's chunks stay pinned in the
+/// daemon until this is dropped.
+pub struct ArmSession {
+    reader: BufReader<UnixStream>,
+}
+
+impl ArmSession {
+    /// Arm `disks`. `Ok(None)` when no daemon listens.
+    pub fn start(local_dir: &Path, disks: &[String]) -> Result<Option<ArmSession>> {
+        let Some(conn) = connect(local_dir)? else { return Ok(None) };
+        send(&conn, &serde_json::json!({"op": "arm", "disks": disks}))?;
+        let mut reader = BufReader::new(conn);
+        reply(&mut reader)?;
+        Ok(Some(ArmSession { reader }))
+    }
+
+    /// Place the cut at the last flush before `resumed_us` and wait for the folds (as
+    /// [`CutSession::folded`]).
+    pub fn place(&mut self, resumed_us: u64) -> Result<Vec<Value>> {
+        send(self.reader.get_ref(), &serde_json::json!({"resumed_us": resumed_us}))?;
+        let v = reply(&mut self.reader)?;
+        match v["disks"].as_array() {
+            Some(d) => Ok(d.clone()),
+            None => bail!("The serving daemon's arm reply lacks \"disks\""),
+        }
+    }
+}

@@ -194,6 +194,9 @@ fn handle(conn: UnixStream, d: &Daemon) -> Result<()> {
     if op == "cut" {
         return cut(&conn, &req, d);
     }
+    if op == "arm" {
+        return arm(&conn, &req, d);
+    }
     let t = Instant::now();
     let reply = match run(&op, &req, d) {
         Ok(report) => json!({"ok": true, "report": report}),
@@ -289,7 +292,14 @@ fn cut(conn: &UnixStream, req: &Value, d: &Daemon) -> Result<()> {
     };
     let cut_ms = t.elapsed().as_secs_f64() * 1e3;
     send(conn, &json!({"ok": true, "cut_ms": cut_ms}))?;
-    let sent_ms = t.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(target: TARGET, disks = ?names, cut_ms, "cut");
+    fold_and_hold(conn, &cuts, d)
+}
+
+/// The second line of `cut` and `arm`: fold the cuts, make them durable, send their roots,
+/// then hold the fold's session until the client closes.
+fn fold_and_hold(conn: &UnixStream, cuts: &[strata::disk::cut::Cut], d: &Daemon) -> Result<()> {
+    let t = Instant::now();
     let store = d.exports.store();
     let ses = store.session();
     let folded = cuts
@@ -300,8 +310,8 @@ fn cut(conn: &UnixStream, req: &Value, d: &Daemon) -> Result<()> {
         })
         .collect::<Result<Vec<Value>, strata::disk::DiskError>>()
         .and_then(|v| store.flush().map(|()| v).map_err(Into::into));
-    let fold_ms = t.elapsed().as_secs_f64() * 1e3 - sent_ms;
-    tracing::info!(target: TARGET, disks = ?names, cut_ms, sent_ms, fold_ms, ok = folded.is_ok(), "cut");
+    let fold_ms = t.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(target: TARGET, disks = cuts.len(), fold_ms, ok = folded.is_ok(), "cuts folded");
     match folded {
         Ok(disks) => send(conn, &json!({"ok": true, "disks": disks}))?,
         Err(e) => {
@@ -312,6 +322,47 @@ fn cut(conn: &UnixStream, req: &Value, d: &Daemon) -> Result<()> {
     hold_until_closed(conn, d);
     drop(ses);
     Ok(())
+}
+
+/// `arm`: cut the disks at every flush (`strata::serve::arm`); line one once armed; then the
+/// client's line `{"resumed_us": N}` (QEMU's RESUME time; `null` abandons) places the cut,
+/// and the rest is `cut`'s second line.
+fn arm(conn: &UnixStream, req: &Value, d: &Daemon) -> Result<()> {
+    let names: Vec<String> = match serde_json::from_value(req["disks"].clone()) {
+        Ok(v) if !Vec::<String>::is_empty(&v) => v,
+        _ => {
+            send(conn, &refusal("\"disks\" must be a non-empty list of disk names".into()))?;
+            return Ok(());
+        }
+    };
+    let id = match d.exports.arm(&names) {
+        Ok(id) => id,
+        Err(e) => {
+            send(conn, &refusal(strata::error_chain(&e)))?;
+            return Ok(());
+        }
+    };
+    send(conn, &json!({"ok": true}))?;
+    // The client answers once its snapshot's stream has ended: no read timeout but the hold.
+    let _ = conn.set_read_timeout(Some(CUT_HOLD));
+    let mut line = String::new();
+    let read = BufReader::new(conn.take(MAX_REQUEST)).read_line(&mut line);
+    let resumed_us = match read {
+        Ok(n) if n > 0 => {
+            serde_json::from_str::<Value>(line.trim()).ok().and_then(|v| v["resumed_us"].as_u64())
+        }
+        _ => None,
+    };
+    let cuts = match d.exports.disarm(id, resumed_us) {
+        Ok(Some(c)) => c,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            send(conn, &refusal(strata::error_chain(&e)))?;
+            return Ok(());
+        }
+    };
+    tracing::info!(target: TARGET, disks = ?names, resumed_us, "armed cut placed");
+    fold_and_hold(conn, &cuts, d)
 }
 
 /// Wait for the client to close the connection (EOF), for at most [`CUT_HOLD`] or until the

@@ -413,6 +413,11 @@ impl Volume {
     pub fn name(&self) -> &str {
         &self.name
     }
+    /// Records appended over the volume's life: a cheap "has it been written since" token.
+    pub fn appended(&self) -> u64 {
+        self.appended.load(Ordering::Acquire)
+    }
+
     pub fn size(&self) -> u64 {
         self.meta.size
     }
@@ -440,7 +445,7 @@ impl Volume {
         }
     }
 
-    pub(super) fn check_failed(&self) -> Result<()> {
+    pub fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock() {
             Some(why) => Err(DiskError::Failed { name: self.name.clone(), reason: why.clone() }),
             None => Ok(()),

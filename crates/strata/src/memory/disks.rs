@@ -43,6 +43,8 @@ pub struct AttachedDisk {
     /// QEMU's file name for the medium (a URI for NBD).
     pub file: String,
     pub read_only: bool,
+    /// `cache.no-flush` (`cache=unsafe`): QEMU never flushes this disk, not even on stop.
+    pub no_flush: bool,
     /// Set when the medium is an NBD export.
     pub nbd: Option<NbdTarget>,
 }
@@ -122,6 +124,7 @@ pub fn parse_query_block(v: &Value) -> Vec<AttachedDisk> {
             device,
             nbd: parse_nbd_uri(&file),
             read_only: ins["ro"].as_bool().unwrap_or(false),
+            no_flush: ins["cache"]["no-flush"].as_bool().unwrap_or(false),
             file,
         });
     }
@@ -268,7 +271,8 @@ mod tests {
     fn query_block_devices_are_named_by_drive_id_or_qdev() {
         let q: Value = serde_json::json!([
             {"device": "virtio0", "qdev": "/machine/peripheral-anon/device[0]/virtio-backend",
-             "inserted": {"file": "nbd+unix:///d1?socket=/s.sock", "ro": false}},
+             "inserted": {"file": "nbd+unix:///d1?socket=/s.sock", "ro": false,
+                          "cache": {"no-flush": true, "direct": true, "writeback": true}}},
             {"device": "", "qdev": "/machine/peripheral/disk2/virtio-backend",
              "inserted": {"file": "nbd+unix:///d2?socket=/s.sock", "ro": false}},
             {"device": "ide1-cd0", "qdev": "/machine/unattached/device[23]"},
@@ -277,6 +281,7 @@ mod tests {
         let d = parse_query_block(&q);
         assert_eq!(d.len(), 3, "the empty CD drive has no medium");
         assert_eq!(d[0].device, "virtio0");
+        assert!(d[0].no_flush && !d[1].no_flush);
         assert_eq!(d[1].device, "/machine/peripheral/disk2");
         assert_eq!(d[1].nbd.as_ref().unwrap().export, "d2");
         assert!(d[2].nbd.is_none() && d[2].read_only);

@@ -72,6 +72,7 @@ impl Revocation {
 pub struct VolumeExport {
     vol: Arc<Volume>,
     revoked: Arc<Revocation>,
+    arms: Arc<arm::Arms>,
 }
 
 impl VolumeExport {
@@ -94,7 +95,10 @@ impl Export for VolumeExport {
         self.live("write")?.write(offset, data, fua).map_err(|e| map_err("write", offset, e))
     }
     fn flush(&self) -> Result<(), ExportError> {
-        self.live("flush")?.flush().map_err(|e| map_err("flush", 0, e))
+        self.live("flush")?.flush().map_err(|e| map_err("flush", 0, e))?;
+        // Before the reply: a desktop snapshot places its cut at the guest's last flush.
+        self.arms.on_flush(self.vol.name());
+        Ok(())
     }
     fn description(&self) -> Option<String> {
         Some(format!("strata disk {}", self.vol.name()))
@@ -238,6 +242,7 @@ pub struct DiskExports {
     opening: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     compact_at: std::sync::atomic::AtomicU64,
     prefetch: Arc<Mutex<PrefetchState>>,
+    arms: Arc<arm::Arms>,
 }
 
 /// Boot prefetches: batches in flight per prefetch (None: prefetch off), the names already
@@ -295,6 +300,7 @@ impl DiskExports {
             opening: Mutex::new(HashMap::new()),
             compact_at: std::sync::atomic::AtomicU64::new(crate::disk::volume::DEFAULT_COMPACT_AT),
             prefetch: Arc::new(Mutex::new(PrefetchState::default())),
+            arms: Arc::default(),
         })
     }
 
@@ -433,9 +439,10 @@ impl ExportSet for DiskExports {
             }));
         }
         let h = self.hold(name).map_err(unavailable)?;
-        Ok(Arc::new(VolumeExport { vol: h.vol, revoked: h.revoked }))
+        Ok(Arc::new(VolumeExport { vol: h.vol, revoked: h.revoked, arms: self.arms.clone() }))
     }
 }
 
+pub mod arm;
 mod ops;
 use ops::Held;

@@ -66,7 +66,8 @@ impl DiskExports {
     }
 
     /// Exact snapshots `disk@snap` of several disks, cut at one instant and then folded and
-    /// committed one after another.
+    /// committed one after another. When the daemon has none of them open, they are plain
+    /// snapshots of their refs.
     pub fn snapshot(&self, pairs: &[(String, String)]) -> Result<Vec<DiskInfo>> {
         for (d, s) in pairs {
             let full = format!("{d}@{s}");
@@ -78,6 +79,11 @@ impl DiskExports {
             }
         }
         let names: Vec<String> = pairs.iter().map(|(d, _)| d.clone()).collect();
+        if names.iter().all(|d| self.held(d).is_none()) {
+            // Nobody writes them here: their refs (and local logs) are their content, and
+            // the daemon need not take them (nor, on a shared store, their writer leases).
+            return pairs.iter().map(|(d, s)| disk::snapshot(&self.store, d, s)).collect();
+        }
         let cuts = self.cut(&names)?;
         let ses = self.store.session();
         let mut out = Vec::with_capacity(pairs.len());
@@ -117,9 +123,23 @@ impl DiskExports {
         }
     }
 
-    /// Fold `name`'s log into its map now (through its open volume if held).
+    /// Fold `name`'s log into its map now: through its open volume if held, else by opening
+    /// it for the compaction only (a client opening it meanwhile waits), so the daemon does
+    /// not keep a disk (and its writer lease) nobody serves.
     pub fn compact(&self, name: &str) -> Result<u64> {
-        self.hold(name)?.vol.compact()
+        if let Some(v) = self.volume(name) {
+            return v.compact();
+        }
+        let gate = self.opening.lock().entry(name.to_string()).or_default().clone();
+        let gate = gate.lock();
+        if let Some(v) = self.volume(name) {
+            drop(gate);
+            return v.compact();
+        }
+        let v = Volume::open(&self.store, name)?;
+        let g = v.compact()?;
+        v.close()?;
+        Ok(g)
     }
 
     /// Close the daemon's volume of `name` for an operation that replaces or removes the

@@ -15,6 +15,13 @@ pub(super) fn pause_from_events(events: &[QmpEvent]) -> Option<f64> {
     Some((ev_time(resume) - ev_time(&events[stop])) * 1e3)
 }
 
+/// Time of the RESUME that follows the first STOP, wall-clock microseconds.
+pub(super) fn resume_time_us(events: &[QmpEvent]) -> Option<u64> {
+    let stop = events.iter().position(|e| e.name == "STOP")?;
+    let resume = events[stop..].iter().find(|e| e.name == "RESUME")?;
+    Some(resume.seconds as u64 * 1_000_000 + resume.microseconds as u64)
+}
+
 /// Where the receiving thread keeps its end of the socket, so the QMP side can shut it down.
 struct Conn {
     stream: Mutex<Option<UnixStream>>,
@@ -111,6 +118,8 @@ pub(super) struct Timing {
     pub(super) stored_before: u64,
     pub(super) downtime_ms: f64,
     pub(super) pause_ms: Option<f64>,
+    /// QEMU's RESUME event after the first STOP, wall-clock microseconds.
+    pub(super) resumed_us: Option<u64>,
     pub(super) migrate_ms: f64,
     pub(super) setup_ms: f64,
 }
@@ -156,7 +165,12 @@ pub(super) fn run(
     // both are undone (`migrate_cancel` here, the caller resumes the guest). A desktop
     // snapshot (`disks`) stops a running guest in every mode but precopy, and cuts the disks
     // between `stop` and `migrate`: `migrate` goes out only after the cut.
-    let cut_at_stop = disks.is_some() && opts.mode != Mode::Precopy;
+    let placement = disks.as_ref().map(|d| d.placement());
+    let at_flush = placement == Some(Placement::AtFlush) && opts.mode == Mode::BackgroundSnapshot;
+    let cut_at_stop = disks.is_some() && opts.mode != Mode::Precopy && !at_flush;
+    if at_flush {
+        cut_disks(disks.as_deref_mut(), name)?;
+    }
     let stop = was_running && (opts.mode == Mode::Save || cut_at_stop);
     let uri = format!("unix:{}", sock.display());
     let migrate = ("migrate", Some(serde_json::json!({ "uri": uri })));
@@ -216,7 +230,7 @@ pub(super) fn run(
                 r
             })
             .expect("spawn parse thread");
-        let at_switchover = if cut_at_stop { None } else { disks };
+        let at_switchover = if cut_at_stop || at_flush { None } else { disks };
         let src = wait_source(qmp, &conn, &sock, &rx, name, at_switchover, check);
         if src.is_err() {
             conn.shutdown();
@@ -259,6 +273,7 @@ pub(super) fn run(
     let _ = qmp.poll_events(Duration::from_millis(0));
     let events = qmp.take_events();
     let pause_ms = if opts.mode == Mode::Save { None } else { pause_from_events(&events) };
+    let resumed_us = resume_time_us(&events);
     let downtime_ms = match (opts.mode, t_stop) {
         (Mode::Save, Some(t)) => t.elapsed().as_secs_f64() * 1e3,
         (Mode::Save, None) => 0.0,
@@ -267,7 +282,16 @@ pub(super) fn run(
     tracing::debug!(target: TARGET, name, downtime_ms, ?pause_ms, since_start_ms = t0.elapsed().as_millis() as u64, "stream received");
     Ok((
         ingested,
-        Timing { session, raw_before, stored_before, downtime_ms, pause_ms, migrate_ms, setup_ms },
+        Timing {
+            session,
+            raw_before,
+            stored_before,
+            downtime_ms,
+            pause_ms,
+            resumed_us,
+            migrate_ms,
+            setup_ms,
+        },
     ))
 }
 

@@ -174,17 +174,33 @@ pub struct SaveStages {
 
 /// The disks of a desktop snapshot (`vm snapshot`), cut at the guest instant of its memory.
 ///
-/// The instant: the guest is stopped (QMP `stop`, or precopy's switchover with
-/// `pause-before-switchover`); QEMU drains and flushes its block layer before it reports the
-/// guest stopped, so every write the guest issued has been acknowledged by the disks' server.
-/// [`cut`](DiskCut::cut) runs in that pause, before the memory's device state is taken and the
-/// guest resumes.
+/// The instant: the guest is stopped (QEMU's own stop for the device state of a background
+/// snapshot, strata's `stop` for a save, precopy's switchover with `pause-before-switchover`);
+/// QEMU drains and flushes its block layer before the guest is stopped, so every write the
+/// guest issued has been acknowledged by the disks' server and nothing more arrives until it
+/// resumes. [`Placement`] says how the cut finds that instant.
 pub trait DiskCut {
-    /// Cut every disk now. It runs inside the guest's pause: no I/O that can be avoided.
+    fn placement(&self) -> Placement;
+    /// `AtStop`: cut every disk now, with the guest stopped (it runs inside the guest's
+    /// pause: no I/O that can be avoided). `AtFlush`: arm the disks, before the migration
+    /// starts.
     fn cut(&mut self) -> Result<(), String>;
     /// After every page is stored and before the commit: each cut disk's record and block
-    /// map root, durable in the store.
-    fn finish(&mut self) -> Result<Vec<(DiskRecord, ChunkId)>, String>;
+    /// map root, durable in the store. `resumed_us` is QEMU's RESUME event time (wall-clock
+    /// microseconds) when the guest ran again during the save.
+    fn finish(&mut self, resumed_us: Option<u64>) -> Result<Vec<(DiskRecord, ChunkId)>, String>;
+}
+
+/// How a [`DiskCut`] finds the guest's instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Cut while strata holds the guest stopped (`stop`, cut, `migrate`): exact whatever the
+    /// disks' cache mode, at the cost of the round trips in the pause.
+    AtStop,
+    /// The disks' server cuts at every flush from the moment they are armed; the last cut
+    /// before the guest resumed is the one (`serve::arm`). Adds nothing to the pause; needs
+    /// QEMU to flush the disks on stop (not `cache=unsafe`).
+    AtFlush,
 }
 
 /// Resumes the guest when dropped armed (a save that failed after pausing it).
@@ -411,7 +427,9 @@ fn save_inner(
     let (ingested, timing) = result?;
     open.listing.finish()?;
     let cut_disks = match disks {
-        Some(d) => d.finish().map_err(|reason| MemError::DiskCut { name: name.into(), reason })?,
+        Some(d) => d
+            .finish(timing.resumed_us)
+            .map_err(|reason| MemError::DiskCut { name: name.into(), reason })?,
         None => Vec::new(),
     };
     let vm_status =
