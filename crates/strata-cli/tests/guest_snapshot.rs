@@ -6,8 +6,7 @@
 //! O_DIRECT, or to a file on ext4 with fsync per record) and keeps in memory the record it is
 //! writing (`started`) and the last one that completed (`done`). While it writes:
 //! 1. `strata vm snapshot` takes memory and disks at one instant; the guest writes on;
-//! 2. `strata vm snapshot --memory-only` takes memory alone; the guest writes on;
-//! 3. `strata vm save` (stop-and-copy) takes memory and disks; the guest stays paused and dies.
+//! 2. `strata vm snapshot --memory-only` takes memory alone; the guest writes on, then dies.
 //!
 //! The two-disk cases also take a `--precopy` snapshot (cut at the switchover) between 1 and 2.
 //!
@@ -17,9 +16,10 @@
 //! original disks hold newer records, so the clones are not them. Resumed, the writer goes on
 //! from its memory; stopped, its clones hold exactly the records up to its counter (ext4:
 //! unmounted cleanly, fsck clean). Restoring 2 onto the original disks is the negative
-//! control: the checker must report the disk ahead of memory. 3 and the precopy snapshot
-//! restore to memory and disks that agree, as 1 does. Both ways of being in flight occur at
-//! the instant: record `started` already on the disk, or not yet.
+//! control: the checker must report the disk ahead of memory. The precopy snapshot restores
+//! to memory and clones that agree, as 1 does, and so do `vm snapshot --cut-at-stop` and the
+//! stop-and-copy `vm save` (their own test). Both ways of being in flight occur at the
+//! instant: record `started` already on the disk, or not yet.
 //!
 //! Run: cargo test -p strata-cli --test guest_snapshot (builds target/fixtures on first use).
 
@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use strata::fixtures::records::{check_cut, find_state, CutMismatch, DiskRecords, WriterState};
-use strata::fixtures::{reply_field, Fixtures, GuestMode, Machine};
+use strata::fixtures::{reply_field, Fixtures, Guest, GuestMode, Machine};
 use strata::qmp::QmpClient;
 
 const T: Duration = Duration::from_secs(120);
@@ -307,6 +307,8 @@ struct Case {
     ndisks: u64,
     /// The guest's console socket, where a restored QEMU listens too.
     console: PathBuf,
+    /// The guest's QMP socket.
+    qmp: String,
 }
 
 impl Case {
@@ -393,11 +395,14 @@ fn quit(qmp: &Path, qemu: Proc) {
     drop(qemu);
 }
 
-/// One case: boot, write (`writer`: extra options of recwriter's `start`), snapshot (memory
-/// and disks; with `precopy` also a precopy one), memory-only snapshot, stop-and-copy save,
-/// then check each.
-fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy: bool) {
-    let t0 = Instant::now();
+/// Boot the record writer guest on `ndisks` fresh disks of a new store and start the writer
+/// (`writer`: extra options of recwriter's `start`).
+fn boot_writer(
+    machine: Machine,
+    ndisks: usize,
+    fs: Fs,
+    writer: &str,
+) -> (Guest, Case, Vec<String>) {
     let fx = Fixtures::ensure().expect("fixtures (scripts/fixtures.sh)");
     let disks: Vec<String> = (0..ndisks).map(|i| format!("data{i}")).collect();
     let lab = Lab::new(&disks, fs);
@@ -422,10 +427,20 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy:
         g.command(&format!("start {mode} {} ring={RING} {writer}", devs.join(",")), T).unwrap();
     let run = run_id(&start);
     let qmp = g.qmp_path().unwrap().to_str().unwrap().to_string();
-    let c = Case { lab, fs, run, ndisks: ndisks as u64, console: g.dir().join("console.sock") };
+    let c =
+        Case { lab, fs, run, ndisks: ndisks as u64, console: g.dir().join("console.sock"), qmp };
+    (g, c, disks)
+}
+
+/// One case: boot, write (`writer`: extra options of recwriter's `start`), snapshot (memory
+/// and disks; with `precopy` also a precopy one), memory-only snapshot, then check each.
+fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy: bool) {
+    let t0 = Instant::now();
+    let (mut g, c, disks) = boot_writer(machine, ndisks, fs, writer);
+    let qmp = c.qmp.clone();
     sleep(Duration::from_millis(1500));
 
-    // While the guest writes: memory and disks, then memory alone, then stop-and-copy.
+    // While the guest writes: memory and disks, then memory alone.
     let snap = json_ok(&c.lab.store, &["vm", "snapshot", "--qmp", &qmp, "full"]);
     let snap_disks = snap["disks"].as_array().unwrap_or_else(|| panic!("no disks in {snap}"));
     assert_eq!(snap_disks.len(), ndisks, "{snap}");
@@ -441,8 +456,6 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy:
     let stat = g.command("stat", T).unwrap();
     assert_eq!(field(&stat, "errno"), 0, "{stat}");
     let written = field(&stat, "done");
-    // stop-and-copy leaves the VM paused, so the disks stay as they were at its instant
-    json_ok(&c.lab.store, &["vm", "save", "--qmp", &qmp, "saved"]);
     g.kill().unwrap();
 
     // The memory-only snapshot on the original disks, which went on: the checker catches it.
@@ -454,14 +467,6 @@ fn snapshot_case(machine: Machine, ndisks: usize, fs: Fs, writer: &str, precopy:
         }
         other => panic!("memory-only snapshot on the current disks not caught: {other:?}"),
     }
-    quit(&r.qmp, r.qemu);
-
-    // The stop-and-copy save agrees with its disks (clones, or the original disks, which
-    // nothing wrote after it).
-    let r = c.restore_paused("saved");
-    let lasts = check_cut(&r.state, &c.read(&c.disks_of(&r, &disks)))
-        .unwrap_or_else(|e| panic!("saved: {e} ({:?})", r.state));
-    eprintln!("saved: memory {}/{}, disks at {lasts:?}", r.state.started, r.state.done);
     quit(&r.qmp, r.qemu);
 
     // The precopy snapshot, cut at the switchover: memory and its clones agree.
@@ -563,4 +568,32 @@ fn host_recwriter_records_pass_the_checker() {
     // one record fewer in memory than on disk: the disk is ahead
     let behind = WriterState::stopped(run, done - 1, 2, 64);
     assert!(matches!(check_cut(&behind, &disks), Err(CutMismatch::DiskAhead { .. })));
+}
+
+/// The other placements of the cut: `vm snapshot --cut-at-stop` (stop, cut, then migrate) and
+/// `vm save` (stop-and-copy: the VM stays paused); both restore to memory and disks that agree,
+/// and the saved writer goes on from its memory.
+#[test]
+fn cut_at_stop_and_stop_and_copy_save() {
+    let (mut g, c, disks) = boot_writer(Machine::Q35, 1, Fs::Direct, "");
+    let qmp = c.qmp.clone();
+    sleep(Duration::from_millis(1500));
+    let snap = json_ok(&c.lab.store, &["vm", "snapshot", "--cut-at-stop", "--qmp", &qmp, "atstop"]);
+    assert_eq!(snap["disks"].as_array().map(Vec::len), Some(1), "{snap}");
+    sleep(Duration::from_millis(500));
+    let saved = json_ok(&c.lab.store, &["vm", "save", "--qmp", &qmp, "saved"]);
+    assert_eq!(saved["disks"].as_array().map(Vec::len), Some(1), "{saved}");
+    g.kill().unwrap();
+    for name in ["atstop", "saved"] {
+        let r = c.restore_paused(name);
+        let now = c.disks_of(&r, &disks);
+        let lasts = check_cut(&r.state, &c.read(&now))
+            .unwrap_or_else(|e| panic!("{name}: {e} ({:?})", r.state));
+        eprintln!("{name}: memory {}/{}, disks at {lasts:?}", r.state.started, r.state.done);
+        if name == "saved" {
+            c.resume_and_check(r, &now);
+        } else {
+            quit(&r.qmp, r.qemu);
+        }
+    }
 }
