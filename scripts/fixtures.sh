@@ -5,8 +5,9 @@
 # Outputs (in OUTDIR, default $STRATA_FIXTURES or <repo>/target/fixtures):
 #   vmlinuz            Debian 12's kernel (the package linux-image-amd64 depends on)
 #   vmlinux            the same kernel uncompressed (ELF with a PVH entry): boots ~4 s faster
-#   initramfs.cpio.gz  busybox + /init + memwork + the virtio-blk/ext4 modules
+#   initramfs.cpio.gz  busybox + /init + memwork + recwriter + the virtio-blk/ext4 modules
 #   memwork            the memory agent (static binary, also inside the initramfs)
+#   recwriter          the disk record writer (static binary, also inside the initramfs)
 #   golden.img         raw ext4 "golden desktop" disk, boots with strata.mode=root
 #   bootset.txt        the golden disk's boot working set ("PATH SIZE" per line)
 #   manifest.txt       package versions, module load order, sizes and sha256 of the outputs
@@ -27,7 +28,7 @@ CACHE=${STRATA_FIXTURES_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/strata/fixtures}
 EPOCH=1700000000 # fixed timestamp of every file in the outputs
 UUID=5d1a7a00-0000-4000-8000-000000000001
 GOLDEN_MIB=384
-OUTPUTS="vmlinuz vmlinux initramfs.cpio.gz memwork golden.img bootset.txt manifest.txt"
+OUTPUTS="vmlinuz vmlinux initramfs.cpio.gz memwork recwriter golden.img bootset.txt manifest.txt"
 
 say() { printf 'fixtures: [%3ss] %s\n' "$SECONDS" "$*" >&2; }
 die() {
@@ -39,7 +40,7 @@ die() {
 
 # ---- the cache key: this script and the fixture sources it reads ------------------------
 # (an explicit list: other files in fixtures/, e.g. other tests' guests, do not force a rebuild)
-SOURCES="memwork.c initramfs-init.sh initramfs-modules.txt golden-init.sh golden-packages.txt bootset.txt"
+SOURCES="memwork.c recwriter.c initramfs-init.sh initramfs-modules.txt golden-init.sh golden-packages.txt bootset.txt"
 stamp_key() {
 	(
 		cd "$REPO"
@@ -231,7 +232,7 @@ while read -r name _; do
 	visit "$p"
 done <"$SRC/initramfs-modules.txt"
 say "initramfs modules: ${ORDER[*]##*/}"
-say "compiling memwork"
+say "compiling memwork and recwriter"
 
 # ---- memwork ----------------------------------------------------------------------------
 echo 'int main(void){return 0;}' >"$W/static-test.c"
@@ -240,6 +241,9 @@ gcc -static -o "$W/static-test" "$W/static-test.c" 2>/dev/null ||
 gcc -static -O2 -Wall -Wextra -Werror -pthread -o "$W/memwork" "$SRC/memwork.c" ||
 	die "cannot compile fixtures/memwork.c"
 strip "$W/memwork" 2>/dev/null || true
+gcc -static -O2 -Wall -Wextra -Werror -pthread -o "$W/recwriter" "$SRC/recwriter.c" ||
+	die "cannot compile fixtures/recwriter.c"
+strip "$W/recwriter" 2>/dev/null || true
 
 # ---- busybox (from the busybox-static package, like everything else) ----------------------
 bbdeb=$(fetch_deb busybox-static)
@@ -257,6 +261,7 @@ ln -s bin "$IR/sbin"
 cp "$BB" "$IR/bin/busybox"
 for a in $APPLETS; do ln -s busybox "$IR/bin/$a"; done
 cp "$W/memwork" "$IR/bin/memwork"
+cp "$W/recwriter" "$IR/bin/recwriter"
 install -m 0755 "$SRC/initramfs-init.sh" "$IR/init"
 : >"$IR/etc/strata/modules"
 for m in "${ORDER[@]}"; do
@@ -359,7 +364,7 @@ cp "$W/kernel/boot/vmlinuz-$KVER" "$W/vmlinuz"
 	echo "golden_image_mib $GOLDEN_MIB"
 	echo "bootset_files $BS_FILES"
 	echo "bootset_bytes $BS_BYTES"
-	for f in vmlinuz vmlinux initramfs.cpio.gz memwork golden.img bootset.txt; do
+	for f in vmlinuz vmlinux initramfs.cpio.gz memwork recwriter golden.img bootset.txt; do
 		echo "sha256 $f $(sha256sum "$W/$f" | cut -d' ' -f1) size $(stat -c %s "$W/$f")"
 	done
 } >"$W/manifest.txt"

@@ -20,6 +20,7 @@
 
 mod console;
 mod guest;
+pub mod records;
 
 pub use console::{classify_reply, reply_field, reply_fields, unescape_reply, LineSplitter, Reply};
 pub use guest::{Guest, GuestBuilder, GuestMode, Machine};
@@ -46,11 +47,12 @@ pub const ERROR_MARKER: &str = "STRATA-ERROR";
 pub const AGENT_EXIT_MARKER: &str = "STRATA-AGENT-EXIT";
 
 /// Files every fixture directory holds after a successful build.
-const OUTPUTS: [&str; 7] = [
+const OUTPUTS: [&str; 8] = [
     "vmlinuz",
     "vmlinux",
     "initramfs.cpio.gz",
     "memwork",
+    "recwriter",
     "golden.img",
     "bootset.txt",
     "manifest.txt",
@@ -217,6 +219,10 @@ impl Fixtures {
     /// The memory agent binary (also inside the initramfs).
     pub fn memwork(&self) -> PathBuf {
         self.dir.join("memwork")
+    }
+    /// The disk record writer binary (also inside the initramfs; see [`records`]).
+    pub fn recwriter(&self) -> PathBuf {
+        self.dir.join("recwriter")
     }
     /// `PATH SIZE` lines: the files the golden init reads at every boot.
     pub fn bootset(&self) -> PathBuf {
