@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The strata demo on the embedded default store (a local directory):
 # import the golden desktop image, provision desktops as O(metadata) full clones, show the
-# space they share, verify everything, delete the golden image and reclaim space, and prove
-# the clones are intact byte for byte.
+# space they share, verify everything, delete the golden image and reclaim space, prove the
+# clones are intact byte for byte, then serve a desktop, snapshot its memory and disk while
+# its guest writes, power-cut it and revert it, and show its memory and disk agree.
 #   STRATA_STORE  where the demo store goes (default: target/demo-store, recreated)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,38 +84,44 @@ echo "  desktop booted from the strata clone in $(( ($(date +%s%N) - t0) / 10000
 guest write /root/hello written-by-the-demo-guest >/dev/null
 guest sync >/dev/null
 
-step "Live-checkpoint the running desktop's memory (background snapshot; the guest keeps running)"
-# The checkpoint goes into the same store `strata serve` is serving the disk from: a second
-# strata process on the host works beside the daemon (with its own metadata cache).
-token="demo-$RANDOM$RANDOM"
-# A value that lives only in the guest's memory (a devtmpfs file), and the guest's boot id.
-guest sh "echo $token > /dev/strata-demo-token" >/dev/null
+step "Snapshot the running desktop, memory and disk, while its guest keeps writing"
+# A writer in the guest appends numbered records to /root/records on desk6 (each synced to
+# the disk), then notes the number in a file that lives only in guest memory (devtmpfs).
+guest sh "printf '%s\n' 'echo \$\$ > /dev/strata-loop.pid; n=0' 'while true; do n=\$((n+1)); echo \$n >> /root/records; sync; echo \$n > /dev/strata-counter; done' > /dev/strata-loop.sh" >/dev/null
+guest sh "setsid sh /dev/strata-loop.sh > /dev/null 2>&1 &" >/dev/null
+sleep 3
 boot_id=$(guest sh cat /proc/sys/kernel/random/boot_id | cut -d' ' -f2)
-uptime0=$(guest sh cat /proc/uptime | cut -d' ' -f2)
-echo "  in guest memory: token $token, boot id $boot_id; guest uptime $uptime0 s"
-strata vm checkpoint --qmp "$qmp" demo@1
-echo "  guest still running after the checkpoint: it answers, uptime now $(guest sh cat /proc/uptime | cut -d' ' -f2) s"
-guest sh "echo changed-after-the-checkpoint > /dev/strata-demo-token" >/dev/null
-echo "  token changed in the guest to: $(guest sh cat /dev/strata-demo-token | cut -d' ' -f2)"
+echo "  guest writing: record $(guest sh cat /dev/strata-counter | cut -d' ' -f2) done; boot id $boot_id"
+strata vm snapshot --qmp "$qmp" demo@1
+sleep 3
+echo "  guest still running and writing: record $(guest sh cat /dev/strata-counter | cut -d' ' -f2) done, past the snapshot"
 strata vm list
-strata vm inspect demo@1 | sed -n '1,12p'
+strata vm inspect demo@1 | grep -E "^Checkpoint|disk "
 
-step "Stop the desktop (power cut), then restore it from the checkpoint with its recorded command line"
-# Nothing was written to the disk after the checkpoint (the guest synced before it), so the
-# restored memory matches the disk.
+step "Power-cut the desktop, then revert it to the snapshot: memory and disk together"
 kill -KILL "$qemu_pid"; wait "$qemu_pid" 2>/dev/null || true
 qemu_pid=
 exec 3<&- 4>&-
-out=$(strata vm restore demo@1 --launch --run-dir target/demo-run --json)
+# --revert gives desk6 the snapshot's content (its current content is kept as a disk
+# snapshot) and starts QEMU from the recorded command line on it.
+out=$(strata vm restore demo@1 --launch --revert --run-dir target/demo-run --json)
 qemu_pid=$(printf '%s' "$out" | sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' | head -n1)
-echo "  restored QEMU pid $qemu_pid, resumed"
+echo "  restored QEMU pid $qemu_pid, resumed; desk6 reverted:"
+strata disk list | grep desk6 | sed 's/^/    /'
 exec 3<"$ser.out" 4>"$ser.in"
-got=$(guest sh cat /dev/strata-demo-token | cut -d' ' -f2)
+# The writer goes on from its in-memory count. Stop it and read the file back: with the disk
+# from the same instant as the memory, the records run 1, 2, 3, ... with no gap and no repeat
+# (a disk from after the snapshot would hold records the memory has not written yet, and the
+# resumed writer would write them again).
+guest sh 'kill $(cat /dev/strata-loop.pid)' >/dev/null
 got_boot=$(guest sh cat /proc/sys/kernel/random/boot_id | cut -d' ' -f2)
-echo "  restored guest's token: $got, boot id $got_boot"
-[ "$got" = "$token" ] && [ "$got_boot" = "$boot_id" ] ||
-  { echo "the restored guest is not the checkpointed one" >&2; exit 1; }
-echo "  the restored desktop is the one checkpointed: same in-memory token, same boot (no reboot)"
+verdict=$(guest sh 'sync; c=$(cat /dev/strata-counter); i=0; ok=yes; while read x; do i=$((i+1)); [ "$x" = "$i" ] || ok=no; done < /root/records; echo "records=$i counter=$c consecutive=$ok"' | cut -d' ' -f2-)
+echo "  restored guest: boot id $got_boot; $verdict"
+[ "$got_boot" = "$boot_id" ] || { echo "the restored guest is not the snapshotted one" >&2; exit 1; }
+case "$verdict" in
+  *consecutive=yes*) echo "  memory and disk agree: the writer's count and its records on desk6 line up" ;;
+  *) echo "memory and disk disagree: $verdict" >&2; exit 1 ;;
+esac
 guest poweroff >/dev/null
 for _ in $(seq 300); do kill -0 "$qemu_pid" 2>/dev/null || break; sleep 0.1; done
 kill "$qemu_pid" 2>/dev/null || true
@@ -123,7 +130,7 @@ exec 3<&- 4>&-
 rm -f "$ser.in" "$ser.out"
 kill -INT "$serve_pid"; wait "$serve_pid" || true
 serve_pid=
-echo "  guest wrote /root/hello on desk6 and powered off; strata flushed and compacted the disk"
+echo "  the guest powered off; strata flushed and compacted the disk"
 strata check
 
 step "Demo done"
