@@ -21,6 +21,10 @@
 //! stop-and-copy `vm save` (their own test). Both ways of being in flight occur at the
 //! instant: record `started` already on the disk, or not yet.
 //!
+//! Two more: kill -9 of the saver at points spread over a desktop snapshot, and of the serving
+//! daemon during one, never leave a snapshot listed but incomplete; `--revert` gives the
+//! original disk the snapshot's content and keeps its content before as a disk snapshot.
+//!
 //! Run: cargo test -p strata-cli --test guest_snapshot (builds target/fixtures on first use).
 
 use std::io::{BufRead, BufReader, Write};
@@ -596,4 +600,133 @@ fn cut_at_stop_and_stop_and_copy_save() {
             quit(&r.qmp, r.qemu);
         }
     }
+}
+
+/// The migration of the guest behind `qmp` is over (a killed saver leaves it failing).
+fn migration_idle(qmp: &str) {
+    let mut q = QmpClient::connect(Path::new(qmp)).unwrap();
+    let t = Instant::now();
+    loop {
+        let st = q.query_migrate().map(|m| m.status).unwrap_or_default();
+        if !matches!(st.as_str(), "setup" | "active" | "device" | "cancelling" | "pre-switchover") {
+            break;
+        }
+        let _ = q.migrate_cancel();
+        assert!(t.elapsed() < Duration::from_secs(60), "the migration does not end: {st}");
+        sleep(Duration::from_millis(50));
+    }
+    let status = q.query_status().unwrap();
+    if !status.running {
+        q.cont().unwrap();
+    }
+}
+
+/// kill -9 of `strata vm snapshot` at points spread over its run, then of the serving daemon
+/// during one: every snapshot is either listed whole (its manifest and disks readable, the
+/// store checks clean) or not at all, and the guest keeps running.
+#[test]
+fn kill_9_during_desktop_snapshots_leaves_each_whole_or_absent() {
+    let (mut g, mut c, _disks) = boot_writer(Machine::Pc, 1, Fs::Direct, "rate=500");
+    let qmp = c.qmp.clone();
+    sleep(Duration::from_millis(1000));
+    // How long one takes here, to spread the kills over it.
+    let t = Instant::now();
+    json_ok(&c.lab.store, &["vm", "snapshot", "--qmp", &qmp, "whole"]);
+    let full = t.elapsed();
+    let mut outcomes = (0, 0);
+    for i in 0..8u32 {
+        let name = format!("killed{i}");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("--store")
+            .arg(&c.lab.store)
+            .args(["vm", "snapshot", "--qmp", &qmp, &name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        sleep(full * (i + 1) / 8);
+        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        let _ = child.wait();
+        migration_idle(&qmp);
+        let list = json_ok(&c.lab.store, &["vm", "list"]);
+        let entry = list.as_array().unwrap().iter().find(|e| e["name"] == name.as_str()).cloned();
+        match entry {
+            Some(e) => {
+                assert!(e["error"].is_null(), "{name} listed but unreadable: {e}");
+                let i = json_ok(&c.lab.store, &["vm", "inspect", &name]);
+                assert_eq!(i["manifest"]["disks"].as_array().map(Vec::len), Some(1), "{i}");
+                outcomes.0 += 1;
+            }
+            None => outcomes.1 += 1,
+        }
+        let stat = g.command("stat", T).unwrap();
+        assert_eq!(field(&stat, "writing"), 1, "the writer stopped after kill {i}: {stat}");
+    }
+    eprintln!("kill -9 of the saver: {} snapshots whole, {} absent", outcomes.0, outcomes.1);
+    // The daemon dies while a snapshot waits for its disks: the snapshot fails, nothing shows.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--store")
+        .arg(&c.lab.store)
+        .args(["vm", "snapshot", "--qmp", &qmp, "daemon-killed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    sleep(full / 3);
+    c.lab.serve.kill().unwrap();
+    let _ = c.lab.serve.wait();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        eprintln!("the snapshot finished before the daemon died");
+    } else {
+        assert!(err.contains("strata:"), "no clear error: {err}");
+        let list = json_ok(&c.lab.store, &["vm", "list"]);
+        assert!(
+            !list.as_array().unwrap().iter().any(|e| e["name"] == "daemon-killed"),
+            "a failed snapshot is listed: {list}"
+        );
+    }
+    migration_idle(&qmp);
+    g.kill().unwrap();
+    let chk = json_ok(&c.lab.store, &["check"]);
+    assert!(chk["problems"].as_array().is_some_and(|p| p.is_empty()), "{chk}");
+}
+
+/// `vm restore --revert`: the original disk gets the snapshot's content (memory and disk
+/// agree), and its content before is kept as a disk snapshot holding the newer records.
+#[test]
+fn revert_gives_the_original_disk_the_snapshot_and_keeps_what_it_had() {
+    let (mut g, c, disks) = boot_writer(Machine::Pc, 1, Fs::Direct, "rate=300");
+    let qmp = c.qmp.clone();
+    sleep(Duration::from_millis(1500));
+    json_ok(&c.lab.store, &["vm", "snapshot", "--qmp", &qmp, "rev"]);
+    sleep(Duration::from_millis(1500));
+    g.kill().unwrap();
+    let before = c.read(&disks)[0].last();
+    let rd = c.lab.dir.path().join("run-rev");
+    let json = json_ok(
+        &c.lab.store,
+        &[
+            "vm",
+            "restore",
+            "rev",
+            "--launch",
+            "--paused",
+            "--revert",
+            "--run-dir",
+            rd.to_str().unwrap(),
+        ],
+    );
+    let qemu = Proc(json["pid"].as_u64().unwrap() as u32);
+    let qmp2 = PathBuf::from(json["qmp"].as_str().unwrap());
+    let kept = json["disks"][0]["kept_as"].as_str().unwrap_or_else(|| panic!("{json}")).to_string();
+    assert_eq!(json["disks"][0]["now"], disks[0].as_str(), "{json}");
+    let state = memory_state(&qmp2, &c.lab.dir.path().join("rev.dump"), c.run);
+    check_cut(&state, &c.read(&disks)).unwrap_or_else(|e| panic!("reverted disk: {e} ({state:?})"));
+    let kept_last = c.lab.records(&kept, 0, Fs::Direct, c.run).last();
+    assert_eq!(kept_last, before, "{kept} does not hold what {} had", disks[0]);
+    assert!(kept_last > state.started, "the kept content is not newer than the snapshot");
+    let r = Restored { json, qmp: qmp2, qemu, state };
+    c.resume_and_check(r, &disks);
 }
