@@ -93,7 +93,7 @@ pub fn plan(local_dir: &Path, qmp: &mut QmpClient, allow_foreign: bool) -> Resul
                 disks::nbd_uri("NAME", o)
             )),
             (Some(_), None) => Err(format!(
-                "is an NBD disk ({}) but no strata serve runs for this store: start `strata serve` (it must serve the desktop's disks), or pass --memory-only",
+                "is an NBD disk ({}) but no strata serve runs for this store (start `strata serve`: it must serve the desktop's disks)",
                 d.file
             )),
             (None, _) => Err(format!("is not a strata disk ({})", d.file)),
