@@ -170,14 +170,17 @@ pub fn bench_snapshot(o: &SnapshotOpts) -> Result<()> {
     }
     let mut serve = Serve::start(&strata, &store_dir)?;
     let mut rounds: Vec<Round> = Vec::new();
+    let mut activity: Vec<Value> = Vec::new();
     for &mem in &o.sizes {
         let lab = Lab { fx: &fx, dir, image: &image, strata: &strata, store: &store_dir };
-        rounds.extend(bench_size(&lab, &serve, mem, o, has_snapshot)?);
+        let (r, a) = bench_size(&lab, &serve, mem, o, has_snapshot)?;
+        rounds.extend(r);
+        activity.extend(a);
     }
     serve.stop()?;
     let (summaries, ratios) = summarise(&rounds, &o.sizes);
     print_summary(&summaries, &ratios);
-    write_results(o, has_snapshot, &rounds, &summaries, &ratios)
+    write_results(o, has_snapshot, &rounds, &activity, &summaries, &ratios)
 }
 
 /// The golden disk with memwork written into it (`/memwork`), so the root-mode guest can hold
@@ -376,7 +379,7 @@ fn bench_size(
     mem: u32,
     o: &SnapshotOpts,
     has_snapshot: bool,
-) -> Result<Vec<Round>> {
+) -> Result<(Vec<Round>, Vec<Value>)> {
     eprintln!("bench snapshot: {mem} MiB guests, {} rounds", o.rounds);
     let export = format!("vm{mem}");
     let nbd =
@@ -417,11 +420,20 @@ fn bench_size(
             out.push(r);
         }
     }
-    for g in [&mut sg, &mut lg] {
+    // The guests really worked through the rounds: memwork's rewrites and the writer's file.
+    let mut activity = Vec::new();
+    for (g, guest) in [(&mut sg, "strata"), (&mut lg, "libvirt-style")] {
         g.set_running(true)?;
-        let _ = g.memwork("dirty stop", Duration::from_secs(60));
+        let stop = g.memwork("dirty stop", Duration::from_secs(60))?;
+        let dirtied: u64 = strata::fixtures::reply_field(stop.trim_start_matches("OK "), "written")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let written = g.g.command("sh wc -c </root/bench-writes", Duration::from_secs(60))?;
+        ensure!(dirtied > 0, "memwork in the {guest} guest dirtied no page during the rounds");
+        activity.push(json!({"size_mib": mem, "guest": guest, "pages_dirtied": dirtied,
+            "disk_writer_file_bytes": written.trim().parse::<u64>().unwrap_or(0)}));
     }
-    Ok(out)
+    Ok((out, activity))
 }
 
 /// `strata vm snapshot` (desktop or `--memory-only`), or `vm checkpoint` for memory-only on a
@@ -454,6 +466,11 @@ fn run_strata(
     let rep: Value = serde_json::from_slice(&out.stdout)
         .with_context(|| format!("strata printed no JSON report for {name}"))?;
     let pause_ms = g.pause_ms()?;
+    let disks = rep.get("disks").and_then(Value::as_array).map(Vec::len);
+    ensure!(
+        v != Variant::Desktop || disks.unwrap_or(0) >= 1,
+        "the desktop snapshot {name} reports no disk cut: is the guest's disk a strata disk?"
+    );
     let field = |k: &str| {
         rep.get(k)
             .or_else(|| rep.get("save").and_then(|s| s.get(k)))
@@ -469,7 +486,7 @@ fn run_strata(
         reported_pause_ms: field("pause_ms"),
         reported_total_ms: field("total_ms"),
         cut_ms: field("cut_ms"),
-        disks: rep.get("disks").and_then(Value::as_array).map(Vec::len),
+        disks,
         memory_file_bytes: None,
     })
 }
@@ -601,6 +618,7 @@ fn write_results(
     o: &SnapshotOpts,
     has_snapshot: bool,
     rounds: &[Round],
+    activity: &[Value],
     sums: &[Summary],
     ratios: &[Ratio],
 ) -> Result<()> {
@@ -639,6 +657,7 @@ fn write_results(
         "env": env_json(),
         "summary": sums,
         "ratios": ratios,
+        "guest_activity": activity,
         "rounds": rounds,
     });
     write_outputs(&o.out, "snapshot", csv, &json, chart(sums))
