@@ -7,6 +7,7 @@
 
 mod boot_cmd;
 mod control;
+mod desktop;
 mod disk_cmd;
 mod inspect;
 mod serve;
@@ -177,10 +178,7 @@ fn run(cli: Cli) -> Result<()> {
             let refs = s.list_refs(prefix)?;
             ui::emit(cli.json, &refs, || refs.join("\n"));
         }
-        Cmd::Disk { cmd } => {
-            let h = open_host(&cli, false)?;
-            disk_cmd::run(&h.store, cmd, cli.json)?;
-        }
+        Cmd::Disk { cmd } => disk_cmd::run(&cli, cmd)?,
         Cmd::Serve {
             socket,
             tcp,

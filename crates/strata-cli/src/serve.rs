@@ -59,7 +59,7 @@ pub fn serve(
         }
     };
     let handle = server.with_config(nbd).serve(exports.clone())?;
-    let control = control::Control::start(s.clone())?;
+    let control = control::Control::start(exports.clone(), handle.addr())?;
     let disks: Vec<String> = strata::disk::list(&s)?.into_iter().map(|d| d.name).collect();
     ui::emit(cli.json, &serde_json::json!({"uri": handle.uri(""), "exports": disks}), || {
         format!(

@@ -143,7 +143,9 @@ pub fn du(cli: &Cli) -> Result<()> {
 pub fn gc(cli: &Cli) -> Result<()> {
     // A running `strata serve` keeps the store open, so it runs the GC itself.
     let local = store_location(&cli.store).join(".meta");
-    let r = match control::request(&local, "gc")? {
+    let gc = control::request(&local, &serde_json::json!({"op": "gc"}))
+        .context("The serving daemon could not run the GC")?;
+    let r = match gc {
         Some(r) => r,
         None => {
             let s = open(cli)?;

@@ -16,32 +16,39 @@ use strata::memory::delta::BasePolicy;
 use strata::memory::launch::{restore_launch, LaunchOptions};
 use strata::memory::manifest::Mode;
 use strata::memory::restore::{restore, RestoreOptions, RestoreReport};
-use strata::memory::save::{save, SaveOptions, SaveReport};
+use strata::memory::save::{save, save_desktop, SaveOptions, SaveReport};
 use strata::qmp::QmpClient;
 
-use crate::ui;
+use crate::{desktop, ui};
 
 #[derive(Subcommand)]
 pub enum VmCmd {
-    /// Stop-and-copy: pause the VM, store its memory, leave it paused (like `virsh save`).
+    /// Stop-and-copy: pause the VM, store its memory and its strata disks, leave it paused
+    /// (like `virsh save`).
     Save {
         /// QMP socket of the running QEMU (-qmp unix:PATH,server=on,wait=off).
         #[arg(long)]
         qmp: PathBuf,
-        /// Checkpoint name (letters, digits, '._@=+-', '/' separators).
+        /// Snapshot name (letters, digits, '._@=+-', '/' separators).
         name: String,
+        #[command(flatten)]
+        disks: DiskArgs,
         #[command(flatten)]
         opts: SaveArgs,
     },
-    /// Live checkpoint; the VM keeps running. Default: background-snapshot (the state at the
-    /// start, a pause of milliseconds). --precopy: precopy then `cont` (the state at switchover).
-    Checkpoint {
+    /// Desktop snapshot of a running VM: its memory and every strata disk it has attached, at
+    /// one guest instant; the VM keeps running. Default: background-snapshot (the state at the
+    /// start, a pause of milliseconds). --precopy: precopy, the disks cut at switchover.
+    #[command(alias = "checkpoint")]
+    Snapshot {
         #[arg(long)]
         qmp: PathBuf,
         name: String,
         /// Precopy + cont instead of background-snapshot.
         #[arg(long)]
         precopy: bool,
+        #[command(flatten)]
+        disks: DiskArgs,
         #[command(flatten)]
         opts: SaveArgs,
     },
@@ -50,7 +57,7 @@ pub enum VmCmd {
     Restore {
         name: String,
         /// QMP socket of a QEMU started with -incoming defer (add -S to keep it paused).
-        #[arg(long, required_unless_present = "launch", conflicts_with = "launch")]
+        #[arg(long, required_unless_present_any = ["launch", "disks_only"], conflicts_with = "launch")]
         qmp: Option<PathBuf>,
         /// Start QEMU with the recorded command line plus -incoming defer -S, load, resume.
         #[arg(long)]
@@ -68,8 +75,25 @@ pub enum VmCmd {
         /// Reading/verifying threads (default: all cores).
         #[arg(long)]
         workers: Option<usize>,
+        /// A desktop snapshot's disks: give the original disks the snapshot's content instead
+        /// of starting on clones of them (their current content is kept as a disk snapshot).
+        #[arg(long)]
+        revert: bool,
+        /// With --revert: do not keep the disks' current content.
+        #[arg(long, requires = "revert")]
+        discard_current: bool,
+        /// With --revert: disconnect the NBD clients of the disks (a VM still running on them).
+        #[arg(long, requires = "revert")]
+        force: bool,
+        /// Only make the disks (clones, or --revert) and print the command line that uses
+        /// them; start no QEMU.
+        #[arg(long, conflicts_with_all = ["qmp", "launch"])]
+        disks_only: bool,
+        /// Restore the memory only; the command line keeps the disks it recorded.
+        #[arg(long, conflicts_with_all = ["revert", "disks_only"])]
+        memory_only: bool,
     },
-    /// List checkpoints.
+    /// List snapshots.
     List,
     /// Remove a checkpoint (space is reclaimed by `strata gc`; pages other checkpoints use stay).
     Rm { name: String },
@@ -80,6 +104,18 @@ pub enum VmCmd {
         #[arg(long)]
         sharing: bool,
     },
+}
+
+/// Which disks a snapshot takes with the memory.
+#[derive(Args)]
+pub struct DiskArgs {
+    /// Memory only: leave the VM's disks out.
+    #[arg(long)]
+    memory_only: bool,
+    /// Leave out writable disks that are not strata disks of this store (with a warning)
+    /// instead of refusing the snapshot.
+    #[arg(long)]
+    allow_foreign_disks: bool,
 }
 
 #[derive(Args)]
@@ -311,6 +347,162 @@ fn inspect_text(i: &catalog::Inspection) -> String {
     out
 }
 
+/// `vm save` and `vm snapshot`: the memory, and the VM's strata disks unless `--memory-only`.
+fn snapshot(
+    store: strata::Store,
+    qmp: &Path,
+    name: &str,
+    mode: Mode,
+    disks: &DiskArgs,
+    opts: &SaveArgs,
+    json: bool,
+) -> Result<()> {
+    let o = opts.options(mode)?;
+    let mut q = connect(qmp)?;
+    let plan = if disks.memory_only {
+        None
+    } else {
+        Some(desktop::plan(store.local_dir(), &mut q, disks.allow_foreign_disks)?)
+    };
+    for w in plan.iter().flat_map(|p| &p.warnings) {
+        eprintln!("warning: {w}");
+    }
+    let bar = crate::ui::bar(json).with_pages();
+    let (r, cut_ms) = match plan.filter(|p| !p.disks.is_empty()) {
+        Some(p) => {
+            let mut cut = desktop::DaemonCut::new(store.local_dir(), &p);
+            let r = save_desktop(&store, &mut q, name, &o, &mut cut, &bar)?;
+            (r, cut.cut_ms)
+        }
+        None => (save(&store, &mut q, name, &o, &bar)?, None),
+    };
+    drop(bar);
+    let recorded =
+        catalog::inspect(&store, name, false).map(|i| i.manifest.disks).unwrap_or_default();
+    let mut v = serde_json::to_value(&r)?;
+    v["disks"] = serde_json::to_value(&recorded)?;
+    v["cut_ms"] = serde_json::json!(cut_ms);
+    ui::emit(json, &v, || {
+        let mut t = save_text(&r);
+        for d in &recorded {
+            t += &format!(
+                "\n  disk {} ({}): {} of {} allocated, cut with the memory",
+                d.device,
+                d.disk,
+                ui::human(d.allocated * d.block_size as u64),
+                ui::human(d.size)
+            );
+        }
+        if let Some(c) = cut_ms {
+            t += &format!("\n  disks cut in {} inside the guest's pause", secs(c));
+        }
+        t
+    });
+    store.close()?;
+    Ok(())
+}
+
+/// `vm restore`: memory into a QEMU (`--qmp`) or a QEMU started from the recorded command
+/// line (`--launch`); a desktop snapshot's disks become clones, or are reverted.
+fn restore_cmd(store: &strata::Store, cmd: &VmCmd, json: bool) -> Result<()> {
+    let VmCmd::Restore {
+        name,
+        qmp,
+        launch,
+        paused,
+        run_dir: rd,
+        qemu,
+        workers,
+        revert,
+        discard_current,
+        force,
+        disks_only,
+        memory_only,
+    } = cmd
+    else {
+        unreachable!("restore_cmd takes vm restore")
+    };
+    let ckpt = strata::memory::restore::load_checkpoint(store, name)?;
+    let has_disks = !ckpt.manifest.disks.is_empty() && !memory_only;
+    if !has_disks && *disks_only {
+        anyhow::bail!("Snapshot '{name}' has no disks: there is nothing for --disks-only to make");
+    }
+    if has_disks && qmp.is_some() {
+        anyhow::bail!(
+            "Snapshot '{name}' has {} disk(s): restore it with --launch (strata starts QEMU on the right disks), or make the disks with --disks-only and start QEMU on them yourself with -incoming defer, or pass --memory-only",
+            ckpt.manifest.disks.len()
+        );
+    }
+    let prepared = if has_disks {
+        let mode = if *revert {
+            desktop::DiskMode::Revert { discard_current: *discard_current, force: *force }
+        } else {
+            desktop::DiskMode::Clone
+        };
+        Some(desktop::prepare(store, &ckpt, mode)?)
+    } else {
+        None
+    };
+    let disks_text = |p: &[desktop::Prepared]| {
+        p.iter()
+            .map(|d| match &d.kept_as {
+                Some(k) => format!(
+                    "\n  disk {}: '{}' reverted (its content before is '{k}')",
+                    d.device, d.now
+                ),
+                None if d.now == d.disk => format!("\n  disk {}: '{}' reverted", d.device, d.now),
+                None => format!("\n  disk {}: clone '{}' of '{}'", d.device, d.now, d.disk),
+            })
+            .collect::<String>()
+    };
+    if *disks_only {
+        let (p, line) = prepared.expect("disks made above");
+        let v = serde_json::json!({"disks": p, "cmdline": line});
+        ui::emit(json, &v, || {
+            format!("Disks of '{name}':{}\nCommand line: {}", disks_text(&p), line.join(" "))
+        });
+        return Ok(());
+    }
+    let mut ro = RestoreOptions { resume: !paused, ..Default::default() };
+    if let Some(w) = workers {
+        ro.workers = (*w).max(1);
+    }
+    let bar = crate::ui::bar(json).with_pages();
+    if *launch {
+        let mut lo = LaunchOptions::new(run_dir(rd));
+        lo.program = qemu.clone();
+        lo.restore = ro;
+        lo.cmdline = prepared.as_ref().map(|(_, line)| line.clone());
+        let l = restore_launch(store, name, &lo, &bar)?;
+        drop(bar);
+        let mut q = connect(&l.qmp_path)?;
+        let status = q.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
+        let disks = prepared.as_ref().map(|(p, _)| p.clone()).unwrap_or_default();
+        let v = serde_json::json!({
+            "restore": l.report, "pid": l.child.id(), "qmp": l.qmp_path, "log": l.log_path,
+            "program": l.program, "args": l.args, "vm_status": status, "disks": disks,
+        });
+        ui::emit(json, &v, || {
+            format!(
+                "{}\nLaunched QEMU pid {} ({}), QMP {}, log {}{}",
+                restore_text(&l.report),
+                l.child.id(),
+                status,
+                l.qmp_path.display(),
+                l.log_path.display(),
+                disks_text(&disks)
+            )
+        });
+    } else {
+        let sock = qmp.as_ref().expect("clap requires --qmp without --launch");
+        let mut q = connect(sock)?;
+        let r = restore(store, name, &mut q, &ro, &bar)?;
+        drop(bar);
+        ui::emit(json, &r, || restore_text(&r));
+    }
+    Ok(())
+}
+
 pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
     let open = || {
         strata::host::open(store_path, &Default::default())
@@ -318,59 +510,14 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
             .with_context(|| format!("Cannot open store at {}", store_path.display()))
     };
     match cmd {
-        VmCmd::Save { qmp, name, opts } | VmCmd::Checkpoint { qmp, name, opts, precopy: _ } => {
-            let mode = match cmd {
-                VmCmd::Save { .. } => Mode::Save,
-                VmCmd::Checkpoint { precopy: true, .. } => Mode::Precopy,
-                _ => Mode::BackgroundSnapshot,
-            };
-            let o = opts.options(mode)?;
-            let store = open()?;
-            let mut q = connect(qmp)?;
-            let bar = crate::ui::bar(json).with_pages();
-            let r = save(&store, &mut q, name, &o, &bar)?;
-            drop(bar);
-            ui::emit(json, &r, || save_text(&r));
-            store.close()?;
+        VmCmd::Save { qmp, name, disks, opts } => {
+            snapshot(open()?, qmp, name, Mode::Save, disks, opts, json)?
         }
-        VmCmd::Restore { name, qmp, launch, paused, run_dir: rd, qemu, workers } => {
-            let store = open()?;
-            let mut ro = RestoreOptions { resume: !paused, ..Default::default() };
-            if let Some(w) = workers {
-                ro.workers = (*w).max(1);
-            }
-            let bar = crate::ui::bar(json).with_pages();
-            if *launch {
-                let mut lo = LaunchOptions::new(run_dir(rd));
-                lo.program = qemu.clone();
-                lo.restore = ro;
-                let l = restore_launch(&store, name, &lo, &bar)?;
-                drop(bar);
-                let mut q = connect(&l.qmp_path)?;
-                let status =
-                    q.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
-                let v = serde_json::json!({
-                    "restore": l.report, "pid": l.child.id(), "qmp": l.qmp_path, "log": l.log_path,
-                    "program": l.program, "args": l.args, "vm_status": status,
-                });
-                ui::emit(json, &v, || {
-                    format!(
-                        "{}\nLaunched QEMU pid {} ({}), QMP {}, log {}",
-                        restore_text(&l.report),
-                        l.child.id(),
-                        status,
-                        l.qmp_path.display(),
-                        l.log_path.display()
-                    )
-                });
-            } else {
-                let sock = qmp.as_ref().expect("clap requires --qmp without --launch");
-                let mut q = connect(sock)?;
-                let r = restore(&store, name, &mut q, &ro, &bar)?;
-                drop(bar);
-                ui::emit(json, &r, || restore_text(&r));
-            }
+        VmCmd::Snapshot { qmp, name, precopy, disks, opts } => {
+            let mode = if *precopy { Mode::Precopy } else { Mode::BackgroundSnapshot };
+            snapshot(open()?, qmp, name, mode, disks, opts, json)?
         }
+        VmCmd::Restore { .. } => restore_cmd(&open()?, cmd, json)?,
         VmCmd::List => {
             let store = open()?;
             let l = catalog::list(&store)?;
@@ -378,9 +525,16 @@ pub fn run(store_path: &Path, json: bool, cmd: &VmCmd) -> Result<()> {
         }
         VmCmd::Rm { name } => {
             let store = open()?;
+            let disks =
+                catalog::inspect(&store, name, false).map(|i| i.manifest.disks.len()).unwrap_or(0);
             catalog::remove(&store, name)?;
-            ui::emit(json, &serde_json::json!({"removed": name}), || {
-                format!("Removed checkpoint '{name}' (run `strata gc` to reclaim space)")
+            ui::emit(json, &serde_json::json!({"removed": name, "disks": disks}), || {
+                let with = if disks > 0 {
+                    format!(" with its {disks} disk snapshot(s)")
+                } else {
+                    String::new()
+                };
+                format!("Removed snapshot '{name}'{with} (run `strata gc` to reclaim space)")
             });
         }
         VmCmd::Inspect { name, sharing } => {

@@ -105,7 +105,8 @@ impl Cut {
     }
 
     /// Store the blocks the cut's overlays touch and write its block map (see the module
-    /// comment). The chunks are `ses`'s until a ref names the root.
+    /// comment). The chunks are durable when it returns, and `ses`'s (safe from this
+    /// process's GC) until a ref names the root.
     pub fn fold(&self, ses: &Session) -> Result<Folded> {
         let bs = self.meta.block_size as u64;
         let maps: Vec<&ExtentMap> = self.layers.iter().map(|l| &**l).collect();
@@ -127,6 +128,8 @@ impl Cut {
             blocks[b as usize] = id;
         }
         let root = map::write_map(ses, &blocks)?;
+        // Durable before anyone names it: the caller may commit the ref from another process.
+        self.store.flush()?;
         let mut meta = self.meta.clone();
         meta.log_folded = None;
         meta.allocated = Some(blocks.iter().filter(|b| !b.is_zero()).count() as u64);

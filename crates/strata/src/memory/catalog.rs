@@ -27,6 +27,8 @@ pub struct CheckpointSummary {
     /// Bytes the save added to the store (after dedup and compression).
     pub stored_bytes: u64,
     pub codec: String,
+    /// Disks taken with the memory (a desktop snapshot).
+    pub disks: Vec<String>,
     /// Set when the ref is not a readable checkpoint.
     pub error: Option<String>,
 }
@@ -49,6 +51,7 @@ pub fn list(store: &Store) -> Result<Vec<CheckpointSummary>, MemError> {
                     ram_bytes: m.stats.logical_bytes,
                     stored_bytes: m.stats.stored_bytes,
                     codec: m.codec.chosen.clone(),
+                    disks: m.disks.iter().map(|d| d.disk.clone()).collect(),
                     error: None,
                 })
             }
@@ -61,6 +64,7 @@ pub fn list(store: &Store) -> Result<Vec<CheckpointSummary>, MemError> {
                 ram_bytes: 0,
                 stored_bytes: 0,
                 codec: String::new(),
+                disks: Vec::new(),
                 error: Some(format!("{e}")),
             }),
         }

@@ -16,6 +16,9 @@ use crate::store::StoreError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemError {
+    #[error("Desktop snapshot '{name}': the disks could not be snapshotted ({reason}); the guest was resumed and nothing was saved")]
+    DiskCut { name: String, reason: String },
+
     #[error("Invalid checkpoint name '{name}': use 1-200 of letters, digits, '._@=+-' with '/' separators")]
     BadName { name: String },
 

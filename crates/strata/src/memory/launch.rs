@@ -116,6 +116,9 @@ pub struct LaunchOptions {
     /// How long QEMU may take to open its QMP socket.
     pub start_timeout: Duration,
     pub restore: RestoreOptions,
+    /// Launch this command line instead of the recorded one (a desktop snapshot's, with its
+    /// disks pointed at their clones: `disks::rewrite_cmdline`).
+    pub cmdline: Option<Vec<String>>,
 }
 
 impl LaunchOptions {
@@ -125,6 +128,7 @@ impl LaunchOptions {
             program: None,
             start_timeout: Duration::from_secs(30),
             restore: RestoreOptions::default(),
+            cmdline: None,
         }
     }
 }
@@ -175,7 +179,8 @@ pub fn restore_launch(
         });
     }
     let _ = fs::remove_file(&qmp_path);
-    let (recorded, args) = launch_args(&ckpt.manifest.qemu.cmdline, &qmp_path)
+    let cmdline = opts.cmdline.as_ref().unwrap_or(&ckpt.manifest.qemu.cmdline);
+    let (recorded, args) = launch_args(cmdline, &qmp_path)
         .map_err(|e| MemError::Launch { name: name.into(), why: e.to_string() })?;
     let program = opts.program.clone().unwrap_or(recorded);
     let log = fs::File::create(&log_path).map_err(|source| MemError::Io {

@@ -34,8 +34,13 @@ pub(crate) const FORMAT: &str = "strata-vm-checkpoint";
 /// entries naming a data chunk of [`RUN_PAGES`] pages, below); a save that made none still
 /// writes 2, so older readers keep reading it. Version 4 added slot tables: a page map leaf
 /// may name, for some of its entries, which slot of a run chunk the page is ([`SlotTable`]);
-/// a save whose maps have none writes 3 (or 2).
-pub(crate) const VERSION: u32 = 4;
+/// a save whose maps have none writes 3 (or 2). Version 5 added the disks of a desktop
+/// snapshot (`disks`, one extra ref root each); a snapshot without disks writes 4 or less.
+pub(crate) const VERSION: u32 = 5;
+/// Version a save with slot tables (and no disks) writes.
+pub(crate) const VERSION_SLOTS: u32 = 4;
+/// Version a desktop snapshot (memory and disks) writes.
+pub(crate) const VERSION_DISKS: u32 = 5;
 /// Version a save with run chunks but no slot table writes.
 pub(crate) const VERSION_RUNS: u32 = 3;
 /// Version a save without run chunks writes.
@@ -119,6 +124,8 @@ pub(crate) const MAX_MANIFEST: usize = 1 << 20;
 pub(crate) const TAIL_CHUNK: usize = 64 << 10;
 /// Magic at the start of the tail tree's payload.
 pub(crate) const TAIL_MAGIC: &[u8; 4] = b"SVMT";
+/// Most disks in a desktop snapshot.
+pub(crate) const MAX_DISKS: usize = 64;
 /// Largest tail accepted (QEMU 7.2 x86 tails are 100–400 KB).
 pub(crate) const MAX_TAIL: u64 = 64 << 20;
 
@@ -136,7 +143,7 @@ pub enum ManifestError {
     #[error("Checkpoint manifest of {len} bytes exceeds the {MAX_MANIFEST}-byte cap")]
     TooLarge { len: usize },
     #[error(
-        "Checkpoint ref has {found} roots, its manifest needs {expected} (1 tail + 1 per ramblock)"
+        "Checkpoint ref has {found} roots, its manifest needs {expected} (1 tail + 1 per ramblock + 1 per disk)"
     )]
     Roots { found: usize, expected: usize },
     #[error("Tail tree is malformed: {why}")]
@@ -341,6 +348,29 @@ pub struct Manifest {
     /// Present when the save had a base checkpoint (version 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<DeltaMeta>,
+    /// The VM's strata disks, cut at the instant of the memory (a desktop snapshot, version
+    /// 5); disk `i`'s block map is root `1 + blocks + i` of the ref.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskRecord>,
+}
+
+/// One disk of a desktop snapshot: which VM device it was, which strata disk, and the
+/// geometry of its content at the snapshot's instant (the content is the ref root).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DiskRecord {
+    /// QEMU's name of the device: the `-drive` id, else the qdev path of a `-blockdev`.
+    pub device: String,
+    /// The strata disk (the NBD export name) the device had attached.
+    pub disk: String,
+    /// The NBD URI QEMU reported for it (rewritten on restore).
+    pub uri: String,
+    pub size: u64,
+    pub block_size: u32,
+    /// Allocated (non-hole) blocks.
+    pub allocated: u64,
+    /// The disk's parent image when the snapshot was taken, if it was a linked clone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 /// Ref name of checkpoint `name`.
@@ -441,6 +471,27 @@ impl Manifest {
                 return bad("delta.records", "more records than delta pages".into());
             }
         }
+        if !self.disks.is_empty() && self.version < VERSION_DISKS {
+            return bad("disks", format!("disks need manifest version {VERSION_DISKS}"));
+        }
+        if self.disks.len() > MAX_DISKS {
+            return bad("disks", format!("{} disks (at most {MAX_DISKS})", self.disks.len()));
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            if d.disk.is_empty() || d.disk.len() > 200 || d.device.len() > 255 || d.uri.len() > 4096
+            {
+                return bad("disks", format!("disk {i} has a bad name, device or URI"));
+            }
+            if d.block_size == 0
+                || d.size == 0
+                || d.allocated > d.size.div_ceil(d.block_size as u64)
+            {
+                return bad("disks", format!("disk '{}' has a bad geometry", d.disk));
+            }
+            if self.disks[..i].iter().any(|o| o.device == d.device) {
+                return bad("disks.device", format!("device '{}' listed twice", d.device));
+            }
+        }
         if self.stream.file_version != 3 {
             return bad("stream.file_version", format!("{} (only 3)", self.stream.file_version));
         }
@@ -476,6 +527,8 @@ pub struct Checkpoint {
     pub manifest: Manifest,
     pub tail_root: ChunkId,
     pub map_roots: Vec<ChunkId>,
+    /// Block map of each of `manifest.disks`, in order.
+    pub disk_roots: Vec<ChunkId>,
     pub generation: u64,
 }
 
@@ -483,13 +536,15 @@ impl Checkpoint {
     /// Interpret a ref as a checkpoint.
     pub fn from_ref(r: &Ref) -> Result<Checkpoint, ManifestError> {
         let manifest = parse_manifest(&r.payload)?;
-        let expected = 1 + manifest.blocks.len();
+        let blocks = manifest.blocks.len();
+        let expected = 1 + blocks + manifest.disks.len();
         if r.roots.len() != expected {
             return Err(ManifestError::Roots { found: r.roots.len(), expected });
         }
         Ok(Checkpoint {
             tail_root: r.roots[0],
-            map_roots: r.roots[1..].to_vec(),
+            map_roots: r.roots[1..1 + blocks].to_vec(),
+            disk_roots: r.roots[1 + blocks..].to_vec(),
             manifest,
             generation: r.generation,
         })
@@ -497,9 +552,10 @@ impl Checkpoint {
 
     /// The ref to commit.
     pub fn to_ref(&self) -> Ref {
-        let mut roots = Vec::with_capacity(1 + self.map_roots.len());
+        let mut roots = Vec::with_capacity(1 + self.map_roots.len() + self.disk_roots.len());
         roots.push(self.tail_root);
         roots.extend_from_slice(&self.map_roots);
+        roots.extend_from_slice(&self.disk_roots);
         Ref::new(roots, self.manifest.encode())
     }
 }
@@ -587,6 +643,7 @@ mod tests {
             },
             stats: SaveStats::default(),
             delta: None,
+            disks: Vec::new(),
         }
     }
 
@@ -620,11 +677,13 @@ mod tests {
         let m = sample();
         let v: serde_json::Value = serde_json::from_slice(&m.encode()).unwrap();
         assert_eq!(v["format"], "strata-vm-checkpoint");
-        assert_eq!(v["version"], 4);
+        assert_eq!(v["version"], 5);
         assert_eq!(
-            (VERSION, VERSION_RUNS, VERSION_NO_RUNS, RUN_PAGES, RUN_BYTES),
-            (4, 3, 2, 32, 131_072)
+            (VERSION, VERSION_DISKS, VERSION_SLOTS, VERSION_RUNS, VERSION_NO_RUNS),
+            (5, 5, 4, 3, 2)
         );
+        assert_eq!((RUN_PAGES, RUN_BYTES, MAX_DISKS), (32, 131_072, 64));
+        assert!(v.get("disks").is_none(), "no disks field without disks");
         assert!(v.get("delta").is_none(), "no delta field without a base");
         assert_eq!(v["mode"], "background-snapshot");
         assert_eq!(v["qemu"]["machine_type"], "pc-i440fx-7.2");
@@ -649,8 +708,8 @@ mod tests {
         ));
         assert!(matches!(parse_manifest(b"not json"), Err(ManifestError::Json { .. })));
         let mut m = sample();
-        m.version = 5;
-        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 5 }));
+        m.version = 6;
+        assert_eq!(parse_manifest(&m.encode()), Err(ManifestError::TooNew { found: 6 }));
         m.version = VERSION_RUNS;
         assert_eq!(parse_manifest(&m.encode()).unwrap().version, 3);
         m.version = VERSION_NO_RUNS;
@@ -698,6 +757,7 @@ mod tests {
             manifest: m.clone(),
             tail_root: ChunkId([1; 32]),
             map_roots: vec![ChunkId([2; 32]), ChunkId([3; 32])],
+            disk_roots: vec![],
             generation: 0,
         };
         let r = c.to_ref();
@@ -734,6 +794,34 @@ mod tests {
         old.manifest.version = 1;
         assert!(Checkpoint::from_ref(&old.to_ref()).unwrap().manifest.delta.is_none());
         assert_eq!(m.total_pages(), (256 << 8) + 64);
+        // Version 5, a desktop snapshot: one more root per disk, after the page maps.
+        let mut desk = c.clone();
+        desk.manifest.version = VERSION_DISKS;
+        desk.manifest.disks = vec![DiskRecord {
+            device: "virtio0".into(),
+            disk: "desk1".into(),
+            uri: "nbd+unix:///desk1?socket=/s".into(),
+            size: 1 << 30,
+            block_size: 65536,
+            allocated: 12,
+            parent: Some("gold".into()),
+        }];
+        desk.disk_roots = vec![ChunkId([9; 32])];
+        let r = desk.to_ref();
+        assert_eq!(r.roots.len(), 4);
+        assert_eq!(r.roots[3], ChunkId([9; 32]));
+        let back = Checkpoint::from_ref(&r).unwrap();
+        assert_eq!((back.map_roots.len(), back.disk_roots.clone()), (2, vec![ChunkId([9; 32])]));
+        assert_eq!(back.manifest.disks, desk.manifest.disks);
+        let v: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        assert_eq!(v["disks"][0]["disk"], "desk1");
+        let mut early = desk.clone();
+        early.manifest.version = 4;
+        assert!(Checkpoint::from_ref(&early.to_ref()).is_err(), "disks need version 5");
+        assert!(
+            v.get("disks").is_some()
+                && serde_json::to_value(&c.manifest).unwrap().get("disks").is_none()
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod catalog;
 pub mod codec_choice;
 pub mod delta;
+pub mod disks;
 pub mod error;
 pub mod ingest;
 pub mod launch;

@@ -115,6 +115,9 @@ impl Default for BlockSize {
     }
 }
 
+/// Ends one connection (see [`Export::on_revoke`]).
+pub type Hangup = Arc<dyn Fn() + Send + Sync>;
+
 /// A byte-addressed disk served over NBD. See the module comment for threading rules.
 pub trait Export: Send + Sync {
     /// Size in bytes; fixed for the life of a connection.
@@ -188,6 +191,15 @@ pub trait Export: Send + Sync {
     /// Flush and FUA are visible across all connections (`NBD_FLAG_CAN_MULTI_CONN`).
     fn can_multi_conn(&self) -> bool {
         false
+    }
+
+    /// Called as a connection enters transmission with the function that ends it (the
+    /// server stops reading; requests already received are answered, then it closes). An
+    /// export that can be withdrawn while clients use it (a disk removed with `--force`)
+    /// keeps a weak handle and calls it; the default ignores it. A request answered with
+    /// [`ExportError::Shutdown`] ends its connection in any case.
+    fn on_revoke(&self, hangup: &Hangup) {
+        let _ = hangup;
     }
 
     /// Allocation status from `offset` for about `len` bytes. Return at least one extent;

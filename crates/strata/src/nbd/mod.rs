@@ -19,7 +19,9 @@ pub mod proto;
 pub mod server;
 pub mod transmission;
 
-pub use export::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+pub use export::{
+    BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, Hangup, OpenError,
+};
 pub use handshake::{
     Handshake, HandshakeError, Negotiated, Phase, MAX_OPTION_LEN, MAX_REQUEST_LEN,
 };

@@ -831,10 +831,21 @@ fn run_connection(conn: &Conn, stream: Stream, slot: HandshakeSlot, exports: Arc
             return;
         }
     };
+    // Ends the connection from elsewhere (a withdrawn export): the reader sees EOF.
+    let hangup: super::export::Hangup = match stream.try_clone() {
+        Ok(s) => Arc::new(move || {
+            let _ = s.shutdown(Shutdown::Read);
+        }),
+        Err(e) => {
+            tracing::warn!(target: TARGET, conn = id, error = %e, "cannot clone the connection socket");
+            return;
+        }
+    };
     let stats = Stats::default();
     let start = Instant::now();
     tracing::info!(target: TARGET, conn = id, peer, export = %negotiated.name, "transmission started");
-    let result = serve_transmission(reader, &stream, &negotiated, &config.transmission, &stats);
+    let result =
+        serve_transmission(reader, &stream, &negotiated, &config.transmission, &stats, &hangup);
     let _ = stream.shutdown(Shutdown::Both);
     let requests = stats.requests.load(Ordering::Relaxed);
     let errors = stats.errors.load(Ordering::Relaxed);

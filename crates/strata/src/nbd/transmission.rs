@@ -21,7 +21,10 @@
 //!
 //! On `NBD_CMD_DISC`, EOF or a protocol error the reader stops, the queue is closed, and the
 //! workers finish every request already queued (the spec requires outstanding requests to be
-//! handled) before `serve_transmission` returns.
+//! handled) before `serve_transmission` returns. An export that answers ESHUTDOWN (withdrawn,
+//! e.g. a disk removed with `--force`) ends the connection the same way: after that reply the
+//! worker calls the connection's hangup, which stops the reader, so the connection and its
+//! hold on the export go instead of failing every request of a client that never gives up.
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -30,7 +33,7 @@ use std::thread;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::export::{Export, ExportError, Extent};
+use super::export::{Export, ExportError, Extent, Hangup};
 use super::handshake::{Negotiated, MAX_REQUEST_LEN};
 use super::proto::*;
 
@@ -379,6 +382,9 @@ struct Conn<'a, W: Write> {
     n: &'a Negotiated,
     export: &'a dyn Export,
     stats: &'a Stats,
+    hangup: &'a Hangup,
+    /// The export answered ESHUTDOWN and the hangup was called.
+    revoked: AtomicBool,
 }
 
 impl<W: Write> Conn<'_, W> {
@@ -430,6 +436,14 @@ impl<W: Write> Conn<'_, W> {
         let fast_zero = req.command == Command::WriteZeroes && req.flags & CMD_FLAG_FAST_ZERO != 0;
         if errno == NbdErrno::NotSup && !fast_zero {
             errno = NbdErrno::Inval;
+        }
+        if errno == NbdErrno::Shutdown {
+            let r = self.send_error(req, errno, &e.to_string());
+            if !self.revoked.swap(true, Ordering::AcqRel) {
+                tracing::info!(target: TARGET, export = %self.n.name, "export withdrawn; closing the connection");
+                (self.hangup)();
+            }
+            return r;
         }
         tracing::warn!(target: TARGET, export = %self.n.name, cmd = req.command.name(), offset = req.offset,
             len = req.len, error = %e, "export operation failed");
@@ -638,12 +652,15 @@ fn read_loop<R: Source, W: Write>(
 
 /// Run the transmission phase until the client disconnects. `reader` and `writer` are the two
 /// halves of the connection; the function returns after all queued requests are answered.
+/// `hangup` must make `reader` report EOF (the server shuts the socket down for reading): it
+/// is handed to the export (`Export::on_revoke`) and called after an ESHUTDOWN reply.
 pub fn serve_transmission<R: Source, W: Write + Send>(
     reader: R,
     writer: W,
     n: &Negotiated,
     cfg: &TransmissionConfig,
     stats: &Stats,
+    hangup: &Hangup,
 ) -> Result<Ending, TransmissionError> {
     debug_assert!(MAX_REQUEST_LEN as usize <= 64 << 20);
     let limits = Limits::of(n);
@@ -654,7 +671,10 @@ pub fn serve_transmission<R: Source, W: Write + Send>(
         n,
         export: n.export.as_ref(),
         stats,
+        hangup,
+        revoked: AtomicBool::new(false),
     };
+    n.export.on_revoke(hangup);
     let mut reader = BufReader::with_capacity(64 * 1024, reader);
     thread::scope(|s| {
         let mut started = 0;

@@ -14,14 +14,16 @@
 use crate::boot::prefetch::{Prefetch, PrefetchStatus};
 use crate::boot::workset;
 use crate::disk::{self, volume::Volume, DiskError};
-use crate::nbd::{BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, OpenError};
+use crate::nbd::{
+    BlockSize, Export, ExportError, ExportInfo, ExportSet, Extent, Hangup, OpenError,
+};
 use crate::store::map;
 use crate::store::slice::RangeRead;
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
     match e {
@@ -42,16 +44,39 @@ fn map_err(op: &'static str, offset: u64, e: DiskError) -> ExportError {
     }
 }
 
-/// A writable disk behind NBD. `revoked` is shared by every connection to the disk: once set
-/// (the disk was removed or reverted with `--force`), every request fails with ESHUTDOWN.
+/// What every connection to one disk shares: once revoked (the disk was removed or reverted
+/// with `--force`), every request fails with ESHUTDOWN and each connection's hangup has been
+/// called, so the connections end even when their clients are idle.
+#[derive(Default)]
+pub struct Revocation {
+    revoked: AtomicBool,
+    hangups: Mutex<Vec<Weak<dyn Fn() + Send + Sync>>>,
+}
+
+impl Revocation {
+    /// Refuse every request from now on and end the connections.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::Release);
+        let hangups = std::mem::take(&mut *self.hangups.lock());
+        for h in hangups.iter().filter_map(Weak::upgrade) {
+            h();
+        }
+    }
+
+    fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+}
+
+/// A writable disk behind NBD (see [`Revocation`]).
 pub struct VolumeExport {
     vol: Arc<Volume>,
-    revoked: Arc<AtomicBool>,
+    revoked: Arc<Revocation>,
 }
 
 impl VolumeExport {
     fn live(&self, op: &'static str) -> Result<&Volume, ExportError> {
-        if self.revoked.load(Ordering::Acquire) {
+        if self.revoked.is_revoked() {
             return Err(ExportError::Shutdown { op });
         }
         Ok(&self.vol)
@@ -111,6 +136,16 @@ impl Export for VolumeExport {
     }
     fn block_size(&self) -> BlockSize {
         BlockSize { min: 1, preferred: 4096, max: 32 << 20 }
+    }
+    fn on_revoke(&self, hangup: &Hangup) {
+        let mut hs = self.revoked.hangups.lock();
+        if self.revoked.is_revoked() {
+            drop(hs);
+            hangup();
+            return;
+        }
+        hs.retain(|h| h.strong_count() > 0);
+        hs.push(Arc::downgrade(hangup));
     }
 }
 

@@ -7,25 +7,26 @@
 //! pause for the clients) and folds the cut on the caller's thread; several disks are cut at
 //! one instant. A disk nobody has open is handled as the plain `disk` functions would.
 //! Removing or reverting a disk with clients connected is refused unless forced; forcing
-//! revokes the disk's exports (every request then fails with ESHUTDOWN) before the volume goes.
+//! revokes the disk's exports (every request then fails with ESHUTDOWN and the connections
+//! are closed) before the volume goes.
 
-use super::DiskExports;
+use super::{DiskExports, Revocation};
 use crate::disk::cut::{self, Cut, Folded};
 use crate::disk::{self, volume::Volume, DiskError, DiskInfo, DiskMeta};
 use crate::id::ChunkId;
 use crate::progress::Progress;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 type Result<T> = std::result::Result<T, DiskError>;
 
-/// A disk the daemon has open: its volume and the flag its connections share (the flag's
+/// A disk the daemon has open: its volume and the revocation its connections share (its
 /// `Arc` count minus one is the number of connected exports).
 #[derive(Clone)]
 pub struct Held {
     pub(super) vol: Arc<Volume>,
-    pub(super) revoked: Arc<AtomicBool>,
+    pub(super) revoked: Arc<Revocation>,
 }
 
 impl Held {
@@ -47,7 +48,7 @@ impl DiskExports {
         }
         let v = Volume::open(&self.store, name)?;
         v.set_compact_at(self.compact_at.load(Ordering::Relaxed));
-        let h = Held { vol: v, revoked: Arc::new(AtomicBool::new(false)) };
+        let h = Held { vol: v, revoked: Arc::new(Revocation::default()) };
         self.open.lock().insert(name.into(), h.clone());
         Ok(h)
     }
@@ -128,12 +129,15 @@ impl DiskExports {
     fn release(&self, name: &str, force: bool) -> Result<bool> {
         let gate = self.opening.lock().entry(name.to_string()).or_default().clone();
         let _gate = gate.lock();
-        let Some(h) = self.open.lock().get(name).cloned() else { return Ok(false) };
-        let clients = h.clients();
+        // Counted in the map: a clone of the entry would count itself.
+        let Some((clients, h)) = self.open.lock().get(name).map(|h| (h.clients(), h.clone()))
+        else {
+            return Ok(false);
+        };
         if clients > 0 && !force {
             return Err(DiskError::Connected { name: name.into(), clients });
         }
-        h.revoked.store(true, Ordering::Release);
+        h.revoked.revoke();
         self.open.lock().remove(name);
         h.vol.close()?;
         Ok(true)

@@ -133,7 +133,7 @@ pub(super) fn block_metas(layout: &StreamLayout, counts: &PageCounts) -> Vec<Blo
 /// version 3; without either, older readers can still read it.
 pub(super) fn manifest_version(slots: &[Vec<(u32, u8)>], run_pages: u64) -> u32 {
     if slots.iter().any(|t| !t.is_empty()) {
-        VERSION
+        VERSION_SLOTS
     } else if run_pages > 0 {
         VERSION_RUNS
     } else {
@@ -229,6 +229,7 @@ pub(super) fn build_manifest(
         codec: inputs.codec,
         stats: inputs.stats,
         delta: inputs.delta,
+        disks: Vec::new(),
     }
 }
 

@@ -125,6 +125,7 @@ pub(super) fn run(
     chooser: &Chooser,
     was_running: bool,
     settings: &[Request],
+    mut disks: Option<&mut (dyn DiskCut + '_)>,
     on_migrating: &mut dyn FnMut(),
     check: &mut dyn FnMut() -> Result<(), MemError>,
     progress: &dyn Progress,
@@ -152,14 +153,20 @@ pub(super) fn run(
     // The settings, `stop` (a save of a running guest) and `migrate` go in one write: one
     // round trip instead of three (~1.1 ms of a save's set-up). QEMU runs them in
     // order, so a refused setting has already let the guest stop and the migration start:
-    // both are undone (`migrate_cancel` here, the caller resumes the guest).
-    let stop = opts.mode == Mode::Save && was_running;
+    // both are undone (`migrate_cancel` here, the caller resumes the guest). A desktop
+    // snapshot (`disks`) stops a running guest in every mode but precopy, and cuts the disks
+    // between `stop` and `migrate`: `migrate` goes out only after the cut.
+    let cut_at_stop = disks.is_some() && opts.mode != Mode::Precopy;
+    let stop = was_running && (opts.mode == Mode::Save || cut_at_stop);
     let uri = format!("unix:{}", sock.display());
+    let migrate = ("migrate", Some(serde_json::json!({ "uri": uri })));
     let mut reqs: Vec<Request> = settings.to_vec();
     if stop {
         reqs.push(("stop", None));
     }
-    reqs.push(("migrate", Some(serde_json::json!({ "uri": uri }))));
+    if !cut_at_stop {
+        reqs.push(migrate.clone());
+    }
     qmp.send_pipeline(&reqs).map_err(q("migrate"))?;
     let checked = (|| {
         for (cmd, args) in settings {
@@ -176,6 +183,10 @@ pub(super) fn run(
     if stop {
         qmp.stop().map_err(q("stop"))?;
         t_stop = Some(Instant::now());
+    }
+    if cut_at_stop {
+        cut_disks(disks.as_deref_mut(), name)?;
+        qmp.send_pipeline(&[migrate]).map_err(q("migrate"))?;
     }
     on_migrating();
     let t_migrate = Instant::now();
@@ -205,7 +216,8 @@ pub(super) fn run(
                 r
             })
             .expect("spawn parse thread");
-        let src = wait_source(qmp, &conn, &sock, &rx, name, check);
+        let at_switchover = if cut_at_stop { None } else { disks };
+        let src = wait_source(qmp, &conn, &sock, &rx, name, at_switchover, check);
         if src.is_err() {
             conn.shutdown();
         }
@@ -236,6 +248,13 @@ pub(super) fn run(
     if opts.mode == Mode::Precopy && was_running {
         qmp.cont().map_err(q("cont"))?;
     }
+    if stop && opts.mode == Mode::BackgroundSnapshot {
+        // QEMU 7.2 starts the guest after the device state whatever its state before; later
+        // versions put back the state they found, which is the desktop snapshot's `stop`.
+        if !qmp.query_status().map_err(q("query-status"))?.running {
+            qmp.cont().map_err(q("cont"))?;
+        }
+    }
     // Collect STOP/RESUME events that arrived with the last replies.
     let _ = qmp.poll_events(Duration::from_millis(0));
     let events = qmp.take_events();
@@ -250,6 +269,15 @@ pub(super) fn run(
         ingested,
         Timing { session, raw_before, stored_before, downtime_ms, pause_ms, migrate_ms, setup_ms },
     ))
+}
+
+/// Cut the disks of a desktop snapshot (guest stopped, block layer flushed).
+fn cut_disks(disks: Option<&mut (dyn DiskCut + '_)>, name: &str) -> Result<(), MemError> {
+    let Some(d) = disks else { return Ok(()) };
+    let t = Instant::now();
+    d.cut().map_err(|reason| MemError::DiskCut { name: name.into(), reason })?;
+    tracing::debug!(target: TARGET, name, cut_ms = t.elapsed().as_secs_f64() * 1e3, "desktop snapshot: disks cut");
+    Ok(())
 }
 
 fn ingest_error(e: IngestError, name: &str, bytes: u64) -> MemError {
@@ -286,6 +314,7 @@ fn wait_source<T>(
     sock: &Path,
     rx: &std::thread::ScopedJoinHandle<'_, Result<T, RxError>>,
     name: &str,
+    mut at_switchover: Option<&mut (dyn DiskCut + '_)>,
     check: &mut dyn FnMut() -> Result<(), MemError>,
 ) -> Result<Option<crate::qmp::MigrationInfo>, MemError> {
     let path = qmp.path().to_path_buf();
@@ -302,6 +331,20 @@ fn wait_source<T>(
         match qmp.query_migrate() {
             Ok(info) => match info.status.as_str() {
                 "completed" => return Ok(Some(info)),
+                // A precopy desktop snapshot: the guest is stopped at switchover, before its
+                // device state; cut the disks, then let QEMU go on.
+                "pre-switchover" if at_switchover.is_some() => {
+                    if let Err(e) = cut_disks(at_switchover.take(), name) {
+                        let _ = qmp.migrate_cancel();
+                        conn.shutdown();
+                        return Err(e);
+                    }
+                    let cont = serde_json::json!({ "state": "pre-switchover" });
+                    qmp.execute("migrate-continue", Some(cont)).map_err(|source| {
+                        MemError::Qmp { op: "migrate-continue", path: path.clone(), source }
+                    })?;
+                    continue;
+                }
                 "failed" | "cancelled" => {
                     return Err(MemError::SourceFailed {
                         name: name.into(),

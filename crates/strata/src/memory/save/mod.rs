@@ -44,9 +44,9 @@ use super::delta::{select_base, BasePolicy};
 use super::error::MemError;
 use super::ingest::{ingest, IngestError, IngestOptions, Ingested};
 use super::manifest::{
-    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, Manifest, Mode,
-    QemuInfo, SaveStats, SlotTable, StreamMeta, TailMeta, FORMAT, REF_PREFIX, TAIL_CHUNK, VERSION,
-    VERSION_NO_RUNS, VERSION_RUNS,
+    ref_name, tail_tree, valid_name, BlockMeta, Checkpoint, CodecReport, DeltaMeta, DiskRecord,
+    Manifest, Mode, QemuInfo, SaveStats, SlotTable, StreamMeta, TailMeta, FORMAT, REF_PREFIX,
+    TAIL_CHUNK, VERSION_DISKS, VERSION_NO_RUNS, VERSION_RUNS, VERSION_SLOTS,
 };
 use crate::codec::Codec;
 use crate::id::ChunkId;
@@ -172,6 +172,21 @@ pub struct SaveStages {
     pub commit_ref_ms: f64,
 }
 
+/// The disks of a desktop snapshot (`vm snapshot`), cut at the guest instant of its memory.
+///
+/// The instant: the guest is stopped (QMP `stop`, or precopy's switchover with
+/// `pause-before-switchover`); QEMU drains and flushes its block layer before it reports the
+/// guest stopped, so every write the guest issued has been acknowledged by the disks' server.
+/// [`cut`](DiskCut::cut) runs in that pause, before the memory's device state is taken and the
+/// guest resumes.
+pub trait DiskCut {
+    /// Cut every disk now. It runs inside the guest's pause: no I/O that can be avoided.
+    fn cut(&mut self) -> Result<(), String>;
+    /// After every page is stored and before the commit: each cut disk's record and block
+    /// map root, durable in the store.
+    fn finish(&mut self) -> Result<Vec<(DiskRecord, ChunkId)>, String>;
+}
+
 /// Resumes the guest when dropped armed (a save that failed after pausing it).
 struct ResumeOnError<'a> {
     qmp: &'a mut QmpClient,
@@ -249,6 +264,7 @@ fn now_unix() -> u64 {
 struct Restorer {
     max_bandwidth: Option<u64>,
     background_snapshot: Option<bool>,
+    pause_before_switchover: Option<bool>,
 }
 
 impl Restorer {
@@ -265,6 +281,9 @@ impl Restorer {
         if let Some(state) = self.background_snapshot {
             reqs.push(set_capabilities_request(&[("background-snapshot", state)]));
         }
+        if let Some(state) = self.pause_before_switchover {
+            reqs.push(set_capabilities_request(&[("pause-before-switchover", state)]));
+        }
         reqs.push(("query-status", None));
         // A transport failure shows again at the next command.
         let _ = qmp.pipeline(&reqs);
@@ -276,6 +295,9 @@ impl Restorer {
         }
         if let Some(state) = self.background_snapshot {
             let _ = qmp.migrate_set_capabilities(&[("background-snapshot", state)]);
+        }
+        if let Some(state) = self.pause_before_switchover {
+            let _ = qmp.migrate_set_capabilities(&[("pause-before-switchover", state)]);
         }
     }
 }
@@ -300,7 +322,23 @@ pub fn save(
     opts: &SaveOptions,
     progress: &dyn Progress,
 ) -> Result<SaveReport, MemError> {
-    let r = save_inner(store, qmp, name, opts, progress);
+    let r = save_inner(store, qmp, name, opts, None, progress);
+    // Replies read ahead for a step an error skipped must not answer the caller's next query.
+    qmp.discard_pipelined();
+    r
+}
+
+/// Save the VM behind `qmp` as desktop snapshot `name`: its memory and the disks `disks`
+/// cuts, at one guest instant (see [`DiskCut`]), committed as one ref.
+pub fn save_desktop(
+    store: &Store,
+    qmp: &mut QmpClient,
+    name: &str,
+    opts: &SaveOptions,
+    disks: &mut dyn DiskCut,
+    progress: &dyn Progress,
+) -> Result<SaveReport, MemError> {
+    let r = save_inner(store, qmp, name, opts, Some(disks), progress);
     // Replies read ahead for a step an error skipped must not answer the caller's next query.
     qmp.discard_pipelined();
     r
@@ -314,6 +352,7 @@ fn save_inner(
     qmp: &mut QmpClient,
     name: &str,
     opts: &SaveOptions,
+    mut disks: Option<&mut (dyn DiskCut + '_)>,
     progress: &dyn Progress,
 ) -> Result<SaveReport, MemError> {
     let t0 = Instant::now();
@@ -343,7 +382,7 @@ fn save_inner(
     )?;
     let opts = &planned;
     let chooser = setup::codec_chooser(store, name, opts, &mut open, source.local, progress)?;
-    let restorer = setup::settings_to_restore(name, opts.mode, &source)?;
+    let restorer = setup::settings_to_restore(name, opts.mode, disks.is_some(), &source)?;
 
     // Set up QEMU and migrate; the receive pipeline drains into the store meanwhile.
     let result = setup::migrate_settings(qmp.path(), opts, &restorer).and_then(|settings| {
@@ -357,6 +396,7 @@ fn save_inner(
             &chooser,
             source.status.running,
             &settings,
+            disks.as_deref_mut(),
             &mut on_migrating,
             &mut check,
             progress,
@@ -370,6 +410,10 @@ fn save_inner(
     let mut resume = ResumeOnError { qmp, armed: source.status.running };
     let (ingested, timing) = result?;
     open.listing.finish()?;
+    let cut_disks = match disks {
+        Some(d) => d.finish().map_err(|reason| MemError::DiskCut { name: name.into(), reason })?,
+        None => Vec::new(),
+    };
     let vm_status =
         resume.qmp.query_status().map(|s| s.status).unwrap_or_else(|_| "unknown".into());
 
@@ -404,10 +448,23 @@ fn save_inner(
     };
     let mut manifest = commit::build_manifest(inputs, &ingested, &written);
     manifest.stats.total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (records, disk_roots): (Vec<DiskRecord>, Vec<ChunkId>) = cut_disks.into_iter().unzip();
+    if !records.is_empty() {
+        manifest.version = manifest.version.max(VERSION_DISKS);
+        manifest.disks = records;
+        for root in &disk_roots {
+            ses.pin(*root).map_err(|source| MemError::Store {
+                op: "disk snapshot",
+                name: name.into(),
+                source,
+            })?;
+        }
+    }
     let ckpt = Checkpoint {
         manifest,
         tail_root: written.tail_root,
         map_roots: std::mem::take(&mut written.map_roots),
+        disk_roots,
         generation: 0,
     };
     let maps_ms = t_maps.elapsed().as_secs_f64() * 1e3;

@@ -262,14 +262,18 @@ pub(super) fn compression_cores(network: bool, mode: Mode, workers: usize, local
 pub(super) fn settings_to_restore(
     name: &str,
     mode: Mode,
+    desktop: bool,
     source: &Source,
 ) -> Result<Restorer, MemError> {
     let want_bg = mode == Mode::BackgroundSnapshot;
-    let bg_state =
-        source.caps.iter().find(|c| c.capability == "background-snapshot").map(|c| c.state);
+    let cap = |n: &str| source.caps.iter().find(|c| c.capability == n).map(|c| c.state);
+    let bg_state = cap("background-snapshot");
+    // A precopy desktop snapshot cuts the disks in the pre-switchover pause.
+    let want_pause = desktop && mode == Mode::Precopy;
     let restorer = Restorer {
         max_bandwidth: source.params.get("max-bandwidth").and_then(Value::as_u64),
         background_snapshot: bg_state.filter(|&s| s != want_bg),
+        pause_before_switchover: cap("pause-before-switchover").filter(|&s| s != want_pause),
     };
     if bg_state.is_none() && want_bg {
         return Err(MemError::SourceFailed {
@@ -296,6 +300,9 @@ pub(super) fn migrate_settings(
     if restorer.background_snapshot.is_some() {
         let want_bg = opts.mode == Mode::BackgroundSnapshot;
         settings.push(set_capabilities_request(&[("background-snapshot", want_bg)]));
+    }
+    if let Some(was) = restorer.pause_before_switchover {
+        settings.push(set_capabilities_request(&[("pause-before-switchover", !was)]));
     }
     Ok(settings)
 }

@@ -158,7 +158,7 @@ fn leaf_slot_tables_split_by_leaf() {
 fn manifest_version_is_the_oldest_that_fits() {
     assert_eq!(manifest_version(&[vec![], vec![]], 0), VERSION_NO_RUNS);
     assert_eq!(manifest_version(&[vec![]], 32), VERSION_RUNS);
-    assert_eq!(manifest_version(&[vec![], vec![(1, 2)]], 32), VERSION);
+    assert_eq!(manifest_version(&[vec![], vec![(1, 2)]], 32), VERSION_SLOTS);
 }
 
 /// Records received, deduplicated and stored add up: a delta page is neither stored as a
