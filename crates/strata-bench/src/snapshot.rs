@@ -98,6 +98,10 @@ struct Round {
     disks: Option<usize>,
     /// libvirt-style: the memory file's size.
     memory_file_bytes: Option<u64>,
+    /// QMP events on the harness's monitor: [name, status, ms from the STOP].
+    events: Vec<Value>,
+    /// strata's report's `stages` (where its time went).
+    stages: Option<Value>,
 }
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -357,11 +361,23 @@ impl BenchGuest {
         Ok(())
     }
 
-    /// STOP to RESUME (ms) in the events received since the last drain.
-    fn pause_ms(&mut self) -> Result<f64> {
+    /// STOP to RESUME (ms) in the events received since the last drain, and those events
+    /// with their time relative to the STOP (ms), where the pause goes.
+    fn pause_ms(&mut self) -> Result<(f64, Vec<Value>)> {
         self.mon.poll_events(Duration::from_millis(200))?;
         let ev = self.mon.take_events();
-        pause_of(&ev).context("no STOP followed by RESUME on the harness's monitor")
+        let pause = pause_of(&ev).context("no STOP followed by RESUME on the harness's monitor")?;
+        let us = |e: &QmpEvent| e.seconds as f64 * 1e6 + e.microseconds as f64;
+        let t0 = ev.iter().find(|e| e.name == "STOP").map(us).unwrap_or(0.0);
+        let timeline = ev
+            .iter()
+            .filter(|e| e.name != "MIGRATION_PASS")
+            .map(|e| {
+                let status = e.data.get("status").and_then(Value::as_str).unwrap_or("");
+                json!([e.name, status, ((us(e) - t0) / 10.0).round() / 100.0])
+            })
+            .collect();
+        Ok((pause, timeline))
     }
 }
 
@@ -465,7 +481,7 @@ fn run_strata(
     );
     let rep: Value = serde_json::from_slice(&out.stdout)
         .with_context(|| format!("strata printed no JSON report for {name}"))?;
-    let pause_ms = g.pause_ms()?;
+    let (pause_ms, events) = g.pause_ms()?;
     let disks = rep.get("disks").and_then(Value::as_array).map(Vec::len);
     ensure!(
         v != Variant::Desktop || disks.unwrap_or(0) >= 1,
@@ -488,6 +504,8 @@ fn run_strata(
         cut_ms: field("cut_ms"),
         disks,
         memory_file_bytes: None,
+        events,
+        stages: rep.get("stages").cloned(),
     })
 }
 
@@ -518,7 +536,7 @@ fn run_libvirt(lab: &Lab, g: &mut BenchGuest, v: Variant, mem: u32, round: u32) 
     )?;
     q.cont()?;
     let total_ms = t.elapsed().as_secs_f64() * 1e3;
-    let pause_ms = g.pause_ms()?;
+    let (pause_ms, events) = g.pause_ms()?;
     let bytes = std::fs::metadata(&mem_file)?.len();
     std::fs::remove_file(&mem_file)?;
     Ok(Round {
@@ -532,6 +550,8 @@ fn run_libvirt(lab: &Lab, g: &mut BenchGuest, v: Variant, mem: u32, round: u32) 
         cut_ms: None,
         disks: None,
         memory_file_bytes: Some(bytes),
+        events,
+        stages: None,
     })
 }
 
