@@ -98,6 +98,10 @@ struct Round {
     disks: Option<usize>,
     /// libvirt-style: the memory file's size.
     memory_file_bytes: Option<u64>,
+    /// From the command's start to the guest's STOP (wall clocks of this host): a desktop
+    /// snapshot stops the guest before `migrate`, a memory-only one after QEMU's migration
+    /// set-up, so the difference shows what moved into the pause.
+    stop_after_start_ms: f64,
     /// QMP events on the harness's monitor: [name, status, ms from the STOP].
     events: Vec<Value>,
     /// strata's report's `stages` (where its time went).
@@ -131,6 +135,7 @@ struct Summary {
     rounds: usize,
     pause_ms: Spread,
     total_ms: Spread,
+    stop_after_start_ms: Spread,
 }
 
 /// A desktop/baseline pause ratio: ratio of the medians, and the per-round ratios' spread.
@@ -363,7 +368,8 @@ impl BenchGuest {
 
     /// STOP to RESUME (ms) in the events received since the last drain, and those events
     /// with their time relative to the STOP (ms), where the pause goes.
-    fn pause_ms(&mut self) -> Result<(f64, Vec<Value>)> {
+    /// Also: the STOP's wall-clock time, µs since the epoch.
+    fn pause_ms(&mut self) -> Result<(f64, Vec<Value>, f64)> {
         self.mon.poll_events(Duration::from_millis(200))?;
         let ev = self.mon.take_events();
         let pause = pause_of(&ev).context("no STOP followed by RESUME on the harness's monitor")?;
@@ -377,8 +383,15 @@ impl BenchGuest {
                 json!([e.name, status, ((us(e) - t0) / 10.0).round() / 100.0])
             })
             .collect();
-        Ok((pause, timeline))
+        Ok((pause, timeline, t0))
     }
+}
+
+fn wall_us() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e6)
+        .unwrap_or(0.0)
 }
 
 fn pause_of(ev: &[QmpEvent]) -> Option<f64> {
@@ -427,10 +440,11 @@ fn bench_size(
                 Variant::Libvirt | Variant::LibvirtLive => run_libvirt(lab, on, v, mem, round)?,
             };
             eprintln!(
-                "  {mem:>5} MiB  round {round}  {:<22} pause {:>9.2} ms  total {:>8.0} ms{}",
+                "  {mem:>5} MiB  round {round}  {:<22} pause {:>9.2} ms  total {:>8.0} ms  stop at {:>7.1} ms{}",
                 v.label(),
                 r.pause_ms,
                 r.total_ms,
+                r.stop_after_start_ms,
                 r.cut_ms.map(|c| format!("  cut {c:.2} ms")).unwrap_or_default()
             );
             out.push(r);
@@ -470,7 +484,7 @@ fn run_strata(
     if v == Variant::MemoryOnly && has_snapshot {
         cmd.arg("--memory-only");
     }
-    let t = Instant::now();
+    let (t, wall) = (Instant::now(), wall_us());
     let out = cmd.stdin(Stdio::null()).output().context("Cannot run strata")?;
     let total_ms = t.elapsed().as_secs_f64() * 1e3;
     ensure!(
@@ -481,7 +495,7 @@ fn run_strata(
     );
     let rep: Value = serde_json::from_slice(&out.stdout)
         .with_context(|| format!("strata printed no JSON report for {name}"))?;
-    let (pause_ms, events) = g.pause_ms()?;
+    let (pause_ms, events, stop_us) = g.pause_ms()?;
     let disks = rep.get("disks").and_then(Value::as_array).map(Vec::len);
     ensure!(
         v != Variant::Desktop || disks.unwrap_or(0) >= 1,
@@ -499,6 +513,7 @@ fn run_strata(
         round,
         pause_ms,
         total_ms,
+        stop_after_start_ms: (stop_us - wall) / 1e3,
         reported_pause_ms: field("pause_ms"),
         reported_total_ms: field("total_ms"),
         cut_ms: field("cut_ms"),
@@ -518,7 +533,7 @@ fn run_libvirt(lab: &Lab, g: &mut BenchGuest, v: Variant, mem: u32, round: u32) 
     let mem_file = lab.dir.join(format!("libvirt-{tag}.mem"));
     let overlay = lab.dir.join(format!("libvirt-{tag}.qcow2"));
     let q = &mut g.mon;
-    let t = Instant::now();
+    let (t, wall) = (Instant::now(), wall_us());
     if !live {
         q.stop()?;
     }
@@ -536,7 +551,7 @@ fn run_libvirt(lab: &Lab, g: &mut BenchGuest, v: Variant, mem: u32, round: u32) 
     )?;
     q.cont()?;
     let total_ms = t.elapsed().as_secs_f64() * 1e3;
-    let (pause_ms, events) = g.pause_ms()?;
+    let (pause_ms, events, stop_us) = g.pause_ms()?;
     let bytes = std::fs::metadata(&mem_file)?.len();
     std::fs::remove_file(&mem_file)?;
     Ok(Round {
@@ -545,6 +560,7 @@ fn run_libvirt(lab: &Lab, g: &mut BenchGuest, v: Variant, mem: u32, round: u32) 
         round,
         pause_ms,
         total_ms,
+        stop_after_start_ms: (stop_us - wall) / 1e3,
         reported_pause_ms: None,
         reported_total_ms: None,
         cut_ms: None,
@@ -566,13 +582,17 @@ fn summarise(rounds: &[Round], sizes: &[u32]) -> (Vec<Summary>, Vec<Ratio>) {
             let rs = of(v);
             let p: Vec<f64> = rs.iter().map(|r| r.pause_ms).collect();
             let t: Vec<f64> = rs.iter().map(|r| r.total_ms).collect();
-            if let (Some(pause_ms), Some(total_ms)) = (Spread::of(&p), Spread::of(&t)) {
+            let st: Vec<f64> = rs.iter().map(|r| r.stop_after_start_ms).collect();
+            if let (Some(pause_ms), Some(total_ms), Some(stop_after_start_ms)) =
+                (Spread::of(&p), Spread::of(&t), Spread::of(&st))
+            {
                 sums.push(Summary {
                     size_mib: mem,
                     variant: v.label(),
                     rounds: rs.len(),
                     pause_ms,
                     total_ms,
+                    stop_after_start_ms,
                 });
             }
         }
@@ -604,7 +624,7 @@ fn print_summary(sums: &[Summary], ratios: &[Ratio]) {
     eprintln!("\nsnapshot: guest pause and total time, median [min-max]");
     for s in sums {
         eprintln!(
-            "  {:>5} MiB  {:<22} pause {:>9.2} ms [{:.2}-{:.2}]  total {:>8.0} ms [{:.0}-{:.0}]",
+            "  {:>5} MiB  {:<22} pause {:>9.2} ms [{:.2}-{:.2}]  total {:>8.0} ms [{:.0}-{:.0}]  stop at {:.1} ms",
             s.size_mib,
             s.variant,
             s.pause_ms.median,
@@ -612,7 +632,8 @@ fn print_summary(sums: &[Summary], ratios: &[Ratio]) {
             s.pause_ms.max,
             s.total_ms.median,
             s.total_ms.min,
-            s.total_ms.max
+            s.total_ms.max,
+            s.stop_after_start_ms.median
         );
     }
     for r in ratios {
