@@ -746,3 +746,27 @@ fn chart(sums: &[Summary]) -> String {
         ),
     ])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(name: &str, s: i64, us: i64) -> QmpEvent {
+        QmpEvent { name: name.into(), data: Value::Null, seconds: s, microseconds: us }
+    }
+
+    #[test]
+    fn pause_is_first_stop_to_the_next_resume() {
+        let e = [ev("RESUME", 9, 0), ev("STOP", 10, 999_000), ev("RESUME", 11, 2_500)];
+        assert_eq!(pause_of(&e), Some(3.5));
+        assert_eq!(pause_of(&e[..2]), None);
+    }
+
+    #[test]
+    fn spread_takes_the_middle_of_odd_and_even_counts() {
+        let s = Spread::of(&[5.0, 1.0, 3.0]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (3.0, 1.0, 5.0));
+        assert_eq!(Spread::of(&[4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
+        assert!(Spread::of(&[]).is_none());
+    }
+}
