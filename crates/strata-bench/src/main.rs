@@ -18,6 +18,7 @@ mod remote;
 mod remote_disk;
 mod remote_mem;
 mod results;
+mod snapshot;
 mod store;
 mod storm;
 mod sync;
@@ -139,6 +140,27 @@ enum BenchCmd {
         #[arg(long)]
         scratch: Option<PathBuf>,
     },
+    /// Guest pause and total time of a desktop snapshot (`strata vm snapshot`: memory and
+    /// disks) against a memory-only background snapshot and libvirt-style external snapshots
+    /// (memory to a file + qcow2 overlays), rounds alternating, per guest size.
+    Snapshot {
+        /// Guest sizes in MiB.
+        #[arg(long, value_delimiter = ',', default_value = "1024,4096")]
+        sizes: Vec<u32>,
+        /// Rounds of every variant (medians with min/max are reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// MiB of memory memwork holds in each guest.
+        #[arg(long, default_value_t = 512)]
+        resident: u32,
+        /// MiB/s memwork rewrites during the runs.
+        #[arg(long, default_value_t = 32)]
+        dirty: u32,
+        #[arg(long, default_value = "docs/results")]
+        out: PathBuf,
+        #[arg(long)]
+        scratch: Option<PathBuf>,
+    },
     #[command(flatten)]
     Mem(mem::MemBenchCmd),
 }
@@ -212,6 +234,16 @@ fn run(cmd: &BenchCmd) -> Result<()> {
             out: out.clone(),
             scratch: scratch.clone(),
         }),
+        BenchCmd::Snapshot { sizes, rounds, resident, dirty, out, scratch } => {
+            snapshot::bench_snapshot(&snapshot::SnapshotOpts {
+                sizes: sizes.clone(),
+                rounds: *rounds,
+                resident_mib: *resident,
+                dirty_mib_s: *dirty,
+                out: out.clone(),
+                scratch: scratch.clone(),
+            })
+        }
         BenchCmd::Mem(c) => mem::run(c),
     }
 }
