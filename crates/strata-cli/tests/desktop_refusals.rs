@@ -113,13 +113,14 @@ fn foreign_disks_missing_daemons_and_taken_names_are_refused_clearly() {
     let e = refused(&store, &["vm", "snapshot", "--qmp", q, "s1", "--allow-foreign-disks"]);
     assert!(e.contains("already exists") && e.contains("strata vm rm s1"), "{e}");
 
+    // Memory only asks nothing of the daemon.
+    ok(&store, &["vm", "snapshot", "--qmp", q, "s3", "--memory-only"]);
+
     // No daemon: refused, saying to start it.
     let _ = daemon.take();
     sleep(Duration::from_millis(300));
     let e = refused(&store, &["vm", "snapshot", "--qmp", q, "s2", "--allow-foreign-disks"]);
     assert!(e.contains("no strata serve runs") && e.contains("start `strata serve`"), "{e}");
-    // Memory only needs no daemon.
-    ok(&store, &["vm", "snapshot", "--qmp", q, "s3", "--memory-only"]);
     let l = ok(&store, &["vm", "list"]);
     assert!(l.contains("s1") && l.contains("desk1") && l.contains("s3"), "{l}");
     // A desktop snapshot needs the daemon to restore its disks too.
