@@ -675,7 +675,7 @@ fn kill_9_during_desktop_snapshots_leaves_each_whole_or_absent() {
     }
     eprintln!("kill -9 of the saver: {} snapshots whole, {} absent", outcomes.0, outcomes.1);
     // The daemon dies while a snapshot waits for its disks: the snapshot fails, nothing shows.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+    let child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .arg("--store")
         .arg(&c.lab.store)
         .args(["vm", "snapshot", "--qmp", &qmp, "daemon-killed"])
