@@ -603,31 +603,50 @@ fn cut_at_stop_and_stop_and_copy_save() {
     }
 }
 
-/// The migration of the guest behind `qmp` is over (a killed saver leaves it failing).
+/// The migration of the guest behind `qmp` is over. A killed saver's background snapshot runs
+/// to its end (its drain child reads the rest) and must not be cancelled: QEMU 7.2 leaves the
+/// RAM of a cancelled one write-protected and the guest hangs (docs/memory.md).
 fn migration_idle(qmp: &str) {
     let mut q = QmpClient::connect(Path::new(qmp)).unwrap();
     let t = Instant::now();
-    loop {
+    let st = loop {
         let st = q.query_migrate().map(|m| m.status).unwrap_or_default();
         if !matches!(st.as_str(), "setup" | "active" | "device" | "cancelling" | "pre-switchover") {
-            break;
+            break st;
         }
-        let _ = q.migrate_cancel();
         assert!(t.elapsed() < Duration::from_secs(60), "the migration does not end: {st}");
         sleep(Duration::from_millis(50));
-    }
+    };
     let status = q.query_status().unwrap();
-    eprintln!("after the kill: migration ended, guest {}", status.status);
+    eprintln!("after the kill: migration {st}, guest {}", status.status);
     if !status.running {
         q.cont().unwrap();
     }
+}
+
+/// What the guest behind `qmp` (QEMU `pid`) is doing when it does not answer: QEMU's view, and
+/// where each of its threads waits in the kernel (a vCPU in `handle_userfault` is blocked on a
+/// write-protected page).
+fn stuck_guest(qmp: &str, pid: Option<u32>) -> String {
+    let mut q = QmpClient::connect(Path::new(qmp)).unwrap();
+    let mut out = format!(
+        "query-status: {:?}\nquery-migrate: {:?}\n",
+        q.execute("query-status", None),
+        q.execute("query-migrate", None)
+    );
+    if let Some(p) = pid {
+        for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+            let wchan = std::fs::read_to_string(t.path().join("wchan")).unwrap_or_default();
+            out += &format!("thread {:?} waits in {wchan}\n", t.file_name());
+        }
+    }
+    out
 }
 
 /// kill -9 of `strata vm snapshot` at points spread over its run, then of the serving daemon
 /// during one: every snapshot is either listed whole (its manifest and disks readable, the
 /// store checks clean) or not at all, and the guest keeps running.
 #[test]
-#[ignore = "after a kill -9 of the saver early in a snapshot the test guest stops answering its console (QMP says running); being investigated"]
 fn kill_9_during_desktop_snapshots_leaves_each_whole_or_absent() {
     let (mut g, mut c, _disks) = boot_writer(Machine::Pc, 1, Fs::Direct, "");
     let qmp = c.qmp.clone();
@@ -667,7 +686,8 @@ fn kill_9_during_desktop_snapshots_leaves_each_whole_or_absent() {
                 std::fs::read_to_string(c.lab.dir.path().join("serve.log")).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(30).collect();
             panic!(
-                "the guest does not answer after kill {i}: {e}\nserve log (newest first):\n{}",
+                "the guest does not answer after kill {i}: {e}\n{}serve log (newest first):\n{}",
+                stuck_guest(&qmp, g.pid()),
                 tail.join("\n")
             )
         });

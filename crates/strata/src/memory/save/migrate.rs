@@ -2,6 +2,7 @@
 //! receive thread runs the pipeline (`ingest`); whichever side fails first stops the other.
 //! Kept apart from the sequence in `mod.rs`, which only sets up, calls [`run`] and commits.
 
+use super::drain::Drainer;
 use super::*;
 
 fn ev_time(e: &QmpEvent) -> f64 {
@@ -85,8 +86,10 @@ impl std::io::Read for Counting<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn receive(
     listener: UnixListener,
+    drainer: Option<&Drainer>,
     conn: &Conn,
     timeout: Duration,
     session: &Session,
@@ -94,8 +97,18 @@ fn receive(
     opts: &IngestOptions,
     progress: &dyn Progress,
 ) -> Result<Ingested, RxError> {
-    let s = accept(&listener, conn, timeout)?;
-    drop(listener);
+    let s = match drainer {
+        Some(d) => {
+            drop(listener);
+            let give_up = || conn.cancel.load(Ordering::SeqCst);
+            d.stream(timeout, &give_up).map_err(RxError::Accept)?.ok_or(RxError::NoConnection)?
+        }
+        None => {
+            let s = accept(&listener, conn, timeout)?;
+            drop(listener);
+            s
+        }
+    };
     if let Ok(c) = s.try_clone() {
         *conn.stream.lock() = Some(c);
     }
@@ -151,6 +164,15 @@ pub(super) fn run(
         source,
     })?;
     let _cleanup = RemoveOnDrop(&sock);
+    // A background snapshot's stream is drained to its end if this process dies (`drain`).
+    let mut drainer =
+        if opts.mode == Mode::BackgroundSnapshot {
+            Some(Drainer::start(&listener, opts.connect_timeout).map_err(|source| {
+                MemError::Io { op: "fork the stream's drain child", path: sock.clone(), source }
+            })?)
+        } else {
+            None
+        };
     let session = store.session();
     let st = store.stats();
     let raw_before = st.raw_bytes_new.load(Ordering::Relaxed);
@@ -212,6 +234,7 @@ pub(super) fn run(
             .spawn_scoped(s, || {
                 let r = receive(
                     listener,
+                    drainer.as_ref(),
                     &conn,
                     opts.connect_timeout,
                     &session,
@@ -238,6 +261,9 @@ pub(super) fn run(
         (src, rx.join())
     });
     let migrate_ms = t_migrate.elapsed().as_secs_f64() * 1e3;
+    if let Some(d) = drainer.as_mut() {
+        d.finish();
+    }
     let (src, rx) = outcome;
     let rx = rx.map_err(|_| MemError::Panic { what: "parse" })?;
     let info = match (src, rx) {

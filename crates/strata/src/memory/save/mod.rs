@@ -63,6 +63,7 @@ const TARGET: &str = "strata::memory";
 
 mod commit;
 mod counts;
+mod drain;
 mod listing;
 mod migrate;
 mod setup;
