@@ -48,7 +48,11 @@ fn daemon_server(local_dir: &Path) -> Result<Option<NbdServer>> {
 fn same_server(ours: &NbdServer, theirs: &NbdServer) -> bool {
     match (ours, theirs) {
         (NbdServer::Unix(a), NbdServer::Unix(b)) => {
-            a == b || std::fs::canonicalize(a).ok() == std::fs::canonicalize(b).ok()
+            a == b
+                || matches!(
+                    (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+                    (Ok(x), Ok(y)) if x == y
+                )
         }
         (NbdServer::Tcp(a), NbdServer::Tcp(b)) => {
             let split = |s: &str| s.rsplit_once(':').map(|(h, p)| (h.to_string(), p.to_string()));

@@ -10,6 +10,7 @@
 
 use crate::backend::fault::{CutMode, FaultBackend};
 use crate::backend::memory::MemoryBackend;
+use crate::codec::Codec;
 use crate::disk::{self, cut, volume::Volume};
 use crate::id::ChunkId;
 use crate::memory::manifest::{tests::sample, Checkpoint, DiskRecord, VERSION_DISKS};
@@ -18,7 +19,6 @@ use crate::store::check::CheckOptions;
 use crate::store::map;
 use crate::store::pack::ChunkKind;
 use crate::store::{InitOptions, Store};
-use crate::Codec;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
