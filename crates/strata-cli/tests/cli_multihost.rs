@@ -268,3 +268,84 @@ fn init_errors_name_the_fix() {
     let e = fails(&env.run(&d.path().join("none"), &["disk", "list"]));
     assert!(e.contains("strata init"), "{e}");
 }
+
+/// A desktop snapshot taken on host A restores on host B of the same bucket: B's
+/// `vm restore --launch` clones the snapshot's disk in the shared store, rewrites the recorded
+/// command line from A's NBD socket to B's, and the VM runs on B's daemon with the disk as it
+/// was at the snapshot (A's later write is not in it).
+#[test]
+fn a_desktop_snapshot_from_one_host_restores_on_another() {
+    let d = tempfile::tempdir().unwrap();
+    let env = setup(d.path());
+    let (a, b) = (d.path().join("hostA"), d.path().join("hostB"));
+    init(&env, &a, &d.path().join("cacheA"));
+    init(&env, &b, &d.path().join("cacheB"));
+    ok(&env.run(&a, &["disk", "create", "desk1", "--size", "64M"]));
+    let (sa, sb) = (d.path().join("a.sock"), d.path().join("b.sock"));
+    let mut serve_a = serve(&env, &a, &sa, None);
+    nbd_write(&sa, "desk1", 0x11);
+    let qmp_a = d.path().join("a.qmp");
+    let mut qemu_a = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg", "-m", "128", "-display", "none", "-nodefaults"])
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", qmp_a.display()))
+        .arg("-drive")
+        .arg(format!("file=nbd+unix:///desk1?socket={},format=raw,if=virtio", sa.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !qmp_a.exists() {
+        assert!(t.elapsed() < Duration::from_secs(30), "QEMU did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let snap: serde_json::Value = serde_json::from_str(&ok(
+        &env.run(&a, &["--json", "vm", "snapshot", "--qmp", qmp_a.to_str().unwrap(), "desk1@mon"])
+    ))
+    .unwrap();
+    assert_eq!(snap["disks"].as_array().map(Vec::len), Some(1), "{snap}");
+    // After the snapshot, A's disk changes; the snapshot must not.
+    nbd_write(&sa, "desk1", 0x22);
+    kill9(&mut qemu_a);
+    stop(&mut serve_a);
+
+    let mut serve_b = serve(&env, &b, &sb, Some("hostB"));
+    let rd = d.path().join("runB");
+    let out: serde_json::Value = serde_json::from_str(&ok(&env.run(
+        &b,
+        &["--json", "vm", "restore", "desk1@mon", "--launch", "--run-dir", rd.to_str().unwrap()],
+    )))
+    .unwrap();
+    let qemu_b = Pid(out["pid"].as_i64().unwrap_or_else(|| panic!("{out}")) as i32);
+    assert_eq!(out["vm_status"], "running", "{out}");
+    let clone = out["disks"][0]["now"].as_str().unwrap_or_else(|| panic!("{out}")).to_string();
+    assert_ne!(clone, "desk1");
+    let args: Vec<String> = serde_json::from_value(out["args"].clone()).unwrap();
+    let drive = args.iter().find(|a| a.contains("nbd+unix")).unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        drive.contains(&format!("///{clone}?socket={}", sb.display())),
+        "the command line is not pointed at B's daemon and the clone: {drive}"
+    );
+    // The clone holds the disk as it was at the snapshot, read over B's daemon.
+    let uri = format!("nbd+unix:///{clone}?socket={}", sb.display());
+    let o = Command::new("qemu-io")
+        .args(["-r", "-f", "raw", "-c", "read -P 17 0 64k", &uri])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && !said.contains("Pattern verification failed"), "{said}");
+    drop(qemu_b);
+    stop(&mut serve_b);
+}
+
+/// A process that is not our child (the QEMU `vm restore --launch` starts): killed on drop.
+struct Pid(i32);
+
+impl Drop for Pid {
+    fn drop(&mut self) {
+        // SAFETY: SIGKILL to the QEMU this test had strata start.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
