@@ -49,12 +49,17 @@ struct Arm {
 #[derive(Default)]
 pub(crate) struct Arms {
     next: AtomicU64,
+    /// Arms in the list: a flush with none looks at nothing else (no lock on the flush path).
+    count: AtomicU64,
     list: Mutex<Vec<Arm>>,
 }
 
 impl Arms {
     /// A flush of `name` completed: cut every arm that holds it.
     pub(crate) fn on_flush(&self, name: &str) {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
         let mut list = self.list.lock();
         for arm in list.iter_mut().filter(|a| a.vols.iter().any(|v| v.name() == name)) {
             let counts: Vec<u64> = arm.vols.iter().map(|v| v.appended()).collect();
@@ -86,8 +91,18 @@ impl DiskExports {
             names.iter().map(|n| self.hold(n).map(|h| h.vol)).collect::<Result<_>>()?;
         let id = self.arms.next.fetch_add(1, Ordering::Relaxed);
         let mut list = self.arms.list.lock();
+        // Counted before the first cut: a flush from now on takes the lock (waiting for the
+        // arm to be listed) instead of skipping, so none between the cut and the listing is
+        // missed.
+        self.arms.count.fetch_add(1, Ordering::AcqRel);
         let counts = vols.iter().map(|v| v.appended()).collect();
-        let first = cut::cut_all(&vols)?;
+        let first = match cut::cut_all(&vols) {
+            Ok(c) => c,
+            Err(e) => {
+                self.arms.count.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
         list.push(Arm { id, vols, cuts: vec![(now_us(), counts, first)], dropped: false });
         Ok(id)
     }
@@ -98,6 +113,7 @@ impl DiskExports {
         let arm = {
             let mut list = self.arms.list.lock();
             let Some(i) = list.iter().position(|a| a.id == id) else { return Ok(None) };
+            self.arms.count.fetch_sub(1, Ordering::Release);
             list.remove(i)
         };
         let Some(at) = resumed_us else { return Ok(None) };
