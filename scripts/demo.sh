@@ -96,7 +96,7 @@ strata vm snapshot --qmp "$qmp" demo@1
 sleep 3
 echo "  guest still running and writing: record $(guest sh cat /dev/strata-counter | cut -d' ' -f2) done, past the snapshot"
 strata vm list
-strata vm inspect demo@1 | grep -E "^Checkpoint|disk "
+strata vm inspect demo@1 | grep -E "^Snapshot|disk "
 
 step "Power-cut the desktop, then revert it to the snapshot: memory and disk together"
 kill -KILL "$qemu_pid"; wait "$qemu_pid" 2>/dev/null || true

@@ -70,12 +70,18 @@ impl Drop for Bar {
     }
 }
 
-/// Print `value` as JSON, or the human text.
+/// Print `value` as JSON, or the human text. A reader that went away (`strata vm list | head`)
+/// is not an error: the output is simply not wanted any more.
 pub fn emit<T: serde::Serialize>(json: bool, value: &T, human: impl FnOnce() -> String) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(value).expect("serializable"));
-    } else {
-        println!("{}", human());
+    use std::io::Write;
+    let text =
+        if json { serde_json::to_string_pretty(value).expect("serializable") } else { human() };
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("strata: cannot write the output: {e}");
+            std::process::exit(1);
+        }
     }
 }
 

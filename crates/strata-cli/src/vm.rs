@@ -297,7 +297,7 @@ fn inspect_text(i: &catalog::Inspection) -> String {
     let m = &i.manifest;
     let s = &m.stats;
     let mut out = format!(
-        "Checkpoint '{}' ({}), taken {} by QEMU {} ({})\n  machine {}  RAM {}  {} pages, {} zero, {} distinct\n  stream {} bytes, device state {} bytes, {} devices\n  save: {} total, downtime {}; stored {} new of {} raw (dedup: {} pages skipped, {} stored)\n  codec {} ({}): {}\n  ramblocks:\n",
+        "Snapshot '{}' ({}), taken {} by QEMU {} ({})\n  machine {}  RAM {}  {} pages, {} zero, {} distinct\n  stream {} bytes, device state {} bytes, {} devices\n  save: {} total, downtime {}; stored {} new of {} raw (dedup: {} pages skipped, {} stored)\n  codec {} ({}): {}\n  ramblocks:\n",
         i.name,
         m.mode.as_str(),
         date(m.created_unix),
