@@ -15,7 +15,7 @@ use crate::control::{
     client::{ArmSession, CutSession},
 };
 use anyhow::{anyhow, bail, Context, Result};
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata::disk::DiskMeta;
@@ -26,14 +26,9 @@ use strata::memory::save::{DiskCut, Placement};
 use strata::qmp::QmpClient;
 use strata::store::Store;
 
-/// Run one control op and return its report (`None`: no daemon runs for this store).
-fn daemon_op(local_dir: &Path, req: Value) -> Result<Option<Value>> {
-    control::request(local_dir, &req)
-}
-
 /// The NBD address the store's daemon serves on, if one runs.
 fn daemon_server(local_dir: &Path) -> Result<Option<NbdServer>> {
-    let Some(who) = daemon_op(local_dir, json!({"op": "whoami"}))? else { return Ok(None) };
+    let Some(who) = control::request(local_dir, &json!({"op": "whoami"}))? else { return Ok(None) };
     let nbd = &who["nbd"];
     if let Some(p) = nbd["unix"].as_str() {
         return Ok(Some(NbdServer::Unix(p.into())));
@@ -353,7 +348,7 @@ fn free_name(store: &Store, base: &str) -> Result<String> {
 /// Keep a disk's current content as `disk@snap` (through the daemon when it runs).
 fn keep_current(local: &Path, store: &Store, disk: &str, snap: &str) -> Result<()> {
     let req = json!({"op": "disk-snapshot", "snaps": [[disk, snap]]});
-    match daemon_op(local, req)? {
+    match control::request(local, &req)? {
         Some(_) => Ok(()),
         None => strata::disk::snapshot(store, disk, snap).map(|_| ()).map_err(|e| anyhow!(e)),
     }
@@ -370,7 +365,7 @@ fn revert(
     force: bool,
 ) -> Result<()> {
     let req = json!({"op": "disk-revert", "name": disk, "root": root.to_hex(), "meta": meta, "force": force});
-    match daemon_op(local, req)? {
+    match control::request(local, &req)? {
         Some(_) => Ok(()),
         None => strata::disk::revert(store, disk, root, meta).map(|_| ()).map_err(|e| anyhow!(e)),
     }

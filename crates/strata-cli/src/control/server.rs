@@ -296,7 +296,7 @@ fn cut(conn: &UnixStream, req: &Value, d: &Daemon) -> Result<()> {
     fold_and_hold(conn, &cuts, d)
 }
 
-/// The second line of `cut` and `arm`: fold the cuts, make them durable, send their roots,
+/// The second line of `cut` and `arm`: fold the cuts (durable when `fold` returns), send their roots,
 /// then hold the fold's session until the client closes.
 fn fold_and_hold(conn: &UnixStream, cuts: &[strata::disk::cut::Cut], d: &Daemon) -> Result<()> {
     let t = Instant::now();
@@ -308,8 +308,7 @@ fn fold_and_hold(conn: &UnixStream, cuts: &[strata::disk::cut::Cut], d: &Daemon)
             let f = c.fold(&ses)?;
             Ok(json!({"name": f.name, "root": f.root.to_hex(), "meta": f.meta}))
         })
-        .collect::<Result<Vec<Value>, strata::disk::DiskError>>()
-        .and_then(|v| store.flush().map(|()| v).map_err(Into::into));
+        .collect::<Result<Vec<Value>, strata::disk::DiskError>>();
     let fold_ms = t.elapsed().as_secs_f64() * 1e3;
     tracing::info!(target: TARGET, disks = cuts.len(), fold_ms, ok = folded.is_ok(), "cuts folded");
     match folded {
